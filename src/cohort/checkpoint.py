@@ -1,0 +1,329 @@
+"""Atomic checkpoints and exact resume.
+
+Layout of one checkpoint, `run_dir/checkpoints/step-000100/`:
+
+    config.json, model.safetensors, ...   the policy in Hugging Face format: the directory itself loads with
+                                          `AutoModelForCausalLM.from_pretrained` (for a PEFT model: the
+                                          adapter, adapter_config.json + adapter_model.safetensors, which
+                                          `peft.AutoPeftModelForCausalLM.from_pretrained` loads)
+    tokenizer files                       when a tokenizer is given
+    optimizer.pt, scheduler.pt            state dicts, when given
+    rng.pt                                Python `random`, NumPy, torch CPU and every CUDA generator
+    trainer_state.json                    step plus whatever JSON the trainer passes (data position, ...)
+
+Atomicity: everything is written into a hidden sibling `.tmp-step-000100-<id>/`, fsynced, then renamed into
+place with `os.replace`, and only then is `checkpoints/latest` (a one-line file naming the directory)
+replaced atomically. A crash at any point leaves the previous checkpoint whole and `latest` pointing at it;
+hidden temporary directories are never picked up and are swept by the next save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from cohort.errors import CohortError, ConfigError
+from cohort.run_dir import CHECKPOINTS_DIR, atomic_write_text, fsync_dir
+
+LATEST_FILE = "latest"
+TRAINER_STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+RNG_FILE = "rng.pt"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_TMP_PREFIX = ".tmp-"
+
+
+class CheckpointError(CohortError):
+    """A checkpoint that cannot be read or does not fit the model it is loaded into."""
+
+
+def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
+    """Where the checkpoint of `step` lives (whether or not it exists)."""
+    return Path(run_dir) / CHECKPOINTS_DIR / f"step-{step:06d}"
+
+
+# ------------------------------------------------------------------------------------------------ save
+def save_checkpoint(
+    run_dir: str | os.PathLike,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    tokenizer: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    trainer_state: Mapping[str, Any],
+    keep_last: int | None = None,
+) -> Path:
+    """Write the checkpoint of `step` atomically, point `latest` at it, prune to `keep_last`; return its path."""
+    if keep_last is not None and keep_last < 1:
+        raise ConfigError(f"keep_last={keep_last!r}: keep at least 1 checkpoint, or pass None to keep all")
+    state_text = _trainer_state_json(step, trainer_state)  # fail on bad state before writing anything
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    _sweep_temporaries(root)
+    final = checkpoint_path(run_dir, step)
+    tmp = root / f"{_TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        _write_contents(tmp, model, tokenizer, optimizer, scheduler)
+        # trainer_state.json last: a directory without it is incomplete by construction.
+        (tmp / TRAINER_STATE_FILE).write_text(state_text, encoding="utf-8")
+        _fsync_tree(tmp)
+        _move_into_place(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    atomic_write_text(root / LATEST_FILE, final.name + "\n")
+    if keep_last is not None:
+        _prune(root, keep_last, protect=final)
+    return final
+
+
+def _trainer_state_json(step: int, trainer_state: Mapping[str, Any]) -> str:
+    state = {**trainer_state, "step": int(step), "saved_at": time.time()}
+    try:
+        return json.dumps(state, indent=2, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        bad = [k for k, v in state.items() if not _json_ok(v)]
+        raise ConfigError(
+            f"trainer_state for checkpoint step {step} is not JSON: key(s) {bad} ({e}); pass plain numbers, "
+            "strings, lists and dicts (turn tensors into floats or lists, NaN into None)"
+        ) from e
+
+
+def _json_ok(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _write_contents(directory: Path, model: Any, tokenizer: Any, optimizer: Any, scheduler: Any) -> None:
+    _unwrap(model).save_pretrained(directory, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
+    if scheduler is not None:
+        torch.save(scheduler.state_dict(), directory / SCHEDULER_FILE)
+    torch.save(_rng_state(), directory / RNG_FILE)
+
+
+def _unwrap(model: Any) -> Any:
+    """The module that owns `save_pretrained`: strips torch.compile's and DDP's wrappers."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model
+
+
+def _fsync_tree(directory: Path) -> None:
+    for dirpath, _dirnames, filenames in os.walk(directory):
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(dirpath)
+
+
+def _move_into_place(tmp: Path, final: Path) -> None:
+    """Rename `tmp` to `final`; an existing `final` (the same step saved again) is moved aside first."""
+    old = None
+    if final.exists():
+        # A directory rename cannot replace a non-empty directory, so park the old one under a hidden name.
+        old = final.with_name(f"{_TMP_PREFIX}old-{final.name}-{uuid.uuid4().hex[:8]}")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _sweep_temporaries(root: Path) -> None:
+    """Delete temporaries left by a save that crashed (one process writes a run's checkpoints at a time)."""
+    for entry in root.iterdir():
+        if entry.name.startswith(_TMP_PREFIX) and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    found = []
+    if root.is_dir():
+        for entry in root.iterdir():
+            match = _STEP_DIR.match(entry.name)
+            if match and (entry / TRAINER_STATE_FILE).is_file():
+                found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def _prune(root: Path, keep_last: int, protect: Path) -> None:
+    checkpoints = _complete_checkpoints(root)
+    for _step, path in checkpoints[: max(0, len(checkpoints) - keep_last)]:
+        if path != protect:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ find
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint of a run, or None if it has none.
+
+    `latest` is trusted when it names a complete checkpoint; otherwise (missing, or a crash between the
+    rename and the pointer update) the highest complete `step-*` directory wins.
+    """
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    pointer = root / LATEST_FILE
+    if pointer.is_file():
+        name = pointer.read_text(encoding="utf-8").strip()
+        candidate = root / name
+        if _STEP_DIR.match(name) and (candidate / TRAINER_STATE_FILE).is_file():
+            return candidate
+    checkpoints = _complete_checkpoints(root)
+    return checkpoints[-1][1] if checkpoints else None
+
+
+# ------------------------------------------------------------------------------------------------ load
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    map_location: str | torch.device = "cpu",
+    restore_rng: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint into existing objects in place and return its trainer_state dict.
+
+    The model's weights are copied from the safetensors file(s) into `model` (same architecture expected;
+    dtype and device of `model` are kept). Optimizer and scheduler states are restored when given.
+    """
+    path = Path(path)
+    state_file = path / TRAINER_STATE_FILE
+    if not state_file.is_file():
+        raise ConfigError(
+            f"{str(path)!r} is not a complete cohort checkpoint (no {TRAINER_STATE_FILE}); pass a "
+            f"checkpoints/step-NNNNNN directory, or a run directory to `latest_checkpoint` first"
+        )
+    _load_model_weights(path, _unwrap(model))
+    if optimizer is not None:
+        optimizer.load_state_dict(_torch_load(path / OPTIMIZER_FILE, map_location, "optimizer"))
+    if scheduler is not None:
+        scheduler.load_state_dict(_torch_load(path / SCHEDULER_FILE, map_location, "scheduler"))
+    if restore_rng:
+        _set_rng_state(_torch_load(path / RNG_FILE, "cpu", "RNG"))
+    return json.loads(state_file.read_text(encoding="utf-8"))
+
+
+def _torch_load(file: Path, map_location: Any, what: str) -> Any:
+    if not file.is_file():
+        raise CheckpointError(
+            f"checkpoint {str(file.parent)!r} has no {file.name}, so the {what} state cannot be restored; "
+            f"it was saved without one (pass {what}=None to load_checkpoint to skip it)"
+        )
+    # weights_only: our files hold only tensors and plain containers, so the safe loader suffices.
+    return torch.load(file, map_location=map_location, weights_only=True)
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            state.update(load_file(path / shard))
+        return state
+    single = path / "model.safetensors"
+    if single.is_file():
+        return load_file(single)
+    raise CheckpointError(f"checkpoint {str(path)!r} has no model.safetensors (nor a sharded index)")
+
+
+def _load_model_weights(path: Path, model: Any) -> None:
+    if (path / "adapter_model.safetensors").is_file():
+        _load_adapter_weights(path, model)
+        return
+    saved = _read_safetensors(path)
+    missing, unexpected = model.load_state_dict(saved, strict=False)
+    # save_pretrained drops tied weights (lm_head sharing the embedding); those are filled by their twin.
+    tied = _aliased_keys(model, set(saved))
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} does not fit the model ({type(model).__name__}): missing keys "
+            f"{missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
+            f"{'...' if len(unexpected) > 5 else ''}; load it into the architecture it was saved from"
+        )
+
+
+def _aliased_keys(model: torch.nn.Module, loaded: set[str]) -> set[str]:
+    """State-dict keys that share storage with a loaded key (tied weights)."""
+    state = model.state_dict(keep_vars=True)
+    loaded_ptrs = {state[k].data_ptr() for k in loaded if k in state}
+    return {k for k, v in state.items() if k not in loaded and v.data_ptr() in loaded_ptrs}
+
+
+def _load_adapter_weights(path: Path, model: Any) -> None:
+    try:
+        from peft import set_peft_model_state_dict
+    except ImportError as e:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds a PEFT adapter but `peft` is not installed: pip install peft"
+        ) from e
+    result = set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
+    unexpected = list(getattr(result, "unexpected_keys", []) or [])
+    if unexpected:
+        raise CheckpointError(f"adapter in {str(path)!r} does not fit the model: unexpected keys {unexpected[:5]}")
+
+
+# ------------------------------------------------------------------------------------------------- RNG
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state(legacy=False)
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        # NumPy's key array is stored as a tensor so that the file loads with torch's safe loader.
+        "numpy": {
+            "bit_generator": np_state["bit_generator"],
+            "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np_state = state["numpy"]
+    np.random.set_state(
+        {
+            "bit_generator": np_state["bit_generator"],
+            "state": {"key": np_state["key"].numpy().astype(np.uint32), "pos": np_state["pos"]},
+            "has_gauss": np_state["has_gauss"],
+            "gauss": np_state["gauss"],
+        }
+    )
+    torch.set_rng_state(state["torch"])
+    cuda_states = state.get("cuda")
+    if cuda_states and torch.cuda.is_available():
+        # Restore as many devices as both the saving and the loading machine have.
+        for device, cuda_state in enumerate(cuda_states[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, device)
