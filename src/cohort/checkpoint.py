@@ -287,7 +287,9 @@ def _load_adapter_weights(path: Path, model: Any) -> None:
     result = set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
     unexpected = list(getattr(result, "unexpected_keys", []) or [])
     if unexpected:
-        raise CheckpointError(f"adapter in {str(path)!r} does not fit the model: unexpected keys {unexpected[:5]}")
+        raise CheckpointError(
+            f"adapter in {str(path)!r} does not fit the model: unexpected keys {unexpected[:5]}"
+        )
 
 
 # ------------------------------------------------------------------------------------------------- RNG

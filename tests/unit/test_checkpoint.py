@@ -16,8 +16,13 @@ from cohort.errors import ConfigError
 def tiny_llama(seed: int, tie: bool = False) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, tie_word_embeddings=tie,
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        tie_word_embeddings=tie,
     )
     return LlamaForCausalLM(config)
 
@@ -25,7 +30,7 @@ def tiny_llama(seed: int, tie: bool = False) -> LlamaForCausalLM:
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {"<unk>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate("a b c d e".split())}}
+    vocab = {"<unk>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(["a", "b", "c", "d", "e"])}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
@@ -50,13 +55,27 @@ def test_round_trip_restores_weights_optimizer_scheduler_rng_and_state(tmp_path)
     model = tiny_llama(0)
     opt, sched = train_objects(model)
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
-    path = save_checkpoint(tmp_path, 7, model=model, tokenizer=tiny_tokenizer(), optimizer=opt, scheduler=sched,
-                           trainer_state={"data_position": 42, "metrics_rows": 7})
+    path = save_checkpoint(
+        tmp_path,
+        7,
+        model=model,
+        tokenizer=tiny_tokenizer(),
+        optimizer=opt,
+        scheduler=sched,
+        trainer_state={"data_position": 42, "metrics_rows": 7},
+    )
     expected_draw = draw()
     assert path == tmp_path / "checkpoints" / "step-000007"
     assert latest_checkpoint(tmp_path) == path
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-000007"
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "optimizer.pt", "scheduler.pt", "rng.pt"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "optimizer.pt",
+        "scheduler.pt",
+        "rng.pt",
+    ):
         assert (path / name).is_file(), name
 
     fresh = tiny_llama(99)
@@ -150,9 +169,17 @@ def test_bad_inputs_give_clear_errors(tmp_path):
         load_checkpoint(tmp_path, model=model)
     path = save_checkpoint(tmp_path, 1, model=model, trainer_state={})
     opt = torch.optim.AdamW(model.parameters())
-    with pytest.raises(ckpt.CheckpointError, match="no optimizer.pt"):
+    with pytest.raises(ckpt.CheckpointError, match=r"no optimizer\.pt"):
         load_checkpoint(path, model=model, optimizer=opt)
-    other = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, intermediate_size=64))
+    other = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+        )
+    )
     with pytest.raises(ckpt.CheckpointError, match="does not fit the model"):
         load_checkpoint(path, model=other)
