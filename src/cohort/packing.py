@@ -1,0 +1,272 @@
+"""Padding-free training forward: many (prompt, completion) pairs packed into one row.
+
+TRL pads every micro-batch to its longest sequence; with completions of 20 to 1000 tokens most of the
+compute goes to padding. Here a micro-batch is one row `[p0 c0 p1 c1 ...]` whose position ids restart at
+every sequence, and attention never crosses a sequence boundary:
+
+- attn="varlen" (default): a custom attention function registered with transformers' `AttentionInterface`.
+  On CUDA with bf16/fp16 it calls `torch.nn.attention.varlen.varlen_attn` (flash-attention over
+  `cu_seqlens`, no mask tensor at all); elsewhere it runs SDPA per sequence, which is exact and cheap
+  enough on the CPU. If the model already uses flash_attention_2/3, the same `cu_seq_lens_*` kwargs
+  drive it directly.
+- attn="native": the model's own attention (sdpa/eager) with no attention mask; transformers detects the
+  restarting position ids and builds a block-diagonal causal mask ([T, T] booleans, fine on the CPU).
+
+Only the final hidden states are computed by the model; logprobs and entropy of the completion tokens go
+through `cohort.logprobs.selective_logprobs_and_entropy`, so [tokens, vocab] logits never exist.
+`split_micro_batches` cuts a step's sequences into such rows by a token budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cohort.logprobs import DEFAULT_CHUNK_TOKENS, selective_logprobs_and_entropy
+
+VARLEN_IMPL = "cohort_varlen"
+
+
+@dataclass
+class PackedLogprobs:
+    """Logprobs (and entropy) of every completion token of a packed micro-batch.
+
+    logprobs / entropy: [total completion tokens] fp32, sequence after sequence.
+    offsets: B + 1 ints; sequence i's tokens are logprobs[offsets[i]:offsets[i + 1]].
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+    offsets: list[int]
+
+    def split(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """One (logprobs, entropy) pair per sequence."""
+        out = []
+        for a, b in itertools.pairwise(self.offsets):
+            out.append((self.logprobs[a:b], None if self.entropy is None else self.entropy[a:b]))
+        return out
+
+    def padded(self, which: str = "logprobs", pad_value: float = 0.0) -> torch.Tensor:
+        """[B, T] right-padded tensor (T = longest completion), the layout of `TrainBatch`; differentiable."""
+        flat = self.logprobs if which == "logprobs" else self.entropy
+        if flat is None:
+            raise ValueError(f"padded({which!r}): entropy was not computed (compute_entropy=False)")
+        parts = [flat[a:b] for a, b in itertools.pairwise(self.offsets)]
+        return torch.nn.utils.rnn.pad_sequence(parts, batch_first=True, padding_value=pad_value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attention
+
+
+def _has_varlen_attn() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _flash_varlen(query, key, value, cu_seqlens, max_len, scaling):
+    """varlen_attn on [T, H, D] tensors; older torch builds lack `enable_gqa`, so expand KV heads there."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    kwargs = {"scale": scaling, "window_size": (-1, 0)}  # (-1, 0): causal
+    if query.shape[1] != key.shape[1]:
+        if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+            kwargs["enable_gqa"] = True
+        else:
+            rep = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
+
+
+def _segment_sdpa(query, key, value, cu_seqlens, scaling):
+    """Exact fallback: causal SDPA over each sequence separately. query [1, Hq, T, D] -> [1, T, Hq, D]."""
+    rep = query.shape[1] // key.shape[1]
+    bounds = cu_seqlens.tolist()
+    outs = []
+    for a, b in itertools.pairwise(bounds):
+        k = key[:, :, a:b].repeat_interleave(rep, dim=1) if rep > 1 else key[:, :, a:b]
+        v = value[:, :, a:b].repeat_interleave(rep, dim=1) if rep > 1 else value[:, :, a:b]
+        outs.append(F.scaled_dot_product_attention(query[:, :, a:b], k, v, is_causal=True, scale=scaling))
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function for packed rows; needs `cu_seq_lens_q` and `max_length_q` kwargs."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        raise RuntimeError(
+            f"attention implementation {VARLEN_IMPL!r} only serves cohort's packed forward (it needs "
+            "cu_seq_lens_q); use packed_forward_logprobs, or set the model back to 'sdpa'"
+        )
+    if query.shape[0] != 1:
+        raise RuntimeError(f"packed forward expects one row, got a batch of {query.shape[0]}")
+    use_flash = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _has_varlen_attn()
+    if use_flash:
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+        out = _flash_varlen(q, k, v, cu.to(torch.int32), int(kwargs["max_length_q"]), scaling)
+        return out.unsqueeze(0), None
+    return _segment_sdpa(query, key, value, cu, scaling), None
+
+
+def _no_mask(*args, **kwargs):
+    """Mask factory for VARLEN_IMPL: boundaries come from cu_seqlens, so no mask tensor is built."""
+    return None
+
+
+def register_varlen_attention() -> None:
+    """Make VARLEN_IMPL known to transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(VARLEN_IMPL, varlen_attention_forward)
+    AttentionMaskInterface.register(VARLEN_IMPL, _no_mask)
+
+
+@contextlib.contextmanager
+def _attention_impl(model, name: str | None):
+    """Temporarily switch the model's attention function (generation keeps using the original one)."""
+    config = model.config
+    old = config._attn_implementation
+    if name is None or name == old:
+        yield
+        return
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = old
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Packed forward
+
+
+def _pack(sequences, device):
+    """Flat input ids, restarting position ids, cu_seqlens, and (hidden index, label) of completion tokens."""
+    ids, pos, hidden_idx, labels, cu, offsets = [], [], [], [], [0], [0]
+    for i, (prompt, completion) in enumerate(sequences):
+        prompt, completion = list(prompt), list(completion)
+        if not prompt:
+            raise ValueError(f"sequence {i} has an empty prompt: the first completion token needs a context")
+        start = len(ids)
+        ids += prompt + completion
+        pos += range(len(prompt) + len(completion))
+        # Completion token k sits at start + P + k and is predicted by the hidden state just before it.
+        first = start + len(prompt) - 1
+        hidden_idx += range(first, first + len(completion))
+        labels += completion
+        cu.append(len(ids))
+        offsets.append(offsets[-1] + len(completion))
+    as_long = {"dtype": torch.long, "device": device}
+    return (
+        torch.tensor([ids], **as_long),
+        torch.tensor([pos], **as_long),
+        torch.tensor(cu, dtype=torch.int32, device=device),
+        torch.tensor(hidden_idx, **as_long),
+        torch.tensor(labels, **as_long),
+        offsets,
+    )
+
+
+def _decoder(model):
+    """The transformer body that returns final (normed) hidden states, without the LM head."""
+    get = getattr(model, "get_decoder", None)
+    body = get() if get is not None else None
+    if body is None:
+        body = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    if body is None or body is model:
+        raise TypeError(f"{type(model).__name__}: cannot find the decoder body (expected model.model)")
+    return body
+
+
+def packed_forward_logprobs(
+    model,
+    sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
+    *,
+    temperature: float = 1.0,
+    compute_entropy: bool = True,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    attn: str = "varlen",
+) -> PackedLogprobs:
+    """Logprobs (and entropy) of each completion token, all sequences in one padding-free row.
+
+    sequences: (prompt_ids, completion_ids) pairs; prompts must be non-empty, completions may be empty.
+    attn: "varlen" (cu_seqlens attention, see module docstring) or "native" (the model's own attention with
+    a block-diagonal mask built by transformers from the position ids).
+    Gradients flow into the model's parameters; call under torch.no_grad() for old/reference logprobs.
+    """
+    if attn not in ("varlen", "native"):
+        raise ValueError(f"attn={attn!r} is not one of 'varlen', 'native'")
+    if not sequences:
+        raise ValueError("packed_forward_logprobs got no sequences")
+    device = model.get_input_embeddings().weight.device
+    input_ids, position_ids, cu, hidden_idx, labels, offsets = _pack(sequences, device)
+    impl, kwargs = None, {}
+    if attn == "varlen":
+        max_len = int((cu[1:] - cu[:-1]).max())
+        kwargs = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
+        if not str(model.config._attn_implementation).startswith("flash_attention"):
+            register_varlen_attention()
+            impl = VARLEN_IMPL
+    with _attention_impl(model, impl):
+        out = _decoder(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
+    hidden = out.last_hidden_state[0].index_select(0, hidden_idx)
+    weight = model.get_output_embeddings().weight
+    logprobs, entropy = selective_logprobs_and_entropy(
+        hidden, weight, labels, temperature=temperature, chunk_tokens=chunk_tokens, compute_entropy=compute_entropy
+    )
+    return PackedLogprobs(logprobs, entropy, offsets)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Micro-batches
+
+
+def split_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Cut sequences (by total token length) into micro-batches of at most `token_budget` tokens.
+
+    Every index appears in exactly one micro-batch; a sequence longer than the budget sits alone in its
+    own. The number of micro-batches is the first-fit-decreasing count; the sequences are then spread over
+    that many bins longest-first into the least-loaded bin that fits, so micro-batches carry similar token
+    counts (if that spread cannot fit, the first-fit-decreasing packing is kept). Indices inside a
+    micro-batch are ascending; micro-batches are ordered by their first index. Deterministic.
+    """
+    if token_budget < 1:
+        raise ValueError(f"token_budget={token_budget} must be >= 1 (tokens per forward/backward)")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    ffd: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        n = lengths[i]
+        slot = next((b for b, used in enumerate(loads) if used + n <= token_budget), None)
+        if slot is None:
+            ffd.append([i])
+            loads.append(n)
+        else:
+            ffd[slot].append(i)
+            loads[slot] += n
+    balanced = _balance(order, lengths, token_budget, len(ffd))
+    bins = balanced if balanced is not None else ffd
+    return sorted((sorted(b) for b in bins if b), key=lambda b: b[0])
+
+
+def _balance(order, lengths, budget, k):
+    """Longest-first into the least-loaded of k bins; None when some sequence does not fit."""
+    bins: list[list[int]] = [[] for _ in range(k)]
+    loads = [0] * k
+    for i in order:
+        b = min(range(k), key=lambda j: (loads[j], j))
+        if loads[b] and loads[b] + lengths[i] > budget:
+            return None
+        bins[b].append(i)
+        loads[b] += lengths[i]
+    return bins

@@ -1,0 +1,101 @@
+"""Packed (padding-free) logprobs and gradients equal the ordinary padded batch on tiny Llama and Qwen2."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from cohort.packing import packed_forward_logprobs
+
+VOCAB = 97
+
+
+def _tiny(arch):
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, attn_implementation="sdpa"))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True, attn_implementation="sdpa"))
+    return model.float().eval()
+
+
+def _sequences():
+    g = torch.Generator().manual_seed(3)
+    lens = [(5, 7), (3, 1), (9, 12), (1, 4), (6, 0), (2, 9)]
+    return [(torch.randint(0, VOCAB, (p,), generator=g).tolist(), torch.randint(0, VOCAB, (c,), generator=g).tolist())
+            for p, c in lens]
+
+
+def _padded_reference(model, sequences, temperature):
+    """Right-padded batch with an attention mask and full logits: what TRL computes."""
+    full = [p + c for p, c in sequences]
+    t = max(map(len, full))
+    ids = torch.zeros(len(full), t, dtype=torch.long)
+    mask = torch.zeros(len(full), t, dtype=torch.long)
+    for i, s in enumerate(full):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+    logits = model(input_ids=ids, attention_mask=mask).logits.float() / temperature
+    logp = torch.log_softmax(logits, -1)
+    out = []
+    for i, (p, c) in enumerate(sequences):
+        rows = logp[i, len(p) - 1 : len(p) - 1 + len(c)]
+        chosen = rows.gather(-1, torch.tensor(c, dtype=torch.long).unsqueeze(-1)).squeeze(-1)
+        out.append((chosen, -(rows.exp() * rows).sum(-1)))
+    return out
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("attn", ["varlen", "native"])
+def test_packed_equals_padded(arch, attn, monkeypatch):
+    import cohort.packing as packing
+
+    calls = []
+    real = packing._segment_sdpa
+    monkeypatch.setattr(packing, "_segment_sdpa", lambda *a: calls.append(1) or real(*a))
+    model = _tiny(arch)
+    seqs = _sequences()
+    temperature = 0.8
+    packed = packed_forward_logprobs(model, seqs, temperature=temperature, chunk_tokens=5, attn=attn)
+    weights = [torch.linspace(-1, 1, len(c)) for _, c in seqs]
+    loss = sum((lp * w).sum() + 0.1 * ent.sum() for (lp, ent), w in zip(packed.split(), weights))
+    loss.backward()
+    g_packed = _grads(model)
+    model.zero_grad(set_to_none=True)
+    ref = _padded_reference(model, seqs, temperature)
+    loss_ref = sum((lp * w).sum() + 0.1 * ent.sum() for (lp, ent), w in zip(ref, weights))
+    loss_ref.backward()
+    g_ref = _grads(model)
+    for (lp, ent), (lp_r, ent_r) in zip(packed.split(), ref):
+        torch.testing.assert_close(lp, lp_r, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ent, ent_r, rtol=1e-4, atol=1e-5)
+    assert g_packed.keys() == g_ref.keys() and len(g_ref) > 5
+    for name in g_ref:
+        torch.testing.assert_close(g_packed[name], g_ref[name], rtol=1e-3, atol=1e-5, msg=name)
+    assert float(loss_ref.detach()) != 0.0
+    assert len(calls) == (2 if attn == "varlen" else 0)  # one per layer on the CPU varlen path
+
+
+def test_padded_layout_and_no_grad_mode():
+    model = _tiny("llama")
+    seqs = _sequences()
+    with torch.no_grad():
+        packed = packed_forward_logprobs(model, seqs, compute_entropy=False)
+    assert packed.entropy is None
+    assert packed.offsets == [0, 7, 8, 20, 24, 24, 33]
+    pad = packed.padded()
+    assert pad.shape == (6, 12)
+    assert torch.equal(pad[1, 1:], torch.zeros(11)) and pad[1, 0] == packed.logprobs[7]
+    assert (packed.logprobs < 0).all()
+    # The model's attention setting is restored after the packed forward.
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_rejects_empty_prompt():
+    with pytest.raises(ValueError, match="empty prompt"):
+        packed_forward_logprobs(_tiny("llama"), [([], [1, 2])])
