@@ -1,0 +1,70 @@
+"""GRPO algorithm core: advantages, KL estimators and policy losses as pure PyTorch functions.
+
+Typical trainer use::
+
+    from cohort.algorithms import LossInputs, build_policy_loss, compute_advantages
+
+    adv = compute_advantages(rewards, num_generations=G, scale_rewards="group")
+    loss_fn = build_policy_loss("dapo", {"epsilon_high": 0.28, "beta": 0.0})
+    for micro in micro_batches:                     # global counts make accumulation exact
+        out = loss_fn(LossInputs(logprobs=..., mask=..., advantages=..., num_tokens=step_tokens,
+                                 num_sequences=step_rows))
+        out.loss.backward()
+    metrics = reduce_metrics(outputs_metrics)       # see loss_io for the reduction rule
+
+See docs/algorithms.md for every option, its paper and formula, and the TRL/verl name mapping.
+"""
+
+from .advantages import AdvantageResult, compute_advantages, nanstd
+from .base import PolicyLoss, RatioContext
+from .corrections import (
+    SAMPLER_IS_MODES,
+    entropy_quantile_threshold,
+    high_entropy_mask,
+    off_policy_sequence_mask,
+    sampler_is_weights,
+)
+from .kl import KL_ESTIMATORS, kl_penalty
+from .loss_io import AGGREGATIONS, LossInputs, LossOutput, aggregate, metric_reduction, reduce_metrics
+from .losses import (
+    DEFAULT_LOSS,
+    LOSS_TABLE,
+    TRL_LOSS_TYPES,
+    build_policy_loss,
+    get_policy_loss,
+    list_policy_losses,
+    policy_loss_parameters,
+)
+from .variants import CISPOLoss, ClippedLoss, SAPOLoss, VESPOLoss
+
+__all__ = [
+    "AGGREGATIONS",
+    "DEFAULT_LOSS",
+    "KL_ESTIMATORS",
+    "LOSS_TABLE",
+    "SAMPLER_IS_MODES",
+    "TRL_LOSS_TYPES",
+    "AdvantageResult",
+    "CISPOLoss",
+    "ClippedLoss",
+    "LossInputs",
+    "LossOutput",
+    "PolicyLoss",
+    "RatioContext",
+    "SAPOLoss",
+    "VESPOLoss",
+    "aggregate",
+    "build_policy_loss",
+    "compute_advantages",
+    "entropy_quantile_threshold",
+    "get_policy_loss",
+    "high_entropy_mask",
+    "kl_penalty",
+    "list_policy_losses",
+    "metric_reduction",
+    "nanstd",
+    "off_policy_sequence_mask",
+    "policy_loss_parameters",
+    "reduce_metrics",
+    "sampler_is_weights",
+]
