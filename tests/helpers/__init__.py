@@ -1,0 +1,1 @@
+"""Shared test helpers (tiny tokenizers and models built offline)."""
