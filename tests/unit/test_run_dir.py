@@ -139,3 +139,51 @@ def test_atomic_write_text_leaves_no_temporary_on_failure(tmp_path, monkeypatch)
         atomic_write_text(target, "two")
     assert target.read_text() == "one"
     assert [p.name for p in tmp_path.iterdir()] == ["x.txt"]
+
+
+def test_crash_and_resume_flow_keeps_files_consistent(tmp_path):
+    """The sequence the trainer runs: new run, metrics + checkpoint, crash, --resume from the checkpoint."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cohort.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from cohort.logging import MetricLogger, read_jsonl
+
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=32,
+    )
+    model = LlamaForCausalLM(config)
+    run = tmp_path / "run"
+    with pytest.raises(RuntimeError), open_run_dir(run, resume=False, overwrite=False) as run_dir:
+        write_resolved_config(run_dir, {"max_steps": 4})
+        logger = MetricLogger(run_dir, total_steps=4, report_to="jsonl")
+        for step in (1, 2, 3):
+            logger.log(step, {"reward": float(step)})
+            if step == 2:
+                save_checkpoint(run_dir, step, model=model, trainer_state={"data_position": 16})
+        logger.close()
+        raise RuntimeError("killed during step 4")
+    assert run.is_dir()  # it made progress: kept for --resume
+
+    with pytest.raises(ConfigError):
+        prepare_run_dir(run, resume=False, overwrite=False)
+    with open_run_dir(run, resume=True, overwrite=False) as run_dir:
+        state = load_checkpoint(latest_checkpoint(run_dir), model=LlamaForCausalLM(config))
+        assert state["step"] == 2 and state["data_position"] == 16
+        with MetricLogger(run_dir, total_steps=4, report_to="jsonl", start_step=state["step"]) as logger:
+            for step in (3, 4):
+                logger.log(step, {"reward": 10.0 * step})
+    assert [(r["step"], r["reward"]) for r in read_jsonl(run / "metrics.jsonl")] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 30.0),
+        (4, 40.0),
+    ]
+    assert torch.equal(
+        model.lm_head.weight, LlamaForCausalLM.from_pretrained(latest_checkpoint(run)).lm_head.weight
+    )
