@@ -84,7 +84,7 @@ def reduce_metrics(per_micro_batch: Iterable[Mapping[str, torch.Tensor]]) -> dic
     out: dict[str, torch.Tensor] = {}
     for metrics in per_micro_batch:
         for name, value in metrics.items():
-            value = value.detach().float()
+            value = value.detach().to(torch.float64)
             if name not in out:
                 out[name] = value
                 continue
