@@ -1,0 +1,135 @@
+"""Attention over the paged KV cache: a plain PyTorch path (CPU, CI) and a GPU path.
+
+Layout of one layer's cache: k_cache, v_cache of shape [num_blocks + 1, block_size, num_kv_heads, head_dim];
+the extra last block is a scratch block that padded rows of a CUDA-graph batch write into and read from.
+
+Prefill never reads the cache: a prefill always starts at position 0 (fresh prompts and recomputed,
+preempted sequences alike), so it is causal attention within each packed sequence (`varlen_attn` on the GPU,
+SDPA per sequence on the CPU). Decode reads each sequence's blocks through its block table (a Triton kernel
+on the GPU, gather + SDPA elsewhere).
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttnContext:
+    """Per-step metadata shared by all layers.
+
+    slot_mapping: [T] cache slot (block * block_size + offset) each new token's K/V is written to.
+    Prefill: cu_seqlens [N+1] int32 on the device, cu_seqlens_host its list, max_seqlen.
+    Decode: block_tables [B, max_blocks] int32, ctx_lens [B] int32 (tokens to attend, the new one included),
+    max_ctx_len a host bound (None under a CUDA graph: then the full table width is read).
+    """
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+    cu_seqlens_host: list[int] | None = None
+    max_seqlen: int = 0
+    block_tables: torch.Tensor | None = None
+    ctx_lens: torch.Tensor | None = None
+    max_ctx_len: int | None = None
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write new tokens' K/V ([T, kv_heads, head_dim]) into their slots (graph-capturable, no host sync)."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+
+def prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, scale: float) -> torch.Tensor:
+    """Causal attention per packed sequence with SDPA. q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
+    out = torch.empty_like(q)
+    cu = ctx.cu_seqlens_host
+    groups = q.shape[1] // k.shape[1]
+    for start, end in itertools.pairwise(cu):
+        qi = q[start:end].transpose(0, 1)
+        ki = k[start:end].transpose(0, 1).repeat_interleave(groups, 0)
+        vi = v[start:end].transpose(0, 1).repeat_interleave(groups, 0)
+        out[start:end] = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale).transpose(0, 1)
+    return out
+
+
+def decode_gather(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttnContext,
+                  scale: float) -> torch.Tensor:
+    """Decode attention by gathering each sequence's blocks into a padded tensor. q [B, H, D] -> [B, H, D]."""
+    block_size = k_cache.shape[1]
+    width = ctx.block_tables.shape[1]
+    if ctx.max_ctx_len is not None:
+        width = min(width, -(-ctx.max_ctx_len // block_size))
+    tables = ctx.block_tables[:, :width].long()
+    k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
+    v = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, 1)
+    v = v.repeat_interleave(groups, 1)
+    positions = torch.arange(k.shape[2], device=q.device)
+    mask = positions[None, :] < ctx.ctx_lens[:, None]  # [B, S]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    return out[:, :, 0, :]
+
+
+def prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, scale: float) -> torch.Tensor:
+    """Packed causal prefill with torch's flash-attention `varlen_attn` (CUDA, fp16/bf16)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kwargs: dict = {"scale": scale}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)
+    elif "is_causal" in params:
+        kwargs["is_causal"] = True
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(groups, 1)
+            v = v.repeat_interleave(groups, 1)
+    cu = ctx.cu_seqlens
+    return varlen_attn(q, k, v, cu, cu, ctx.max_seqlen, ctx.max_seqlen, **kwargs)
+
+
+def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class AttentionOps:
+    """Chooses the attention implementation once, from the device, dtype and what is installed."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int,
+                 use_triton: bool | None = None, use_varlen: bool | None = None) -> None:
+        from cohort.engine import triton_ops
+
+        self.use_varlen = varlen_available(device, dtype) if use_varlen is None else use_varlen
+        if use_triton is None:
+            use_triton = device.type == "cuda" and triton_ops.decode_supported(head_dim, block_size)
+        self.use_triton = use_triton
+        self.name = f"prefill={'varlen' if self.use_varlen else 'sdpa'} decode={'triton' if use_triton else 'gather'}"
+
+    def prefill(self, q, k, v, ctx: AttnContext, scale: float) -> torch.Tensor:
+        if self.use_varlen:
+            return prefill_varlen(q, k, v, ctx, scale)
+        return prefill_sdpa(q, k, v, ctx, scale)
+
+    def decode(self, q, k_cache, v_cache, ctx: AttnContext, scale: float) -> torch.Tensor:
+        if self.use_triton:
+            from cohort.engine.triton_ops import paged_decode_attention
+
+            return paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.ctx_lens, scale)
+        return decode_gather(q, k_cache, v_cache, ctx, scale)

@@ -1,0 +1,60 @@
+"""Engine configuration: every knob of cohort's rollout engine in one validated dataclass.
+
+The engine owns no global state: one `EngineConfig` (and one engine) per data-parallel rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    """Sizes and switches of one `CohortEngine`.
+
+    max_num_seqs: most sequences decoded together in one step (also the largest CUDA-graph batch).
+    max_num_batched_tokens: token budget of one prefill step; a sequence longer than this cannot be
+        prefilled (chunked prefill is not implemented), so it must be >= max_model_len.
+    block_size: tokens per KV-cache block (page). Blocks are the unit of sharing between a group's samples.
+    max_model_len: longest prompt + completion a request may reach (sizes the block tables).
+    kv_cache_fraction: fraction of the device's free memory (after the trainer's allocations) given to
+        the KV cache. On the CPU it is a fraction of 4 GiB.
+    num_kv_blocks: force the number of KV blocks (tests use this to force preemption); None = from memory.
+    enforce_eager: True disables CUDA graphs for decode steps.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 16384
+    block_size: int = 64
+    max_model_len: int = 4096
+    kv_cache_fraction: float = 0.3
+    num_kv_blocks: int | None = None
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("block_size", self.block_size)
+        _positive("max_model_len", self.max_model_len)
+        if not 0.0 < self.kv_cache_fraction <= 1.0:
+            raise ValueError(
+                f"kv_cache_fraction={self.kv_cache_fraction} must be in (0, 1]: it is the share of free "
+                "device memory given to the KV cache (try 0.3)."
+            )
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1 or None (size from memory).")
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} < max_model_len={self.max_model_len}: "
+                "a sequence must fit one prefill step (no chunked prefill). Raise max_num_batched_tokens "
+                "or lower max_model_len."
+            )
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer.")

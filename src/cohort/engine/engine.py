@@ -1,0 +1,168 @@
+"""CohortEngine: the in-process rollout engine (continuous batching over a paged, group-shared KV cache).
+
+    engine = CohortEngine(policy_model, tokenizer, eos_token_ids=[tok.eos_token_id])
+    completions = engine.generate(prompt_ids, SamplingParams(n=8, max_tokens=512, temperature=1.0))
+    ...optimizer step...
+    engine.sync_weights()   # nothing to do: the engine reads the policy's parameters in place
+
+The step loop is schedule -> forward (prefill or decode) -> sample -> append/stop -> free finished.
+There is no global state: build one engine per data-parallel rank, each on its rank's model replica.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from cohort.engine.block_manager import BlockManager
+from cohort.engine.config import EngineConfig
+from cohort.engine.model_runner import ModelRunner
+from cohort.engine.models.decoder import engine_supports
+from cohort.engine.sampler import Sampler
+from cohort.engine.scheduler import Scheduler
+from cohort.engine.sequence import PrefillUnit, Sequence
+from cohort.types import Completion, SamplingParams
+
+
+@dataclass
+class EngineStats:
+    """Counters for tests and benchmarks (cumulative over the engine's life)."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    peak_used_blocks: int = 0
+
+
+class CohortEngine:
+    """Rollout engine implementing cohort.types.RolloutEngine over a HF Llama / Qwen2 / Qwen3 policy."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer=None,
+        *,
+        eos_token_ids: int | Seq[int] | None = None,
+        kv_cache_fraction: float = 0.3,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        block_size: int | None = None,
+        max_model_len: int | None = None,
+        num_kv_blocks: int | None = None,
+        enforce_eager: bool = False,
+        device: str | torch.device | None = None,
+    ) -> None:
+        ok, reason = engine_supports(model)
+        if not ok:
+            raise ValueError(reason)
+        weights_device = model.get_input_embeddings().weight.device
+        self.device = torch.device(device) if device is not None else weights_device
+        if self.device.type != weights_device.type:
+            raise ValueError(f"device={self.device} but the model's weights are on {weights_device}: the engine "
+                             "computes with the weights in place; move the model or drop device=.")
+        self.device = weights_device
+        if max_model_len is None:
+            max_model_len = min(getattr(model.config, "max_position_embeddings", 4096) or 4096, 4096)
+        self.config = EngineConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens or max(16384, max_model_len),
+            block_size=block_size or (64 if self.device.type == "cuda" else 16),
+            max_model_len=max_model_len,
+            kv_cache_fraction=kv_cache_fraction,
+            num_kv_blocks=num_kv_blocks,
+            enforce_eager=enforce_eager,
+        )
+        self.tokenizer = tokenizer
+        if isinstance(eos_token_ids, int):
+            eos_token_ids = [eos_token_ids]
+        self.eos_token_ids = frozenset(eos_token_ids or ())
+        self.runner = ModelRunner(model, self.config, self.device)
+        self.blocks = BlockManager(self.runner.num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.config, self.blocks)
+        self.sampler = Sampler(self.device)
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._rng = random.Random()
+
+    # ---- public API --------------------------------------------------------------------------------
+    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]) -> list[list[Completion]]:
+        """`params.n` completions per prompt, in prompt order. `params` may also be one per prompt."""
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts; pass one or one each.")
+        groups = [self._add(i, list(prompt), p) for i, (prompt, p) in enumerate(zip(prompts, per_prompt))]
+        while self.scheduler.has_work():
+            self.step()
+        return [
+            [Completion(s.completion_ids, s.logprobs, s.finish_reason or "length") for s in group]
+            for group in groups
+        ]
+
+    def sync_weights(self) -> None:
+        """Nothing to refresh: every forward reads the policy's parameters in place."""
+
+    def engine_name(self) -> str:
+        graphs = f"cuda graphs for {len(self.runner.graphs)} batch sizes" if self.runner.graphs else "eager"
+        return f"cohort engine ({self.runner.attention.name}, {graphs}, sampler={'triton' if self.sampler.use_triton else 'torch'})"
+
+    # ---- internals ---------------------------------------------------------------------------------
+    def _add(self, index: int, prompt: list[int], params: SamplingParams) -> list[Sequence]:
+        self._validate(index, prompt, params)
+        base = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        seqs = [
+            Sequence(seq_id=next(self._ids), token_ids=list(prompt), num_prompt_tokens=len(prompt), params=params,
+                     seed=base + index * params.n + j, request_index=(index, j), stop_ids=stop_ids)
+            for j in range(params.n)
+        ]
+        # A group must fit one step's sequence limit and the cache; split it (losing some sharing) if not.
+        chunk = len(seqs)
+        while chunk > 1 and (chunk > self.config.max_num_seqs
+                             or self.blocks.blocks_to_prefill(len(prompt), chunk) > self.blocks.num_blocks // 2):
+            chunk = (chunk + 1) // 2
+        for start in range(0, len(seqs), chunk):
+            self.scheduler.add(PrefillUnit(seqs[start : start + chunk]))
+        return seqs
+
+    def _validate(self, index: int, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError(f"prompt {index} is empty; the engine needs at least one token (e.g. BOS).")
+        if params.n < 1 or params.max_tokens < 1:
+            raise ValueError(f"SamplingParams n={params.n}, max_tokens={params.max_tokens} must both be >= 1.")
+        total = len(prompt) + params.max_tokens
+        if total > self.config.max_model_len:
+            raise ValueError(f"prompt {index}: {len(prompt)} tokens + max_tokens={params.max_tokens} = {total} > "
+                             f"max_model_len={self.config.max_model_len}; raise max_model_len or shorten.")
+        if self.blocks.blocks_for(total) > self.blocks.num_blocks:
+            raise ValueError(f"prompt {index} needs {self.blocks.blocks_for(total)} KV blocks but the cache has "
+                             f"{self.blocks.num_blocks}; raise kv_cache_fraction / num_kv_blocks.")
+
+    def step(self) -> None:
+        """One scheduler step: forward, sample, append, release finished sequences."""
+        step = self.scheduler.schedule()
+        if step.is_prefill:
+            logits = self.runner.prefill(step.units)
+            if step.block_copies:
+                self.runner.copy_blocks(step.block_copies)
+            # Every sample of a group draws its first token from the leader's last-position logits.
+            rows = [u for u, unit in enumerate(step.units) for _ in unit.seqs]
+            if len(rows) != len(step.units):
+                logits = logits[torch.tensor(rows, device=logits.device)]
+            self.stats.prefill_tokens += sum(unit.num_tokens for unit in step.units)
+            self.stats.prefill_steps += 1
+        else:
+            if not step.seqs:
+                return
+            logits = self.runner.decode(step.seqs)
+            self.stats.decode_tokens += len(step.seqs)
+            self.stats.decode_steps += 1
+        self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, self.blocks.num_used_blocks)
+        tokens, logprobs = self.sampler(logits, step.seqs)
+        for seq, token, logprob in zip(step.seqs, tokens, logprobs):
+            seq.append(token, logprob, self.tokenizer)
+        self.scheduler.finish(step.seqs)

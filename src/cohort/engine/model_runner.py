@@ -1,0 +1,193 @@
+"""Model runner: owns the KV cache, builds each step's packed inputs, runs the forward, replays CUDA graphs.
+
+KV cache: one tensor [2, layers, num_blocks + 1, block_size, kv_heads, head_dim] in the model's dtype. The
+number of blocks comes from the device's free memory times `kv_cache_fraction` (taken after the trainer's
+weights, gradients and optimizer state exist), capped at what max_num_seqs sequences of max_model_len can
+use, so the engine never allocates past what is free. Block `num_blocks` is scratch for CUDA-graph padding.
+
+Decode steps on CUDA replay a graph captured for the smallest captured batch size >= the live batch; the
+padded rows write to and read from the scratch block, so they never touch a live sequence's KV.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+import torch
+
+from cohort.engine.attention import AttentionOps, AttnContext
+from cohort.engine.config import EngineConfig
+from cohort.engine.models.decoder import DecoderForward
+from cohort.engine.scheduler import PrefillUnit
+from cohort.engine.sequence import Sequence
+
+_CPU_KV_BUDGET = 4 << 30
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        dtype = model.get_input_embeddings().weight.dtype
+        head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+        self.attention = AttentionOps(device, dtype, head_dim, config.block_size)
+        self.net = DecoderForward(model, self.attention, config.max_model_len)
+        self.num_blocks = self._num_blocks()
+        self.scratch_block = self.num_blocks
+        shape = (2, self.net.num_layers, self.num_blocks + 1, config.block_size, self.net.num_kv_heads,
+                 self.net.head_dim)
+        with torch.inference_mode():
+            self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        width = config.max_blocks_per_seq
+        pin = device.type == "cuda"
+        self._tables_host = torch.full((config.max_num_seqs, width), self.scratch_block, dtype=torch.int32,
+                                       pin_memory=pin)
+        self._row_host = torch.zeros((4, config.max_num_seqs), dtype=torch.int64, pin_memory=pin)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_capture_seconds = 0.0
+        if device.type == "cuda" and not config.enforce_eager:
+            self._capture_graphs()
+
+    # ---- memory ------------------------------------------------------------------------------------
+    def bytes_per_block(self) -> int:
+        net = self.net
+        return 2 * net.num_layers * self.config.block_size * net.num_kv_heads * net.head_dim * net.dtype.itemsize
+
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        cap = cfg.max_num_seqs * cfg.max_blocks_per_seq
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+        else:
+            free = _CPU_KV_BUDGET
+        fit = int(free * cfg.kv_cache_fraction) // self.bytes_per_block()
+        if fit < cfg.max_blocks_per_seq:
+            raise RuntimeError(
+                f"kv_cache_fraction={cfg.kv_cache_fraction} of {free / 2**30:.1f} GiB free gives {fit} KV blocks, "
+                f"fewer than one sequence of max_model_len={cfg.max_model_len} needs ({cfg.max_blocks_per_seq}); "
+                "raise kv_cache_fraction or lower max_model_len."
+            )
+        return min(cap, fit)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks src -> dst in every layer (a forked sample's private last prompt block)."""
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        with torch.inference_mode():
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    # ---- prefill -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, units: list[PrefillUnit]) -> torch.Tensor:
+        """Forward the leaders' full token lists; returns logits of each leader's last position [U, V]."""
+        bs = self.config.block_size
+        ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        cu = [0]
+        for unit in units:
+            seq = unit.leader
+            n = len(seq)
+            ids.extend(seq.token_ids)
+            pos = np.arange(n)
+            positions.append(pos)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            cu.append(cu[-1] + n)
+        dev = self.device
+        ctx = AttnContext(
+            is_prefill=True,
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev),
+            cu_seqlens_host=cu,
+            max_seqlen=max(b - a for a, b in itertools.pairwise(cu)),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
+        hidden = self.net.forward(input_ids, pos_t, ctx, self.kv_cache)
+        last = torch.tensor(cu[1:], device=dev) - 1
+        return self.net.logits(hidden[last])
+
+    # ---- decode ------------------------------------------------------------------------------------
+    def _fill_decode_inputs(self, seqs: list[Sequence], rows: int) -> None:
+        """Write ids/positions/slots/ctx_lens/tables of `rows` rows (live ones first, then padding)."""
+        bs = self.config.block_size
+        host = self._row_host.numpy()
+        tables = self._tables_host.numpy()
+        n = len(seqs)
+        lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
+        host[0, :n] = [s.token_ids[-1] for s in seqs]
+        host[1, :n] = lengths - 1
+        last_blocks = np.fromiter((s.block_table[(len(s) - 1) // bs] for s in seqs), dtype=np.int64, count=n)
+        host[2, :n] = last_blocks * bs + (lengths - 1) % bs
+        host[3, :n] = lengths
+        for i, seq in enumerate(seqs):
+            tables[i, : len(seq.block_table)] = seq.block_table
+        host[0, n:rows] = 0
+        host[1, n:rows] = 0
+        host[2, n:rows] = self.scratch_block * bs
+        host[3, n:rows] = 1
+        tables[n:rows, 0] = self.scratch_block
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One token for each sequence; returns logits [B, V]."""
+        n = len(seqs)
+        graph_bs = next((b for b in sorted(self.graphs) if b >= n), None)
+        rows = graph_bs or n
+        self._fill_decode_inputs(seqs, rows)
+        if graph_bs is not None:
+            self._static_rows.copy_(self._row_host, non_blocking=True)
+            self._static_tables.copy_(self._tables_host, non_blocking=True)
+            graph, logits = self.graphs[graph_bs]
+            graph.replay()
+            return logits[:n]
+        rows_dev = self._row_host[:, :n].to(self.device)
+        ctx = AttnContext(
+            is_prefill=False,
+            slot_mapping=rows_dev[2],
+            block_tables=self._tables_host[:n].to(self.device),
+            ctx_lens=rows_dev[3].to(torch.int32),
+            max_ctx_len=max(len(s) for s in seqs),
+        )
+        return self.net.logits(self.net.forward(rows_dev[0], rows_dev[1], ctx, self.kv_cache))
+
+    # ---- CUDA graphs -------------------------------------------------------------------------------
+    def graph_batch_sizes(self) -> list[int]:
+        top = self.config.max_num_seqs
+        sizes = [b for b in (1, 2, 4, 8) if b < top] + list(range(16, top, 16)) + [top]
+        return sorted(set(sizes))
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> None:
+        start = time.perf_counter()
+        top = self.config.max_num_seqs
+        width = self.config.max_blocks_per_seq
+        self._static_rows = torch.zeros((4, top), dtype=torch.int64, device=self.device)
+        self._static_rows[2] = self.scratch_block * self.config.block_size
+        self._static_rows[3] = 1
+        self._static_tables = torch.full((top, width), self.scratch_block, dtype=torch.int32, device=self.device)
+        self._static_ctx_lens = torch.ones(top, dtype=torch.int32, device=self.device)
+        pool = None
+        for bs in reversed(self.graph_batch_sizes()):
+            ctx = AttnContext(is_prefill=False, slot_mapping=self._static_rows[2, :bs],
+                              block_tables=self._static_tables[:bs], ctx_lens=self._static_ctx_lens[:bs])
+            ids, pos = self._static_rows[0, :bs], self._static_rows[1, :bs]
+
+            def run(ctx=ctx, ids=ids, pos=pos):
+                self._static_ctx_lens.copy_(self._static_rows[3].to(torch.int32))
+                return self.net.logits(self.net.forward(ids, pos, ctx, self.kv_cache))
+
+            run()  # warm-up: compiles kernels, initialises cuBLAS handles outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = run()
+            pool = graph.pool()
+            self.graphs[bs] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+        self.graph_capture_seconds = time.perf_counter() - start

@@ -1,0 +1,115 @@
+"""Packed forward of Llama-family decoders (Llama / SmolLM2, Qwen2 / Qwen2.5, Qwen3) over the HF modules.
+
+The engine calls the policy model's own submodules (`q_proj`, `mlp`, the norms, ...) on packed tokens
+[T, hidden] with its own attention over the paged KV cache, so it always computes with the trainer's current
+weights (nothing to copy after an optimizer step) and a LoRA wrapper around a projection (PEFT replaces the
+`nn.Linear` by a module whose forward adds the adapter) is applied without merging. The numerics follow the
+HF modeling code (RMSNorm in float32, RoPE tables from the model's own rotary embedding) so greedy output
+matches `generate` and the sampling logprobs match the trainer's recompute.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cohort.engine.attention import AttentionOps, AttnContext, store_kv
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+_UNSUPPORTED_ROPE = ("dynamic", "longrope")
+
+
+def engine_supports(model: nn.Module) -> tuple[bool, str]:
+    """Whether CohortEngine can run `model`; the reason names what blocks it (for a fallback message)."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return False, (f"model_type={model_type!r} is not supported by the cohort engine (supported: "
+                       f"{', '.join(SUPPORTED_MODEL_TYPES)}); using the reference HF backend.")
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
+        return False, f"{type(model).__name__} lacks .model.layers / .lm_head; expected a *ForCausalLM."
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        return False, "sliding-window attention (use_sliding_window=True) is not implemented in the engine."
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        return False, f"hidden_act={act!r}: the engine expects silu (it calls the model's own MLP, but was only checked with silu)."
+    rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type in _UNSUPPORTED_ROPE:
+        return False, f"rope_type={rope_type!r} changes with sequence length; the engine precomputes RoPE tables."
+    return True, "ok"
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF `apply_rotary_pos_emb` on [T, heads, D] with per-token cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class DecoderForward:
+    """Runs a *ForCausalLM of a supported family on packed tokens with paged attention."""
+
+    def __init__(self, model: nn.Module, attention: AttentionOps, max_len: int) -> None:
+        ok, reason = engine_supports(model)
+        if not ok:
+            raise ValueError(reason)
+        config = model.config
+        self.hf = model
+        self.inner = model.model
+        self.attention = attention
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_layers = len(self.inner.layers)
+        first = self.inner.layers[0].self_attn
+        self.scale = float(getattr(first, "scaling", self.head_dim**-0.5))
+        self.qk_norm = hasattr(first, "q_norm")
+        self.cos, self.sin = self._rope_tables(max_len)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.inner.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.inner.embed_tokens.weight.device
+
+    @torch.inference_mode()
+    def _rope_tables(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # The model's own rotary module handles every static RoPE variant (default, llama3, linear, yarn).
+        positions = torch.arange(max_len, device=self.device)[None, :]
+        probe = torch.zeros(1, device=self.device, dtype=self.dtype)
+        cos, sin = self.inner.rotary_emb(probe, positions)
+        return cos[0].contiguous(), sin[0].contiguous()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttnContext,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T]; kv_cache: [2, layers, blocks, block_size, kv_heads, D]. -> [T, hidden]."""
+        x = self.inner.embed_tokens(input_ids)
+        cos, sin = self.cos[positions], self.sin[positions]
+        for i, layer in enumerate(self.inner.layers):
+            x = x + self._attention(layer, layer.input_layernorm(x), cos, sin, ctx, kv_cache[0, i], kv_cache[1, i])
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.inner.norm(x)
+
+    def _attention(self, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   ctx: AttnContext, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        attn = layer.self_attn
+        tokens = h.shape[0]
+        q = attn.q_proj(h).view(tokens, self.num_heads, self.head_dim)
+        k = attn.k_proj(h).view(tokens, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(h).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        store_kv(k_cache, v_cache, k, v, ctx.slot_mapping)
+        if ctx.is_prefill:
+            o = self.attention.prefill(q, k, v, ctx, self.scale)
+        else:
+            o = self.attention.decode(q, k_cache, v_cache, ctx, self.scale)
+        return attn.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.hf.lm_head(hidden)

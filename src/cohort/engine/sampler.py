@@ -1,0 +1,135 @@
+"""Sampler: temperature, top-k, top-p, min-p, repetition penalty and greedy, with the reported logprob.
+
+Sampling is Gumbel-max: token = argmax(processed_logits / T + g) with g = -log(-log(u)), and u a hash of
+(per-request seed, token position, token id). This draws exactly from softmax(processed / T), needs no RNG
+state (so it works inside CUDA graphs and gives the same tokens whatever the batch or after preemption) and
+fuses into one pass over the vocabulary (triton_ops.fused_sample on the GPU).
+
+The reported logprob is log_softmax(raw_logits / T)[token] (T = 1 when greedy), what the trainer
+recomputes: the filters decide which token is drawn, not the logprob (see cohort.types.SamplingParams).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cohort.engine.sequence import Sequence
+
+_MASK32 = 0xFFFFFFFF
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 hash on int64 tensors holding uint32 values (multipliers < 2**31 so nothing overflows)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _MASK32
+    return x ^ (x >> 15)
+
+
+def _mix32_int(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x21F0AAAD) & _MASK32
+    x ^= x >> 15
+    x = (x * 0x735A2D97) & _MASK32
+    return x ^ (x >> 15)
+
+
+def row_key(seed: int, position: int) -> int:
+    """32-bit noise key of the token at `position` of a request with `seed` (any non-negative int)."""
+    key = _mix32_int((seed >> 32) & _MASK32)
+    key = _mix32_int(key ^ (seed & _MASK32))
+    return _mix32_int(key ^ (position & _MASK32))
+
+
+def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] float32 standard Gumbel noise from int64 row keys (same bits as the Triton kernel)."""
+    ids = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+    h = mix32((keys[:, None] + ids[None, :] * 0x61C88647) & _MASK32)
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    return -torch.log(-torch.log(u))
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence], penalty: torch.Tensor) -> torch.Tensor:
+    """HF semantics: every token seen (prompt and completion) has its logit divided (>0) or multiplied."""
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    for row, seq in enumerate(seqs):
+        if seq.params.repetition_penalty != 1.0:
+            seen[row, torch.tensor(seq.token_ids, device=logits.device)] = True
+    p = penalty[:, None]
+    penalised = torch.where(logits > 0, logits / p, logits * p)
+    return torch.where(seen, penalised, logits)
+
+
+def apply_filters(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) what min-p, top-k and top-p exclude from temperature-scaled logits [B, V]."""
+    neg_inf = torch.tensor(float("-inf"), device=scaled.device)
+    if bool((min_p > 0).any()):
+        probs = scaled.softmax(-1)
+        floor = probs.max(-1, keepdim=True).values * min_p[:, None]
+        scaled = torch.where(probs < floor, neg_inf, scaled)
+    sorted_vals, order = scaled.sort(-1, descending=True)
+    ranks = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
+    drop = (top_k[:, None] > 0) & (ranks >= top_k[:, None])
+    sorted_vals = torch.where(drop, neg_inf, sorted_vals)
+    probs = sorted_vals.softmax(-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does.
+    before = probs.cumsum(-1) - probs
+    drop = drop | ((before >= top_p[:, None]) & (ranks > 0))
+    sorted_vals = torch.where(drop, neg_inf, sorted_vals)
+    return torch.empty_like(scaled).scatter_(-1, order, sorted_vals)
+
+
+class Sampler:
+    """Turns one logits row per sequence into (token, logprob), using the fused kernel when it can."""
+
+    def __init__(self, device: torch.device, use_triton: bool | None = None) -> None:
+        from cohort.engine import triton_ops
+
+        if use_triton is None:
+            use_triton = device.type == "cuda" and triton_ops.triton is not None
+        self.device = device
+        self.use_triton = use_triton
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+        tokens, logprobs = self.sample(logits, seqs)
+        return tokens.tolist(), logprobs.tolist()
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        params = [s.params for s in seqs]
+        temps = [p.logprob_temperature for p in params]
+        inv_temp = torch.tensor([1.0 / t for t in temps], device=self.device)
+        noise = torch.tensor([0.0 if p.greedy else 1.0 for p in params], device=self.device)
+        keys = torch.tensor([row_key(s.seed, len(s)) for s in seqs], device=self.device, dtype=torch.int64)
+        choice = self._processed(logits, seqs)
+        if self.use_triton:
+            from cohort.engine.triton_ops import fused_sample
+
+            choice_scaled_input = logits if choice is None else choice
+            return fused_sample(logits, choice_scaled_input.contiguous(), inv_temp, noise, keys)
+        scaled = logits.float() * inv_temp[:, None]
+        chosen_scaled = scaled if choice is None else choice.float() * inv_temp[:, None]
+        score = chosen_scaled + noise[:, None] * gumbel_noise(keys, logits.shape[-1])
+        tokens = score.argmax(-1)
+        logprobs = scaled.gather(-1, tokens[:, None])[:, 0] - scaled.logsumexp(-1)
+        return tokens, logprobs
+
+    def _processed(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
+        """Logits after penalties and filters, still at temperature 1 (None when nothing applies)."""
+        params = [s.params for s in seqs]
+        use_penalty = any(p.repetition_penalty != 1.0 for p in params)
+        use_filters = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
+        if not (use_penalty or use_filters):
+            return None
+        out = logits.float()
+        if use_penalty:
+            penalty = torch.tensor([p.repetition_penalty for p in params], device=self.device)
+            out = apply_repetition_penalty(out, seqs, penalty)
+        if use_filters:
+            temps = torch.tensor([p.logprob_temperature for p in params], device=self.device)
+            top_k = torch.tensor([p.top_k for p in params], device=self.device)
+            top_p = torch.tensor([p.top_p for p in params], device=self.device)
+            min_p = torch.tensor([p.min_p for p in params], device=self.device)
+            # Filters act on the tempered distribution; scale back so the caller's 1/T applies uniformly.
+            out = apply_filters(out / temps[:, None], top_k, top_p, min_p) * temps[:, None]
+        return out

@@ -1,0 +1,152 @@
+"""Triton kernels of the GPU path: paged decode attention and the one-pass Gumbel-max sampler.
+
+Both are optional: without Triton (CPU, CI) the engine uses the PyTorch versions in attention.py and
+sampler.py, which compute the same functions (tests compare them under TRITON_INTERPRET=1).
+
+Decode attention: one program per (sequence, KV head). The GQA group's query heads are folded into the
+rows of one tile (padded to 16, the smallest tl.dot tile), so a ratio of 7 (Qwen2.5) costs nothing
+special and every K/V block is read once per KV head. The loop over the sequence's blocks uses an online
+softmax; the trip count comes from ctx_lens on the device, so the kernel can live inside a CUDA graph.
+
+Sampler: one program per row walks the vocabulary once, keeping the running logsumexp of logits/T (for the
+reported logprob) and the running argmax of logits/T + Gumbel noise (the sample). The noise is a hash of
+(row key, token id), the same function as sampler.gumbel_noise, so no RNG state and no [B, V] temporaries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+    tl = None
+
+
+def decode_supported(head_dim: int, block_size: int) -> bool:
+    pow2 = head_dim & (head_dim - 1) == 0 and block_size & (block_size - 1) == 0
+    return triton is not None and pow2 and head_dim >= 16 and block_size >= 16
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_decode_kernel(
+        q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, scale,
+        stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
+        ctx_len = tl.load(ctx_ptr + seq)
+        rows = tl.arange(0, GROUP_PAD)
+        dims = tl.arange(0, HEAD_DIM)
+        slots = tl.arange(0, BLOCK)
+        row_ok = rows < GROUP
+        heads = kvh * GROUP + rows
+        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        q = (q.to(tl.float32) * scale).to(k_ptr.dtype.element_ty)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        denom = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        num_blocks = tl.cdiv(ctx_len, BLOCK)
+        for i in range(0, num_blocks):
+            block = tl.load(tables_ptr + seq * stride_tb + i).to(tl.int64)
+            offs = block * stride_kb + slots[:, None] * stride_ks + kvh * stride_kh + dims[None, :]
+            k = tl.load(k_ptr + offs)
+            v = tl.load(v_ptr + offs)
+            s = tl.dot(q, tl.trans(k))  # [GROUP_PAD, BLOCK] fp32
+            valid = (i * BLOCK + slots) < ctx_len
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            denom = denom * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        out = acc / denom[:, None]
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit
+    def _mix32(x):
+        # lowbias32 (C. Wellons): a strong 32-bit integer hash; uint32 arithmetic wraps like the torch
+        # version's int64 arithmetic masked to 32 bits.
+        x = x ^ (x >> 16)
+        x = x * 0x21F0AAAD
+        x = x ^ (x >> 15)
+        x = x * 0x735A2D97
+        x = x ^ (x >> 15)
+        return x
+
+    @triton.jit
+    def _sample_kernel(
+        logits_ptr, choice_ptr, inv_temp_ptr, noise_ptr, keys_ptr, tok_ptr, lp_ptr,
+        vocab, stride_l, stride_c, BLOCK_V: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        inv_t = tl.load(inv_temp_ptr + row)
+        noise = tl.load(noise_ptr + row)
+        key = tl.load(keys_ptr + row).to(tl.uint32)
+        m = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK_V], tl.float32)
+        best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        best_idx = tl.zeros([BLOCK_V], tl.int32)
+        cols = tl.arange(0, BLOCK_V)
+        for start in range(0, vocab, BLOCK_V):
+            idx = start + cols
+            ok = idx < vocab
+            x = tl.load(logits_ptr + row * stride_l + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+            c = tl.load(choice_ptr + row * stride_c + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+            h = _mix32(key + idx.to(tl.uint32) * 0x61C88647)
+            u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            score = c - noise * tl.log(-tl.log(u))
+            # Lane-wise running max / logsumexp / argmax; lanes are combined after the loop.
+            m_new = tl.maximum(m, x)
+            s = s * tl.exp(m - tl.where(m_new == float("-inf"), 0.0, m_new)) + tl.where(
+                ok, tl.exp(x - m_new), 0.0)
+            m = m_new
+            better = score > best
+            best = tl.where(better, score, best)
+            best_idx = tl.where(better, idx, best_idx)
+        row_max = tl.max(m, 0)
+        total = tl.sum(s * tl.exp(m - row_max), 0)
+        top = tl.max(best, 0)
+        # Ties: the smallest token id wins, like torch.argmax.
+        tok = tl.min(tl.where(best == top, best_idx, vocab), 0)
+        chosen = tl.load(logits_ptr + row * stride_l + tok).to(tl.float32) * inv_t
+        tl.store(tok_ptr + row, tok.to(tl.int64))
+        tl.store(lp_ptr + row, chosen - row_max - tl.log(total))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, D]; caches [num_blocks, block_size, Hkv, D]; returns [B, H, D]."""
+    batch, heads, head_dim = q.shape
+    kv_heads, block = k_cache.shape[2], k_cache.shape[1]
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    _paged_decode_kernel[(batch, kv_heads)](
+        q, k_cache, v_cache, block_tables, ctx_lens, out, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK=block,
+        num_warps=4,
+    )
+    return out
+
+
+def fused_sample(logits: torch.Tensor, choice: torch.Tensor, inv_temp: torch.Tensor, noise: torch.Tensor,
+                 keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gumbel-max sample of `choice`/T and log_softmax(logits/T)[token], one pass. Rows: [B, V]."""
+    rows, vocab = logits.shape
+    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    _sample_kernel[(rows,)](
+        logits, choice, inv_temp, noise, keys, tokens, logprobs, vocab, logits.stride(0), choice.stride(0),
+        BLOCK_V=2048, num_warps=8,
+    )
+    return tokens, logprobs

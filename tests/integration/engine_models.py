@@ -1,0 +1,60 @@
+"""Tiny seeded float32 models of each supported family, shared by the engine tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+VOCAB = 96
+EOS = 2
+
+# initializer_range 0.1 (not 0.02) makes logits peaked enough that greedy choices are not float32 near-ties.
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+               initializer_range=0.1, max_position_embeddings=256, eos_token_id=EOS, bos_token_id=1,
+               pad_token_id=0)
+
+
+def tiny_model(family: str = "llama", seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **_COMMON))
+    elif family == "qwen2":
+        # 6 query heads over 2 KV heads: a non-power-of-two GQA ratio (3), like Qwen2.5's 7 and 6.
+        model = Qwen2ForCausalLM(Qwen2Config(num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                                             tie_word_embeddings=True, **{**_COMMON, "hidden_size": 96}))
+    elif family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=16, **_COMMON))
+    else:
+        raise ValueError(family)
+    return model.eval()
+
+
+def random_prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Batched HF generate (left padding), each output cut after its first EOS."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                         pad_token_id=0, eos_token_id=EOS)[:, width:].tolist()
+    return [row[: row.index(EOS) + 1] if EOS in row else row for row in out]
+
+
+def recomputed_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
+    """What the trainer computes: log_softmax(model(prompt + completion).logits / T) at each completion token."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    logp = (logits / temperature).log_softmax(-1)
+    return logp.gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
