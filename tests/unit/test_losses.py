@@ -289,3 +289,11 @@ def test_missing_inputs_named():
         run(get_policy_loss("dapo", beta=0.1), [[0.0]], [1.0])
     with pytest.raises(ValueError, match=r"needs LossInputs\.entropy"):
         run(get_policy_loss("dapo", entropy_coef=0.1), [[0.0]], [1.0])
+
+
+@pytest.mark.parametrize("name", list_policy_losses())
+def test_fully_masked_batch_gives_zero_not_nan(name):
+    # no loss token anywhere: every normaliser is clamped to 1, so the loss is 0 / 1 = 0 with a zero gradient
+    value, grad, _ = run(get_policy_loss(name), [[-1.0, -2.0]], [1.0], mask=[[0, 0]], max_completion_length=4,
+                         num_tokens=0, num_sequences=0)
+    assert value == 0.0 and grad.abs().sum().item() == 0.0

@@ -147,8 +147,8 @@ class PolicyLoss:
         return RatioContext(
             inputs=inputs, mask=mask, advantages=adv, old_logprobs=old, log_ratio=log_ratio,
             ratio=torch.exp(log_w), sampler_weights=weights,
-            num_tokens=mask.sum().clamp(min=1.0) if inputs.num_tokens is None else inputs.num_tokens,
-            num_sequences=mask.shape[0] if inputs.num_sequences is None else inputs.num_sequences,
+            num_tokens=_at_least_one(mask.sum() if inputs.num_tokens is None else inputs.num_tokens),
+            num_sequences=_at_least_one(mask.shape[0] if inputs.num_sequences is None else inputs.num_sequences),
         )
 
     def _entropy_mask(self, inputs: LossInputs, mask: torch.Tensor) -> torch.Tensor | None:
@@ -207,3 +207,8 @@ class PolicyLoss:
             "sampling/importance_sampling_ratio/mean": self._mean(w, ctx),
             "sampling/importance_sampling_ratio/max": nan if empty else flat.max(),
         }
+
+
+def _at_least_one(count):
+    """A step whose every token is masked has loss 0, not 0/0 (TRL clamps its normalisers the same way)."""
+    return count.clamp(min=1) if isinstance(count, torch.Tensor) else max(count, 1)
