@@ -266,11 +266,29 @@ def test_import_path_plugin(tmp_path, monkeypatch):
                 return LossOutput(loss=scale * (inputs.logprobs * inputs.mask).sum(), metrics={})
             return loss
     """))
+    (tmp_path / "my_dc_losses.py").write_text(textwrap.dedent("""
+        from dataclasses import dataclass
+        from cohort.algorithms import ClippedLoss
+
+        @dataclass
+        class MyLoss(ClippedLoss):
+            my_scale: float = 1.0
+
+            def objective(self, ctx):
+                per_token, metrics = super().objective(ctx)
+                return self.my_scale * per_token, metrics
+    """))
     monkeypatch.syspath_prepend(str(tmp_path))
+    # the dataclass plug-in keeps the shared pipeline: 3 x dapo's loss on AGG_LOGP is 3 * -0.25
+    value, _, _ = run(get_policy_loss("my_dc_losses:MyLoss", my_scale=3.0), AGG_LOGP, [1.0, -2.0], mask=AGG_MASK)
+    assert value == pytest.approx(-0.75)
+    with pytest.raises(ValueError, match="Did you mean 'my_scale'"):
+        build_policy_loss("my_dc_losses:MyLoss", {"my_scal": 2.0})
     loss_fn = get_policy_loss("my_losses:make", scale=2.0)
     value, grad, _ = run(loss_fn, [[1.0, 2.0]], [0.0])
     assert value == 6.0 and grad.tolist() == [[2.0, 2.0]]
     sys.modules.pop("my_losses", None)
+    sys.modules.pop("my_dc_losses", None)
     with pytest.raises(ValueError, match="has no attribute 'nope'"):
         get_policy_loss("cohort.algorithms:nope")
 
