@@ -179,7 +179,7 @@ class VESPOLoss(PolicyLoss):
 
 def _nan_extreme(values: torch.Tensor, op) -> torch.Tensor:
     """min/max over the finite entries (TRL's nanmin/nanmax); NaN when there are none."""
-    values = values[~torch.isnan(values)]
-    if values.numel() == 0:
-        return torch.tensor(torch.nan)
-    return op(values)
+    finite = values[~torch.isnan(values)]
+    if finite.numel() == 0:
+        return values.new_tensor(torch.nan)  # same device/dtype, so reductions never mix devices
+    return op(finite)
