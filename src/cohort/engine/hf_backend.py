@@ -1,0 +1,186 @@
+"""Reference rollout engine on Hugging Face `model.generate` (CPU or GPU).
+
+It implements `cohort.types.RolloutEngine` with no engine of its own: every prompt is repeated `n` times,
+the rows are left-padded and generated in batches of `batch_size` rows. It is the fallback for models
+cohort's paged engine does not support and the ground truth the fast engine is tested against.
+
+Semantics (see `cohort.types.SamplingParams`):
+- temperature 0 is greedy; top_k 0 / top_p 1 / min_p 0 / repetition_penalty 1 are off. Every knob is set
+  explicitly, because `generate` would otherwise fill unset ones from the model's generation_config
+  (SmolLM2's hub config, for one, sets a temperature and top_p of its own).
+- Each completion is cut after its first EOS / stop token id (kept) or at the end of the first stop string
+  (finish_reason "stop"), else it ends at max_tokens ("length"). ignore_eos turns EOS off (stop ids stay).
+- The logprob of each token is `log_softmax(raw_logits / T)[token]` on the model's raw logits
+  (`output_logits=True`), before any processor, with T = params.logprob_temperature.
+- Seeds: row r = i * n + j (completion j of prompt i). A batch of rows starting at row s is sampled under
+  `torch.manual_seed(seed + s)` inside `torch.random.fork_rng`, so the trainer's RNG stream is untouched.
+  With batch_size=1 completion r uses exactly seed + r, as the protocol states; with larger batches the
+  results are deterministic for a given batch_size but depend on it (generate draws one batch at a time).
+
+Memory: `output_logits` keeps [rows, steps, vocab] logits until the batch ends; bound it with batch_size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+
+from cohort.types import Completion, SamplingParams
+
+
+class HFGenerateEngine:
+    """RolloutEngine backed by `model.generate`; reads the policy's weights in place (no sync needed)."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        eos_token_ids: Sequence[int] | None = None,
+        batch_size: int | None = None,
+        cache_implementation: str | None = None,
+        compile: bool = False,
+    ) -> None:
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1 (rows per generate call) or None (all)")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.cache_implementation = cache_implementation
+        self.compile = compile
+        self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _default_eos(model, tokenizer)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad is None:
+            raise ValueError("tokenizer has neither pad_token_id nor eos_token_id; set tokenizer.pad_token")
+        self.pad_token_id = int(pad)
+
+    def sync_weights(self) -> None:
+        """Nothing to do: generate reads the policy's parameters directly."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        if params.n < 1 or params.max_tokens < 1:
+            raise ValueError(f"SamplingParams n={params.n} and max_tokens={params.max_tokens} must be >= 1")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty: generation needs at least one prompt token")
+        rows = [list(p) for p in prompts for _ in range(params.n)]
+        step = self.batch_size or max(len(rows), 1)
+        flat: list[Completion] = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for start in range(0, len(rows), step):
+                flat += self._generate_rows(rows[start : start + step], params, start)
+        finally:
+            self.model.train(was_training)
+        return [flat[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
+
+    # -----------------------------------------------------------------------------------------------------
+
+    def _generation_config(self, params: SamplingParams):
+        from transformers import GenerationConfig
+
+        eos = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
+        sampling = {}
+        if not params.greedy:
+            sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                        "min_p": params.min_p}
+        return GenerationConfig(
+            do_sample=not params.greedy,
+            **sampling,
+            repetition_penalty=params.repetition_penalty,
+            typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, no_repeat_ngram_size=0, min_new_tokens=0,
+            max_new_tokens=params.max_tokens,
+            eos_token_id=eos or None,
+            pad_token_id=self.pad_token_id,
+            stop_strings=list(params.stop_strings) or None,
+            output_logits=True,
+            return_dict_in_generate=True,
+            cache_implementation=self.cache_implementation,
+            disable_compile=not self.compile,
+        )
+
+    def _generate_rows(self, rows: list[list[int]], params: SamplingParams, first_row: int) -> list[Completion]:
+        device = self.model.get_input_embeddings().weight.device
+        width = max(map(len, rows))
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, ids in enumerate(rows):  # left padding: every row's last prompt token sits at column width-1
+            input_ids[r, width - len(ids) :] = torch.tensor(ids)
+            attention_mask[r, width - len(ids) :] = 1
+        kwargs = {"tokenizer": self.tokenizer} if params.stop_strings else {}
+        with _seeded(params.seed, first_row, device):
+            out = self.model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=self._generation_config(params),
+                **kwargs,
+            )
+        tokens = out.sequences[:, width:].cpu()
+        logprobs = _chosen_logprobs(out.logits, tokens, params.logprob_temperature)
+        return [self._finish(tokens[r].tolist(), logprobs[r].tolist(), params) for r in range(len(rows))]
+
+    def _finish(self, tokens: list[int], logprobs: list[float], params: SamplingParams) -> Completion:
+        """Cut after the first stop (EOS / stop id / stop string); what follows is generate's padding."""
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        cut = next((k + 1 for k, t in enumerate(tokens) if t in stop_ids), None)
+        if params.stop_strings:
+            text_cut = _stop_string_cut(self.tokenizer, tokens[: cut or len(tokens)], params.stop_strings)
+            if text_cut is not None:
+                cut = text_cut
+        if cut is not None:
+            return Completion(tokens[:cut], logprobs[:cut], "stop")
+        return Completion(tokens, logprobs, "length")
+
+
+def _default_eos(model, tokenizer) -> tuple[int, ...]:
+    """EOS ids from the tokenizer and the model's generation config (chat models often have several)."""
+    ids: list[int] = []
+    gen = getattr(model, "generation_config", None)
+    for value in (tokenizer.eos_token_id, getattr(gen, "eos_token_id", None)):
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if v is not None and int(v) not in ids:
+                ids.append(int(v))
+    return tuple(ids)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None, offset: int, device: torch.device):
+    if seed is None:
+        yield
+        return
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed + offset)
+        yield
+
+
+def _chosen_logprobs(logits: Sequence[torch.Tensor], tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[rows, steps] logprob of each generated token under log_softmax(raw / T), one step at a time."""
+    out = torch.zeros(tokens.shape, dtype=torch.float32)
+    for t, step_logits in enumerate(logits):
+        z = step_logits.float() / temperature
+        chosen = tokens[:, t].to(z.device).unsqueeze(-1)
+        out[:, t] = (z.gather(-1, chosen).squeeze(-1) - torch.logsumexp(z, dim=-1)).cpu()
+    return out
+
+
+def _stop_string_cut(tokenizer, tokens: list[int], stop_strings: Sequence[str]) -> int | None:
+    """Smallest k such that decode(tokens[:k]) contains a stop string (binary search: containment only grows)."""
+
+    def has_stop(k: int) -> bool:
+        text = tokenizer.decode(tokens[:k], skip_special_tokens=False)
+        return any(s in text for s in stop_strings)
+
+    if not tokens or not has_stop(len(tokens)):
+        return None
+    lo, hi = 1, len(tokens)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if has_stop(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

@@ -1,0 +1,132 @@
+"""HFGenerateEngine on a tiny Llama with a real (tiny BPE) tokenizer: shapes, stops, logprobs, seeds."""
+
+import pytest
+import torch
+from tests.helpers.tiny_tokenizer import make_tiny_tokenizer
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from cohort.engine.hf_backend import HFGenerateEngine
+from cohort.packing import packed_forward_logprobs
+from cohort.types import RolloutEngine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=64, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    return LlamaForCausalLM(cfg).float()
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    return [tok.encode("What is 2 + 3?"), tok.encode("12 +"), tok.encode("the quick brown fox jumps")]
+
+
+def test_protocol_shapes_and_finish_reasons(model, tok, prompts):
+    engine = HFGenerateEngine(model, tok, batch_size=5)
+    assert isinstance(engine, RolloutEngine)
+    out = engine.generate(prompts, SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=1))
+    assert len(out) == 3 and all(len(group) == 3 for group in out)
+    for group in out:
+        for c in group:
+            assert len(c.token_ids) == len(c.logprobs) >= 1
+            assert all(lp <= 0 for lp in c.logprobs)
+            if c.finish_reason == "length":
+                assert len(c.token_ids) == 6 and tok.eos_token_id not in c.token_ids
+            else:
+                assert c.token_ids[-1] == tok.eos_token_id and tok.eos_token_id not in c.token_ids[:-1]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.3])
+def test_logprobs_equal_recomputed(model, tok, prompts, temperature):
+    engine = HFGenerateEngine(model, tok)
+    params = SamplingParams(n=2, max_tokens=7, temperature=temperature, top_k=20, seed=3)
+    out = engine.generate(prompts, params)
+    seqs = [(p, c.token_ids) for p, group in zip(prompts, out) for c in group]
+    with torch.no_grad():
+        ref = packed_forward_logprobs(model, seqs, temperature=params.logprob_temperature, compute_entropy=False)
+    got = torch.tensor([lp for group in out for c in group for lp in c.logprobs])
+    torch.testing.assert_close(got, ref.logprobs, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_is_deterministic_and_argmax(model, tok, prompts):
+    engine = HFGenerateEngine(model, tok, batch_size=2)
+    params = SamplingParams(n=2, max_tokens=6, temperature=0.0)
+    a, b = engine.generate(prompts, params), engine.generate(prompts, params)
+    assert [[c.token_ids for c in g] for g in a] == [[c.token_ids for c in g] for g in b]
+    assert a[0][0].token_ids == a[0][1].token_ids
+    ids = list(prompts[1])  # hand-rolled argmax decoding of one prompt
+    with torch.no_grad():
+        for _ in range(len(a[1][0].token_ids)):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert ids[len(prompts[1]) :] == a[1][0].token_ids
+
+
+def test_seeds(model, tok, prompts):
+    engine = HFGenerateEngine(model, tok, batch_size=1)
+    params = SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=11)
+    a = engine.generate(prompts, params)
+    assert [c.token_ids for g in a for c in g] == [c.token_ids for g in engine.generate(prompts, params) for c in g]
+    # batch_size=1: completion j of prompt i uses seed + i * n + j, whatever else is in the request.
+    alone = engine.generate([prompts[2]], SamplingParams(n=1, max_tokens=8, temperature=1.0, seed=11 + 2 * 2 + 1))
+    assert alone[0][0].token_ids == a[2][1].token_ids
+    other = engine.generate(prompts, SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=12))
+    assert [c.token_ids for g in a for c in g] != [c.token_ids for g in other for c in g]
+
+
+def test_trainer_rng_untouched_and_mode_restored(model, tok, prompts):
+    model.train()
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    HFGenerateEngine(model, tok).generate(prompts, SamplingParams(max_tokens=3, seed=5))
+    assert torch.equal(torch.rand(3), expected)
+    assert model.training
+    model.eval()
+
+
+def test_model_generation_defaults_do_not_leak(model, tok, prompts):
+    # A generation_config with top_k=1 would make sampling greedy if generate filled our unset knobs.
+    model.generation_config.top_k = 1
+    try:
+        out = HFGenerateEngine(model, tok).generate([prompts[0]], SamplingParams(n=6, max_tokens=5, seed=0))
+    finally:
+        model.generation_config.top_k = 50
+    assert len({tuple(c.token_ids) for c in out[0]}) > 1
+
+
+def test_eos_stop_ids_ignore_eos_and_stop_strings(model, tok, prompts):
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    ref = HFGenerateEngine(model, tok, eos_token_ids=[]).generate([prompts[0]], greedy)[0][0]
+    assert ref.finish_reason == "length" and len(ref.token_ids) == 8
+    stop_tok = ref.token_ids[2]
+    first = ref.token_ids.index(stop_tok)
+    eos_engine = HFGenerateEngine(model, tok, eos_token_ids=[stop_tok])
+    c = eos_engine.generate([prompts[0]], greedy)[0][0]
+    assert c.token_ids == ref.token_ids[: first + 1] and c.finish_reason == "stop"
+    assert c.logprobs == pytest.approx(ref.logprobs[: first + 1], abs=1e-5)
+    c = eos_engine.generate([prompts[0]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0][0]
+    assert c.token_ids == ref.token_ids and c.finish_reason == "length"
+    c = HFGenerateEngine(model, tok, eos_token_ids=[]).generate(
+        [prompts[0]], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=(stop_tok,)))[0][0]
+    assert c.token_ids == ref.token_ids[: first + 1] and c.finish_reason == "stop"
+    # A stop string that first appears in the text of token k: the completion ends with token k.
+    texts = [tok.decode(ref.token_ids[:k]) for k in range(len(ref.token_ids) + 1)]
+    k, stop = next((k, texts[k][-1]) for k in range(2, 9) if texts[k][-1] != "\ufffd" and texts[k][-1] not in texts[k - 1])
+    c = HFGenerateEngine(model, tok, eos_token_ids=[]).generate(
+        [prompts[0]], SamplingParams(max_tokens=8, temperature=0.0, stop_strings=(stop,)))[0][0]
+    assert c.finish_reason == "stop" and c.token_ids == ref.token_ids[:k]
+
+
+def test_bad_arguments(model, tok):
+    with pytest.raises(ValueError, match="batch_size"):
+        HFGenerateEngine(model, tok, batch_size=0)
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        HFGenerateEngine(model, tok).generate([[]], SamplingParams())
