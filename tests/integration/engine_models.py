@@ -46,6 +46,7 @@ def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: 
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids, mask = ids.to(model.device), mask.to(model.device)
     out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
                          pad_token_id=0, eos_token_id=EOS)[:, width:].tolist()
     return [row[: row.index(EOS) + 1] if EOS in row else row for row in out]
@@ -53,8 +54,8 @@ def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: 
 
 def recomputed_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
     """What the trainer computes: log_softmax(model(prompt + completion).logits / T) at each completion token."""
-    ids = torch.tensor([prompt + completion])
+    ids = torch.tensor([prompt + completion], device=model.device)
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
     logp = (logits / temperature).log_softmax(-1)
-    return logp.gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
+    return logp.gather(-1, ids[0, len(prompt) :, None])[:, 0].tolist()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -83,7 +84,11 @@ def prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnC
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters
-    kwargs: dict = {"scale": scale}
+    kwargs: dict = {}
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif abs(scale - q.shape[-1] ** -0.5) > 1e-9:
+        raise NotImplementedError("this torch's varlen_attn has no scale argument")
     if "window_size" in params:
         kwargs["window_size"] = (-1, 0)
     elif "is_causal" in params:
@@ -124,7 +129,13 @@ class AttentionOps:
 
     def prefill(self, q, k, v, ctx: AttnContext, scale: float) -> torch.Tensor:
         if self.use_varlen:
-            return prefill_varlen(q, k, v, ctx, scale)
+            try:
+                return prefill_varlen(q, k, v, ctx, scale)
+            except (RuntimeError, NotImplementedError, TypeError) as exc:
+                # varlen_attn is a prototype API whose signature moved between torch releases.
+                warnings.warn(f"varlen_attn failed ({exc!r:.200}); using per-sequence SDPA for prefill.", stacklevel=2)
+                self.use_varlen = False
+                self.name = self.name.replace("prefill=varlen", "prefill=sdpa")
         return prefill_sdpa(q, k, v, ctx, scale)
 
     def decode(self, q, k_cache, v_cache, ctx: AttnContext, scale: float) -> torch.Tensor:

@@ -125,8 +125,13 @@ class ModelRunner:
         last_blocks = np.fromiter((s.block_table[(len(s) - 1) // bs] for s in seqs), dtype=np.int64, count=n)
         host[2, :n] = last_blocks * bs + (lengths - 1) % bs
         host[3, :n] = lengths
-        for i, seq in enumerate(seqs):
-            tables[i, : len(seq.block_table)] = seq.block_table
+        # All block tables in one scatter (a per-row numpy assignment costs ~2 us x 256 rows per step).
+        counts = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
+        flat = np.fromiter(itertools.chain.from_iterable(s.block_table for s in seqs), dtype=np.int32,
+                           count=int(counts.sum()))
+        row_ids = np.repeat(np.arange(n), counts)
+        col_ids = np.arange(len(flat)) - np.repeat(np.cumsum(counts) - counts, counts)
+        tables[row_ids, col_ids] = flat
         host[0, n:rows] = 0
         host[1, n:rows] = 0
         host[2, n:rows] = self.scratch_block * bs

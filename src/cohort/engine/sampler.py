@@ -11,6 +11,7 @@ recomputes: the filters decide which token is drawn, not the logprob (see cohort
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from cohort.engine.sequence import Sequence
@@ -40,6 +41,21 @@ def row_key(seed: int, position: int) -> int:
     key = _mix32_int((seed >> 32) & _MASK32)
     key = _mix32_int(key ^ (seed & _MASK32))
     return _mix32_int(key ^ (position & _MASK32))
+
+
+def _mix32_np(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _MASK32
+    return x ^ (x >> 15)
+
+
+def row_keys(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Vectorised `row_key` over int64 arrays (seeds below 2**63)."""
+    key = _mix32_np((seeds >> 32) & _MASK32)
+    key = _mix32_np(key ^ (seeds & _MASK32))
+    return _mix32_np(key ^ (positions & _MASK32))
 
 
 def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -96,11 +112,15 @@ class Sampler:
         return tokens.tolist(), logprobs.tolist()
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        params = [s.params for s in seqs]
-        temps = [p.logprob_temperature for p in params]
-        inv_temp = torch.tensor([1.0 / t for t in temps], device=self.device)
-        noise = torch.tensor([0.0 if p.greedy else 1.0 for p in params], device=self.device)
-        keys = torch.tensor([row_key(s.seed, len(s)) for s in seqs], device=self.device, dtype=torch.int64)
+        n = len(seqs)
+        temps = np.fromiter((s.params.temperature for s in seqs), dtype=np.float32, count=n)
+        noise_np = (temps > 0).astype(np.float32)
+        inv_temp_np = np.where(temps > 0, 1.0 / np.where(temps > 0, temps, 1.0), 1.0).astype(np.float32)
+        seeds = np.fromiter((s.seed for s in seqs), dtype=np.int64, count=n)
+        positions = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
+        floats = torch.from_numpy(np.stack([inv_temp_np, noise_np])).to(self.device, non_blocking=True)
+        inv_temp, noise = floats[0], floats[1]
+        keys = torch.from_numpy(row_keys(seeds, positions)).to(self.device, non_blocking=True)
         choice = self._processed(logits, seqs)
         if self.use_triton:
             from cohort.engine.triton_ops import fused_sample

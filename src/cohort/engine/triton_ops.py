@@ -37,6 +37,7 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, scale,
         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -58,14 +59,14 @@ if triton is not None:
             offs = block * stride_kb + slots[:, None] * stride_ks + kvh * stride_kh + dims[None, :]
             k = tl.load(k_ptr + offs)
             v = tl.load(v_ptr + offs)
-            s = tl.dot(q, tl.trans(k))  # [GROUP_PAD, BLOCK] fp32
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [GROUP_PAD, BLOCK] fp32
             valid = (i * BLOCK + slots) < ctx_len
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             denom = denom * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
         out = acc / denom[:, None]
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
@@ -134,7 +135,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK=block,
-        num_warps=4,
+        # float32 models get exact float32 products (not tf32), so they match the PyTorch reference.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
     )
     return out
 
