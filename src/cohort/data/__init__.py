@@ -7,7 +7,7 @@
 """
 
 from cohort.data.dataset import EncodeStats, PromptBatch, PromptDataset, is_conversational, prompt_key
-from cohort.data.sampler import PromptSampler, drop_overlap, train_eval_split
+from cohort.data.sampler import PromptSampler, drop_overlap, reasoning_gym_eval_set, train_eval_split
 from cohort.data.sources import import_object, load_prompt_dataset, reasoning_gym_rows
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "is_conversational",
     "load_prompt_dataset",
     "prompt_key",
+    "reasoning_gym_eval_set",
     "reasoning_gym_rows",
     "train_eval_split",
 ]

@@ -109,6 +109,25 @@ def drop_overlap(dataset: PromptDataset, reference: PromptDataset) -> tuple[Prom
     if not keep:
         raise ConfigError(
             f"Every prompt of {dataset.source!r} also occurs in {reference.source!r}; nothing is held out. "
-            "Generate the eval set with another seed or harder settings."
+            "Generate the eval set with harder settings or a seed far from the training one: reasoning-gym "
+            "item i of seed s is item i + 1 of seed s - 1, so use reasoning_gym_eval_set()."
         )
     return dataset.select(keep), len(dataset) - len(keep)
+
+
+def reasoning_gym_eval_set(
+    task: str, size: int, train: PromptDataset, *, train_seed: int, **settings: Any
+) -> tuple[PromptDataset, int]:
+    """Held-out reasoning-gym problems never seen in `train`, and how many collisions were removed.
+
+    reasoning-gym seeds item i with `seed + i`, so datasets from nearby seeds share almost every item
+    (seed 2's item 0 is seed 1's item 1). The eval seed therefore starts right after the last training
+    item's seed, and problems that still coincide by value (small problem spaces) are dropped.
+    `settings` are the task's config and the same prompt options as `load_prompt_dataset`.
+    """
+    from cohort.data.sources import load_prompt_dataset
+
+    last = max((r.get("metadata") or {}).get("source_index", -1) for r in train.rows)
+    seed = train_seed + max(last + 1, len(train))
+    held = load_prompt_dataset(f"reasoning_gym:{task}", size=size, seed=seed, **settings)
+    return drop_overlap(held, train)
