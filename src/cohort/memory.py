@@ -1,0 +1,172 @@
+"""Device-memory estimate for a training run, printed before any work and checked against the device.
+
+The estimate is arithmetic on the model config, not a measurement; its job is to fail early, with a
+message that says which setting to lower, instead of an out-of-memory error twenty minutes in.
+
+Terms (P parameters, b bytes per weight element, T = token_budget tokens per forward/backward):
+- weights P*b; gradients P*b; fp32 master weights 4P when the weights are not already fp32;
+- optimizer: AdamW keeps two moments per parameter, fp32 (8P) with master weights, else in the weight
+  dtype (2bP); "adamw_8bit" 2P; "sgd" nothing;
+- activations: per token and decoder layer, the tensors autograd keeps for a Llama/Qwen-style block with
+  varlen/flash attention (no [T, T] scores): 7H + 3K + 4I elements in the weight dtype (norm inputs and
+  outputs, q/k/v before and after RoPE, attention output, gate/up/act/product of the MLP) plus 2H fp32
+  elements of RMSNorm internals; H hidden, K = kv heads x head dim, I intermediate. With gradient
+  checkpointing only each layer's input is kept (H*b per layer) plus one layer being recomputed;
+- logits chunk: one chunk of the chunked logprob kernel, chunk_tokens x vocab in the weight dtype plus
+  three fp32 copies (logits, softmax, gradient) in the backward;
+- KV cache: what the rollout engine reserves (given); reference model: P*b more when beta > 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from cohort.errors import ConfigError
+
+GIB = 1024**3
+_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+_OPTIMIZERS = ("adamw", "adamw_8bit", "sgd")
+# What to lower when a term is the biggest one, in the words of the config a user edits.
+_ADVICE = {
+    "activations": "lower the token budget per forward/backward or turn gradient_checkpointing on",
+    "optimizer": "use a bf16 optimizer state (master_weights_fp32=False) or an 8-bit AdamW",
+    "master_weights": "drop fp32 master weights (master_weights_fp32=False)",
+    "kv_cache": "give the rollout engine a smaller KV cache",
+    "logits_chunk": "lower chunk_tokens of the logprob kernel",
+    "reference": "set beta=0 (no reference model) or use a smaller model",
+    "weights": "use a smaller model or bf16 weights",
+    "grads": "use a smaller model or bf16 weights",
+}
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per term; `total` sums them. `table()` is the human-readable form printed at start."""
+
+    weights: int
+    grads: int
+    master_weights: int
+    optimizer: int
+    activations: int
+    logits_chunk: int
+    kv_cache: int
+    reference: int
+    num_params: int
+    activations_known: bool = True
+
+    @property
+    def terms(self) -> dict[str, int]:
+        skip = {"num_params", "activations_known"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+
+    @property
+    def total(self) -> int:
+        return sum(self.terms.values())
+
+    def table(self) -> str:
+        lines = [f"memory estimate ({self.num_params / 1e6:.1f}M parameters)"]
+        for name, value in self.terms.items():
+            note = "  (unknown: pass a model config)" if name == "activations" and not self.activations_known else ""
+            lines.append(f"  {name:<15} {value / GIB:9.3f} GiB{note}")
+        lines.append(f"  {'total':<15} {self.total / GIB:9.3f} GiB")
+        return "\n".join(lines)
+
+
+def _get(config, name, default=None):
+    return config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
+
+
+def _shape(config) -> dict[str, int]:
+    hidden = int(_get(config, "hidden_size"))
+    heads = int(_get(config, "num_attention_heads"))
+    head_dim = int(_get(config, "head_dim", None) or hidden // heads)
+    return {
+        "H": hidden, "L": int(_get(config, "num_hidden_layers")), "I": int(_get(config, "intermediate_size")),
+        "Q": heads * head_dim, "K": int(_get(config, "num_key_value_heads", None) or heads) * head_dim,
+        "V": int(_get(config, "vocab_size")),
+    }
+
+
+def count_parameters(config) -> int:
+    """Parameters of a Llama/Qwen2-style decoder from its config (biases on q/k/v when attention_bias or Qwen2)."""
+    s = _shape(config)
+    h, q, k = s["H"], s["Q"], s["K"]
+    qkv_bias = bool(_get(config, "attention_bias", False)) or _get(config, "model_type") == "qwen2"
+    attn = h * q + 2 * h * k + q * h + ((q + 2 * k) if qkv_bias else 0)
+    layer = attn + 3 * h * s["I"] + 2 * h  # MLP gate/up/down and two RMSNorm weights
+    tied = bool(_get(config, "tie_word_embeddings", False))
+    return s["V"] * h * (1 if tied else 2) + s["L"] * layer + h
+
+
+def _dtype_bytes(dtype) -> int:
+    if isinstance(dtype, torch.dtype):
+        return torch.empty((), dtype=dtype).element_size()
+    if dtype not in _BYTES:
+        raise ConfigError(f"memory estimate dtype={dtype!r} is not known; use one of {sorted(_BYTES)}")
+    return _BYTES[dtype]
+
+
+def _activation_bytes(s, b, token_budget, gradient_checkpointing) -> int:
+    per_layer_token = b * (7 * s["H"] + 3 * s["K"] + 4 * s["I"]) + 4 * 2 * s["H"]
+    # Embedding output and the final hidden states fed to the logprob kernel.
+    outer = 2 * b * s["H"]
+    if gradient_checkpointing:
+        return token_budget * (s["L"] * b * s["H"] + per_layer_token + outer)
+    return token_budget * (s["L"] * per_layer_token + outer)
+
+
+def estimate_memory(
+    model_config_or_num_params,
+    *,
+    dtype="bf16",
+    optimizer: str = "adamw",
+    master_weights_fp32: bool = True,
+    token_budget: int = 4096,
+    gradient_checkpointing: bool = False,
+    kv_cache_bytes: int = 0,
+    reference_model: bool = False,
+    chunk_tokens: int = 1024,
+) -> MemoryEstimate:
+    """Bytes needed to train (see the module docstring for every term). Pass an HF config (or a dict of its
+    fields) for activations and logits; a bare parameter count gives weights and optimizer terms only."""
+    if optimizer not in _OPTIMIZERS:
+        raise ConfigError(f"memory estimate optimizer={optimizer!r} is not known; use one of {list(_OPTIMIZERS)}")
+    b = _dtype_bytes(dtype)
+    known = not isinstance(model_config_or_num_params, int)
+    s = _shape(model_config_or_num_params) if known else None
+    p = count_parameters(model_config_or_num_params) if known else int(model_config_or_num_params)
+    master = 4 * p if master_weights_fp32 and b != 4 else 0
+    state_bytes = 4 if (master_weights_fp32 or b == 4) else b
+    opt = {"adamw": 2 * state_bytes * p, "adamw_8bit": 2 * p, "sgd": 0}[optimizer]
+    activations = _activation_bytes(s, b, token_budget, gradient_checkpointing) if known else 0
+    logits = min(chunk_tokens, token_budget) * s["V"] * (b + 3 * 4) if known else 0
+    return MemoryEstimate(
+        weights=p * b, grads=p * b, master_weights=master, optimizer=opt, activations=activations,
+        logits_chunk=logits, kv_cache=int(kv_cache_bytes), reference=p * b if reference_model else 0,
+        num_params=p, activations_known=known,
+    )
+
+
+def check_fits(estimate: MemoryEstimate, device_free_bytes: int, *, headroom: float = 0.9) -> None:
+    """Raise ConfigError, naming the biggest terms and what to lower, when the estimate exceeds
+    `headroom` x free device memory (the rest covers allocator fragmentation and CUDA workspaces)."""
+    budget = int(device_free_bytes * headroom)
+    if estimate.total <= budget:
+        return
+    ranked = sorted(((v, k) for k, v in estimate.terms.items() if v > 0), reverse=True)[:3]
+    advice = "; ".join(f"{k} {v / GIB:.2f} GiB: {_ADVICE[k]}" for v, k in ranked)
+    raise ConfigError(
+        f"the run needs about {estimate.total / GIB:.2f} GiB but the device has {device_free_bytes / GIB:.2f} GiB "
+        f"free ({headroom:.0%} usable = {budget / GIB:.2f} GiB). Biggest terms: {advice}.\n{estimate.table()}"
+    )
+
+
+def device_free_bytes(device: torch.device | str | None = None) -> int | None:
+    """Free bytes on a CUDA device (None on the CPU, where the check is skipped)."""
+    device = torch.device(device) if device is not None else None
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)

@@ -1,0 +1,67 @@
+"""Memory estimate arithmetic, worked by hand for a small Llama config, and the fit check."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from cohort.errors import ConfigError
+from cohort.memory import GIB, check_fits, count_parameters, estimate_memory
+
+# H=64, L=2, I=128, 4 heads of 16, 2 KV heads -> K = 32, vocab 100, untied.
+CFG = LlamaConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=False)
+# attention 64*64 (q) + 2*64*32 (k, v) + 64*64 (o) = 12288; MLP 3*64*128 = 24576; norms 2*64 = 128
+# -> 36992 per layer, x2 = 73984; embeddings + LM head 2*100*64 = 12800; final norm 64 -> 86848.
+P = 86848
+
+
+def test_parameter_count_by_hand_and_against_transformers():
+    assert count_parameters(CFG) == P
+    with torch.device("meta"):
+        assert sum(p.numel() for p in LlamaForCausalLM(CFG).parameters()) == P
+        qwen = Qwen2Config(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True)
+        assert count_parameters(qwen) == sum(p.numel() for p in Qwen2ForCausalLM(qwen).parameters())
+        smol = LlamaConfig(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                           num_key_value_heads=3, intermediate_size=1536, tie_word_embeddings=True)
+        assert count_parameters(smol) == 134_515_008
+
+
+def test_bf16_adamw_master_weights_by_hand():
+    est = estimate_memory(CFG, dtype="bf16", token_budget=10, chunk_tokens=4, kv_cache_bytes=1000,
+                          reference_model=True)
+    assert est.weights == 2 * P and est.grads == 2 * P and est.reference == 2 * P
+    assert est.master_weights == 4 * P
+    assert est.optimizer == 8 * P  # two fp32 moments
+    # per layer and token: 2 bytes * (7*64 + 3*32 + 4*128 = 1056) + 4 * 2*64 = 2624; outer 2*2*64 = 256
+    assert est.activations == 10 * (2 * 2624 + 256)
+    assert est.logits_chunk == 4 * 100 * (2 + 12)
+    assert est.kv_cache == 1000
+    assert est.total == 2 * P * 3 + 4 * P + 8 * P + 55040 + 5600 + 1000
+
+
+def test_checkpointing_bf16_optimizer_fp32_and_param_count_only():
+    est = estimate_memory(CFG, dtype="bf16", master_weights_fp32=False, token_budget=10,
+                          gradient_checkpointing=True)
+    assert est.master_weights == 0 and est.optimizer == 4 * P  # two bf16 moments
+    assert est.activations == 10 * (2 * 2 * 64 + 2624 + 256)
+    fp32 = estimate_memory(CFG, dtype=torch.float32, optimizer="sgd", token_budget=10)
+    assert fp32.master_weights == 0 and fp32.optimizer == 0 and fp32.weights == 4 * P
+    bare = estimate_memory(1_000_000, dtype="bf16", optimizer="adamw_8bit")
+    assert bare.activations == 0 and bare.logits_chunk == 0 and bare.optimizer == 2_000_000
+    assert "unknown" in bare.table() and "total" in bare.table()
+
+
+def test_check_fits_names_what_to_lower():
+    est = estimate_memory(CFG, token_budget=100_000)  # activations dominate: 100k * 5504 bytes = 0.51 GiB
+    check_fits(est, device_free_bytes=2 * GIB)
+    with pytest.raises(ConfigError, match="activations") as info:
+        check_fits(est, device_free_bytes=est.total)  # 90% headroom -> does not fit
+    assert "gradient_checkpointing" in str(info.value) and "token budget" in str(info.value)
+
+
+def test_bad_names():
+    with pytest.raises(ConfigError, match="optimizer='lion'"):
+        estimate_memory(CFG, optimizer="lion")
+    with pytest.raises(ConfigError, match="dtype='int3'"):
+        estimate_memory(CFG, dtype="int3")
