@@ -85,6 +85,13 @@ class Scheduler:
         return ScheduledStep(True, seqs, units, copies)
 
     def _schedule_decode(self) -> ScheduledStep:
+        # Fast path (almost every step): the blocks that sequences crossing a boundary need are free.
+        size = self.blocks.block_size
+        needing = [s for s in self.running if (len(s.token_ids) - 1) // size >= len(s.block_table)]
+        if len(needing) <= self.blocks.num_free_blocks:
+            for seq in needing:
+                self.blocks.append_block(seq)
+            return ScheduledStep(False, list(self.running))
         scheduled: list[Sequence] = []
         while self.running:
             seq = self.running.popleft()
