@@ -149,3 +149,11 @@ def test_rows_not_multiple_of_group():
 def test_nanstd_bessel():
     # [1, 2, nan, 4]: mean 7/3; squares 16/9 + 1/9 + 25/9 = 42/9; / 2 = 7/3
     assert nanstd(torch.tensor([1.0, 2.0, NAN, 4.0])).item() == pytest.approx(math.sqrt(7 / 3))
+
+
+def test_trl_boolean_scale_rewards():
+    r = torch.tensor([1.0, 0.0, 3.0, 3.0])
+    torch.testing.assert_close(compute_advantages(r, 2, scale_rewards=False).advantages,
+                               compute_advantages(r, 2, scale_rewards="none").advantages)
+    torch.testing.assert_close(compute_advantages(r, 2, scale_rewards=True).advantages,
+                               compute_advantages(r, 2, scale_rewards="group").advantages)

@@ -146,8 +146,15 @@ def compute_advantages(
     Rows whose every function is NaN get ``A = 0`` and are left out of every mean and std. A group whose
     rewards are all equal has ``std = 0`` and so ``A = 0 / eps = 0`` (no NaN).
 
+    Pass whole groups (gather rewards across ranks first): the statistics are per group, and ``batch`` /
+    ``normalize_then_sum`` use the whole tensor. ``scale_rewards`` also accepts TRL's booleans (True = group,
+    False = none).
+
     Raises ValueError for ``num_generations < 2``, a row count not a multiple of it, or unknown options.
     """
+    # TRL also accepts booleans: True is "group", False is "none".
+    if isinstance(scale_rewards, bool):
+        scale_rewards = "group" if scale_rewards else "none"
     _check_args(rewards, num_generations, scale_rewards, estimator, multi_objective_aggregation)
     per_func = rewards.unsqueeze(1) if rewards.dim() == 1 else rewards
     per_func = per_func.to(torch.promote_types(per_func.dtype, torch.float32))
