@@ -29,7 +29,8 @@ def sampler_is_weights(
     clip_min: float | None = None,
     clip_max: float | None = 3.0,
 ) -> torch.Tensor:
-    """Train/inference mismatch weights ``w = pi_old / pi_sampler`` (TRL 1.16 semantics).
+    """Train/inference mismatch weights ``w = pi_old / pi_sampler`` (TRL 1.16 semantics): truncated IS (TIS,
+    Yao et al. 2025) for ``*_truncate``, masked IS (MIS, Liu et al. 2025) for ``*_mask``.
 
     ``delta_t = (old_logprobs_t - sampling_logprobs_t) * m_t`` (NaN -> 0, i.e. weight 1 for unreported tokens).
     Token modes: ``w_t = exp(delta_t)`` [B, T]. Sequence modes: ``w = exp(sum_t delta_t)`` [B, 1].
@@ -68,7 +69,7 @@ def off_policy_sequence_mask(
 
 @torch.no_grad()
 def entropy_quantile_threshold(entropy: torch.Tensor, mask: torch.Tensor, top_quantile: float) -> torch.Tensor:
-    """The entropy value above which the top ``top_quantile`` fraction of loss tokens lies:
+    """The entropy value above which the top ``top_quantile`` fraction of loss tokens lies (arXiv:2506.01939):
     ``quantile(entropy[mask], 1 - top_quantile)`` (linear interpolation, as ``torch.quantile``).
     Compute it over all micro-batches of a step for exact gradient accumulation."""
     selected = entropy[mask.bool()].float()
