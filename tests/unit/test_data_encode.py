@@ -82,3 +82,11 @@ def test_conversational_without_chat_template(tok):
 def test_bad_prompt_type(tok):
     with pytest.raises(ConfigError, match=r"row 0 has a prompt of type int"):
         PromptDataset([{"prompt": 3}], source="x.jsonl").encode(tok)
+
+
+def test_chat_template_kwargs_reach_the_template():
+    tok = make_tiny_tokenizer()
+    tok.chat_template = tok.chat_template + "{% if think %}<think>{% endif %}"
+    ds = PromptDataset([{"prompt": [{"role": "user", "content": "hi"}]}])
+    plain, thinking = ds.encode(tok).prompt_ids[0], ds.encode(tok, chat_template_kwargs={"think": True}).prompt_ids[0]
+    assert tok.decode(thinking) == tok.decode(plain) + "<think>"

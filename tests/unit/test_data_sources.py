@@ -65,7 +65,9 @@ def test_datasets_folder_and_object(tmp_path):
     ds.save_to_disk(str(tmp_path / "saved"))
     loaded = load_prompt_dataset(str(tmp_path / "saved"))
     assert [r["prompt"] for r in loaded] == [r["prompt"] for r in ROWS]
-    datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(tmp_path / "dd"))
+    splits = datasets.DatasetDict({"train": ds, "test": ds.select([0])})
+    assert len(load_prompt_dataset(splits)) == 3 and len(load_prompt_dataset(splits, split="test")) == 1
+    splits.save_to_disk(str(tmp_path / "dd"))
     assert len(load_prompt_dataset(str(tmp_path / "dd"), split="test")) == 1
     with pytest.raises(ConfigError, match=r"has no split 'validation'; it has \['test', 'train'\]"):
         load_prompt_dataset(str(tmp_path / "dd"), split="validation")

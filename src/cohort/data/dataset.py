@@ -146,12 +146,17 @@ class PromptDataset(Sequence):
         return PromptBatch([r["prompt"] for r in rows], ids, columns, list(indices))
 
     def encode(
-        self, tokenizer: Any, max_prompt_length: int | None = None, truncation: Truncation = "left"
+        self,
+        tokenizer: Any,
+        max_prompt_length: int | None = None,
+        truncation: Truncation = "left",
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> PromptDataset:
         """Tokenise every prompt; return a new dataset with `prompt_ids` and `stats` set.
 
         truncation="left" keeps the last `max_prompt_length` tokens (TRL's `truncation_side="left"`: the end of
         the prompt, where the question and the generation prompt are, survives); "drop" removes the row.
+        chat_template_kwargs: extra template variables (TRL's option of that name, e.g. enable_thinking).
         """
         if truncation not in ("left", "drop"):
             raise ConfigError(f"truncation={truncation!r} is not supported; use 'left' (keep the end) or 'drop'.")
@@ -160,7 +165,7 @@ class PromptDataset(Sequence):
         stats = EncodeStats(num_prompts=len(self.rows), max_prompt_length=max_prompt_length)
         kept_rows, kept_ids = [], []
         for i, row in enumerate(self.rows):
-            ids = _tokenize_prompt(tokenizer, row["prompt"], self.source, i)
+            ids = _tokenize_prompt(tokenizer, row["prompt"], self.source, i, dict(chat_template_kwargs or {}))
             stats.longest_prompt_tokens = max(stats.longest_prompt_tokens, len(ids))
             if max_prompt_length is not None and len(ids) > max_prompt_length:
                 if truncation == "drop":
@@ -179,7 +184,7 @@ class PromptDataset(Sequence):
         return PromptDataset(kept_rows, self.source, kept_ids, stats)
 
 
-def _tokenize_prompt(tokenizer: Any, prompt: Any, source: str, index: int) -> list[int]:
+def _tokenize_prompt(tokenizer: Any, prompt: Any, source: str, index: int, template_kwargs: dict[str, Any]) -> list[int]:
     if isinstance(prompt, str):
         return list(tokenizer(prompt)["input_ids"])
     if not is_conversational(prompt):
@@ -192,7 +197,9 @@ def _tokenize_prompt(tokenizer: Any, prompt: Any, source: str, index: int) -> li
             f"Dataset {source!r} has conversational prompts but the tokenizer has no chat template. Set "
             "tokenizer.chat_template, or use text prompts (load them without conversational=True)."
         )
-    out = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
+    out = tokenizer.apply_chat_template(
+        prompt, add_generation_prompt=True, tokenize=True, return_dict=True, **template_kwargs
+    )
     ids = out["input_ids"]
     # Some tokenizers return a batch of one for a single conversation.
     if ids and isinstance(ids[0], list):

@@ -76,6 +76,8 @@ def _load_rows(source: Any, *, split: str, seed: int, **kwargs: Any) -> list[dic
         return [dict(r) for r in source]
     if callable(source) and not isinstance(source, str):
         return _rows_from_object(source(**kwargs), getattr(source, "__name__", repr(source)))
+    if isinstance(source, Mapping) and source and all(hasattr(v, "to_list") for v in source.values()):
+        return list(_pick_split(source, split, type(source).__name__).to_list())  # a DatasetDict
     if not isinstance(source, str):
         return _rows_from_object(source, type(source).__name__)
     if source.startswith(REASONING_GYM_PREFIX):
