@@ -248,3 +248,25 @@ def test_bad_policy_and_timeout_values():
         RewardRunner([length], on_error="ignore")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="timeout_s=0"):
         RewardRunner([length], timeout_s=0)
+
+
+def test_partial_bound_settings_are_not_overridden_by_columns():
+    import functools
+
+    def scaled(completion_ids, scale, **kwargs):
+        return [scale * len(ids) for ids in completion_ids]
+
+    runner = RewardRunner([functools.partial(scaled, scale=2.0)])
+    assert runner.names == ["scaled"]
+    result = runner(PROMPTS, COMPLETIONS, IDS, {"scale": [100.0, 100.0, 100.0]})
+    assert result.rewards[:, 0].tolist() == [6.0, 4.0, 2.0]
+
+
+def test_callable_instance_with_async_call():
+    class Judge:
+        async def __call__(self, completions, **kwargs):
+            await asyncio.sleep(0)
+            return [float(len(c)) for c in completions]
+
+    result = RewardRunner([Judge()])(PROMPTS, COMPLETIONS, IDS)
+    assert result.names == ["Judge"] and result.rewards[:, 0].tolist() == [8.0, 8.0, 5.0]

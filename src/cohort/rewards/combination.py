@@ -93,6 +93,7 @@ class RewardRunner:
         self.timeout_s = timeout_s
         self.on_error = on_error
         self._signatures = [accepted_kwargs(f) for f in self.funcs]
+        self._bound = [set(getattr(f, "keywords", None) or {}) for f in self.funcs]  # functools.partial settings
         self.total_errors = dict.fromkeys(self.names, 0)  # cumulative over the run, for the final report
 
     def __call__(
@@ -136,7 +137,9 @@ class RewardRunner:
                 f"Reward function {self.names[i]!r} needs argument(s) {missing}, but the dataset columns are "
                 f"{columns}. Add the column(s) to the dataset (or rename one with columns={{'old': 'new'}})."
             )
-        return dict(batch) if accepted is None else {k: v for k, v in batch.items() if k in accepted}
+        if accepted is None:
+            return {k: v for k, v in batch.items() if k not in self._bound[i]}
+        return {k: v for k, v in batch.items() if k in accepted}
 
     def _run_sync(self, i: int, kwargs: dict[str, Any]) -> tuple[str, Any]:
         fn = self.funcs[i]

@@ -66,16 +66,21 @@ def excerpt(value: Any, limit: int = 80) -> str:
 
 
 def accepted_kwargs(fn: Callable[..., Any]) -> tuple[set[str] | None, set[str]]:
-    """(names the function accepts, or None when it takes **kwargs; names it requires without default)."""
-    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else getattr(fn, "__call__", fn)  # noqa: B004
+    """(names the function accepts, or None when it takes **kwargs; names it requires without default).
+
+    Keywords already bound by functools.partial are neither accepted nor required: a dataset column of the
+    same name must not override a setting the user bound.
+    """
     try:
-        params = list(inspect.signature(target).parameters.values())
+        params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return None, set()
-    required = {p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    bound = set(getattr(fn, "keywords", None) or {})
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in bound]
+    required = {p.name for p in named if p.default is p.empty}
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return None, required
-    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}, required
+    return {p.name for p in named}, required
 
 
 def to_reward(value: Any) -> float | None:
