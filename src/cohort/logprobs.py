@@ -9,7 +9,7 @@ chunk's logits (plus its softmax), whatever the number of tokens.
 
 Gradients, with z = logits / T and p = softmax(z):
   d logp[label] / dz = onehot(label) - p
-  d H / dz           = -p * (z - sum(p * z))            (H = logsumexp(z) - sum(p * z))
+  d H / dz           = -p * (log p - sum(p * log p))    (H = -sum(p * log p))
 and dz / d(raw logits) = 1 / T.
 """
 
@@ -24,10 +24,32 @@ def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, te
     """fp32 scaled logits of one chunk, their logsumexp, and the chosen tokens' logprobs."""
     z = (h @ weight.t()).float()
     if temperature != 1.0:
-        z = z / temperature
+        z.div_(temperature)
     lse = torch.logsumexp(z, dim=-1)
     chosen = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
     return z, lse, chosen
+
+
+def _chunk_grad(h, weight, labels, temperature, grad_lp, grad_ent):
+    """d loss / d raw logits of one chunk, in the weights' dtype. Only two [chunk, V] fp32 buffers live at
+    once (z and p): every update is in place."""
+    z, lse, _ = _chunk_stats(h, weight, labels, temperature)
+    z.sub_(lse.unsqueeze(-1))  # z now holds log p (shift-invariant gradients, better precision)
+    p = z.exp()
+    if grad_ent is not None:
+        # dH/dz = -p * (log p - E_p[log p]); z becomes the gradient buffer.
+        mean_logp = torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1, 1)
+        z.sub_(mean_logp).mul_(p).mul_(-grad_ent.float().unsqueeze(-1))
+    else:
+        z.zero_()
+    if grad_lp is not None:
+        gl = grad_lp.float().unsqueeze(-1)
+        z.addcmul_(p, gl, value=-1.0)  # d logp / dz = onehot - p
+        z.scatter_add_(-1, labels.unsqueeze(-1), gl)
+    del p
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z.to(weight.dtype)
 
 
 class _SelectiveLogprobs(torch.autograd.Function):
@@ -43,7 +65,9 @@ class _SelectiveLogprobs(torch.autograd.Function):
             z, lse, chosen = _chunk_stats(hidden[start:end], weight, labels[start:end], temperature)
             logprobs[start:end] = chosen
             if entropy is not None:
-                entropy[start:end] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+                # H = -sum p log p on log p = z - lse: no cancellation between two large numbers.
+                logp = z.sub_(lse.unsqueeze(-1))
+                entropy[start:end] = -torch.bmm(logp.exp().unsqueeze(1), logp.unsqueeze(2)).view(-1)
             del z
         ctx.save_for_backward(hidden, weight, labels)
         ctx.temperature = temperature
@@ -67,23 +91,15 @@ class _SelectiveLogprobs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             end = min(start + chunk, hidden.shape[0])
             h = hidden[start:end]
-            z, lse, _ = _chunk_stats(h, weight, labels[start:end], temperature)
-            p = torch.exp(z - lse.unsqueeze(-1))
-            g = torch.zeros_like(z)
-            if grad_logprobs is not None:
-                gl = grad_logprobs[start:end].float().unsqueeze(-1)
-                g.scatter_(-1, labels[start:end].unsqueeze(-1), gl)
-                g.sub_(p * gl)
-            if use_entropy:
-                mean_z = (p * z).sum(-1, keepdim=True)
-                g.sub_(p * (z - mean_z) * grad_entropy[start:end].float().unsqueeze(-1))
-            del z, p
-            if temperature != 1.0:
-                g.div_(temperature)
+            g = _chunk_grad(h, weight, labels[start:end], temperature,
+                            None if grad_logprobs is None else grad_logprobs[start:end],
+                            grad_entropy[start:end] if use_entropy else None)
             if need_h:
-                grad_h[start:end] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_h[start:end] = (g @ weight).to(hidden.dtype)
             if need_w:
-                grad_w.addmm_(g.t(), h.float())
+                # Matmul in the weights' dtype (bf16 tensor cores), sum over chunks in fp32.
+                grad_w.add_(g.t() @ h)
+            del g
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None

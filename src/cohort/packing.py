@@ -19,7 +19,7 @@ through `cohort.logprobs.selective_logprobs_and_entropy`, so [tokens, vocab] log
 
 from __future__ import annotations
 
-import contextlib
+import contextvars
 import inspect
 import itertools
 from collections.abc import Sequence
@@ -99,14 +99,28 @@ def _segment_sdpa(query, key, value, cu_seqlens, scaling):
     return torch.cat(outs, dim=2).transpose(1, 2)
 
 
+# Set only while a packed forward builds its masks; the attention kernels themselves key off cu_seq_lens,
+# which autograd's checkpoint recomputation replays, so backward needs no flag.
+_PACKED_MASKS = contextvars.ContextVar("cohort_packed_masks", default=False)
+
+
+def _fallback_name(config) -> str:
+    """The model's own attention implementation, used for every call that is not a packed forward."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = getattr(config, "_cohort_fallback_attn", None) or "sdpa"
+    # "eager" lives in each modeling file, not in the registry; sdpa computes the same thing.
+    return name if name in ALL_ATTENTION_FUNCTIONS else "sdpa"
+
+
 def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention function for packed rows; needs `cu_seq_lens_q` and `max_length_q` kwargs."""
+    """transformers attention function: packed rows (cu_seq_lens_q given) or the model's own attention."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
-        raise RuntimeError(
-            f"attention implementation {VARLEN_IMPL!r} only serves cohort's packed forward (it needs "
-            "cu_seq_lens_q); use packed_forward_logprobs, or set the model back to 'sdpa'"
-        )
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        fallback = ALL_ATTENTION_FUNCTIONS[_fallback_name(module.config)]
+        return fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if query.shape[0] != 1:
         raise RuntimeError(f"packed forward expects one row, got a batch of {query.shape[0]}")
     use_flash = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _has_varlen_attn()
@@ -117,33 +131,41 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     return _segment_sdpa(query, key, value, cu, scaling), None
 
 
-def _no_mask(*args, **kwargs):
-    """Mask factory for VARLEN_IMPL: boundaries come from cu_seqlens, so no mask tensor is built."""
-    return None
+def _varlen_mask(*args, config=None, **kwargs):
+    """No mask tensor inside a packed forward (boundaries come from cu_seqlens); the model's own mask otherwise."""
+    if _PACKED_MASKS.get():
+        return None
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    return ALL_MASK_ATTENTION_FUNCTIONS[_fallback_name(config)](*args, config=config, **kwargs)
 
 
-def register_varlen_attention() -> None:
-    """Make VARLEN_IMPL known to transformers (idempotent)."""
+def enable_packed_attention(model) -> None:
+    """Route the model's attention through VARLEN_IMPL (idempotent).
+
+    The switch is permanent on purpose: gradient checkpointing recomputes layers during backward, after any
+    context manager would have exited, and the recomputation must use the same kernel. Calls without
+    cu_seq_lens (generate, ordinary forwards) go to the model's previous implementation unchanged.
+    Flash-attention models already understand cu_seq_lens and are left alone.
+    """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(VARLEN_IMPL, varlen_attention_forward)
-    AttentionMaskInterface.register(VARLEN_IMPL, _no_mask)
-
-
-@contextlib.contextmanager
-def _attention_impl(model, name: str | None):
-    """Temporarily switch the model's attention function (generation keeps using the original one)."""
     config = model.config
-    old = config._attn_implementation
-    if name is None or name == old:
-        yield
+    current = str(config._attn_implementation)
+    if current == VARLEN_IMPL or current.startswith("flash_attention"):
         return
-    config._attn_implementation = name
-    try:
-        yield
-    finally:
-        config._attn_implementation = old
+    AttentionInterface.register(VARLEN_IMPL, varlen_attention_forward)
+    AttentionMaskInterface.register(VARLEN_IMPL, _varlen_mask)
+    config._cohort_fallback_attn = current
+    config._attn_implementation = VARLEN_IMPL
+
+
+def disable_packed_attention(model) -> None:
+    """Undo `enable_packed_attention` (the model's previous attention implementation comes back)."""
+    config = model.config
+    if config._attn_implementation == VARLEN_IMPL:
+        config._attn_implementation = getattr(config, "_cohort_fallback_attn", None) or "sdpa"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -210,15 +232,16 @@ def packed_forward_logprobs(
         raise ValueError("packed_forward_logprobs got no sequences")
     device = model.get_input_embeddings().weight.device
     input_ids, position_ids, cu, hidden_idx, labels, offsets = _pack(sequences, device)
-    impl, kwargs = None, {}
+    kwargs = {}
     if attn == "varlen":
+        enable_packed_attention(model)
         max_len = int((cu[1:] - cu[:-1]).max())
         kwargs = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
-        if not str(model.config._attn_implementation).startswith("flash_attention"):
-            register_varlen_attention()
-            impl = VARLEN_IMPL
-    with _attention_impl(model, impl):
+    token = _PACKED_MASKS.set(attn == "varlen")
+    try:
         out = _decoder(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
+    finally:
+        _PACKED_MASKS.reset(token)
     hidden = out.last_hidden_state[0].index_select(0, hidden_idx)
     weight = model.get_output_embeddings().weight
     logprobs, entropy = selective_logprobs_and_entropy(

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from cohort.packing import packed_forward_logprobs
+from cohort.packing import disable_packed_attention, packed_forward_logprobs
 
 VOCAB = 97
 
@@ -23,8 +23,10 @@ def _tiny(arch):
 def _sequences():
     g = torch.Generator().manual_seed(3)
     lens = [(5, 7), (3, 1), (9, 12), (1, 4), (6, 0), (2, 9)]
-    return [(torch.randint(0, VOCAB, (p,), generator=g).tolist(), torch.randint(0, VOCAB, (c,), generator=g).tolist())
-            for p, c in lens]
+    def ids(n):
+        return torch.randint(0, VOCAB, (n,), generator=g).tolist()
+
+    return [(ids(p), ids(c)) for p, c in lens]
 
 
 def _padded_reference(model, sequences, temperature):
@@ -51,7 +53,7 @@ def _grads(model):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("attn", ["varlen", "native"])
+@pytest.mark.parametrize("attn", ["varlen", "native", "varlen+checkpointing"])
 def test_packed_equals_padded(arch, attn, monkeypatch):
     import cohort.packing as packing
 
@@ -59,9 +61,14 @@ def test_packed_equals_padded(arch, attn, monkeypatch):
     real = packing._segment_sdpa
     monkeypatch.setattr(packing, "_segment_sdpa", lambda *a: calls.append(1) or real(*a))
     model = _tiny(arch)
+    if attn.endswith("checkpointing"):
+        # Recomputation in backward must use the same (packed) attention as the forward did.
+        model.gradient_checkpointing_enable()
+        model.train()
     seqs = _sequences()
     temperature = 0.8
-    packed = packed_forward_logprobs(model, seqs, temperature=temperature, chunk_tokens=5, attn=attn)
+    kernel = attn.split("+")[0]
+    packed = packed_forward_logprobs(model, seqs, temperature=temperature, chunk_tokens=5, attn=kernel)
     weights = [torch.linspace(-1, 1, len(c)) for _, c in seqs]
     loss = sum((lp * w).sum() + 0.1 * ent.sum() for (lp, ent), w in zip(packed.split(), weights))
     loss.backward()
@@ -78,7 +85,8 @@ def test_packed_equals_padded(arch, attn, monkeypatch):
     for name in g_ref:
         torch.testing.assert_close(g_packed[name], g_ref[name], rtol=1e-3, atol=1e-5, msg=name)
     assert float(loss_ref.detach()) != 0.0
-    assert len(calls) == (2 if attn == "varlen" else 0)  # one per layer on the CPU varlen path
+    # One call per layer on the CPU varlen path (and one more per layer when checkpointing recomputes).
+    assert len(calls) == {"varlen": 2, "native": 0, "varlen+checkpointing": 4}[attn]
 
 
 def test_padded_layout_and_no_grad_mode():
@@ -92,8 +100,15 @@ def test_padded_layout_and_no_grad_mode():
     assert pad.shape == (6, 12)
     assert torch.equal(pad[1, 1:], torch.zeros(11)) and pad[1, 0] == packed.logprobs[7]
     assert (packed.logprobs < 0).all()
-    # The model's attention setting is restored after the packed forward.
-    assert model.config._attn_implementation == "sdpa"
+    # Ordinary (padded, masked) forwards after a packed one still use the model's own attention.
+    ids = torch.tensor([[5, 6, 7, 8], [0, 0, 9, 10]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    with torch.no_grad():
+        after = model(input_ids=ids, attention_mask=mask).logits
+        disable_packed_attention(model)
+        assert model.config._attn_implementation == "sdpa"
+        before = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(after, before)
 
 
 def test_rejects_empty_prompt():
