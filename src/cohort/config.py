@@ -1,0 +1,304 @@
+"""Every setting of a cohort run, with its default, in one place.
+
+A run is configured by `CohortConfig`, a tree of dataclasses. Field names follow TRL's `GRPOConfig` where
+the concept is the same (num_generations, max_completion_length, temperature, beta, epsilon, loss_type,
+scale_rewards, num_iterations, ...), grouped into sections so a YAML recipe reads top to bottom:
+
+    model:      what to train            generation: how completions are sampled
+    data:       where prompts come from  reward:     how completions are scored
+    loss:       the policy loss variant  advantage:  how rewards become advantages
+    train:      batch schedule, optimiser, precision
+    run:        output directory, logging, checkpoints, evaluation
+
+Batch semantics, stated once: each step takes `train.prompts_per_step` prompts and samples
+`generation.num_generations` completions for each. The step's completions are split into
+`train.mini_batches` optimiser updates (verl's ppo_mini_batch), and the whole set is passed over
+`train.num_iterations` times (TRL's num_iterations, PPO epochs). `train.token_budget` only caps the tokens of
+one forward/backward (micro-batch): it changes speed and memory, never the maths.
+
+Recipes are YAML files with the same tree; `apply_overrides` takes `section.field=value` strings from the
+command line. Unknown keys fail with a "did you mean" suggestion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cohort.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = "smollm2-135m-instruct"  # hub id, local folder, .gguf file, or a cohort alias
+    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    gguf_file: str | None = None
+    attn_implementation: str | None = None
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DataConfig:
+    source: str = "reasoning_gym:chain_sum"  # file path, datasets name, reasoning_gym:<task>, or "pkg.mod:fn"
+    options: dict[str, Any] = field(default_factory=dict)  # passed to the source (e.g. task settings)
+    split: str = "train"
+    prompt_column: str = "prompt"
+    system_prompt: str | None = None
+    max_prompt_length: int = 512
+    truncation: str = "left"  # left: keep the end of a long prompt (TRL); drop: skip the row
+    eval_source: str | None = None  # default: a held-out split of `source`
+    eval_options: dict[str, Any] = field(default_factory=dict)
+    eval_size: int = 0
+
+
+@dataclass
+class GenerationConfig:
+    num_generations: int = 8
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_strings: list[str] = field(default_factory=list)
+    mask_truncated_completions: bool = False
+    engine: str = "auto"  # auto: cohort's engine on GPU when the architecture is supported, else hf
+    kv_cache_fraction: float = 0.3
+    generation_batch_size: int | None = None  # hf engine only: prompts per generate call
+
+
+@dataclass
+class RewardConfig:
+    funcs: list[Any] = field(default_factory=lambda: ["accuracy"])  # names, "pkg.mod:fn", or {name: kwargs}
+    reward_weights: list[float] | None = None
+    timeout_s: float | None = None
+    on_error: str = "raise"  # raise | skip (the sample's reward becomes None and is counted)
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more
+    max_resample_tries: int = 3
+
+
+@dataclass
+class AdvantageConfig:
+    scale_rewards: str = "group"  # group | batch | none (Dr. GRPO)
+    estimator: str = "grpo"  # grpo | rloo
+    multi_objective_aggregation: str = "sum_then_normalize"
+
+
+@dataclass
+class LossConfig:
+    """The policy loss: a name from the loss table (or "pkg.mod:Factory") and that loss's own parameters.
+
+    Unset (None) parameters take the loss's default (see docs/algorithms.md). Any parameter of the chosen
+    loss can be set as `loss.<name>=value` (e.g. loss.sapo_temperature_neg=1.1, loss.kl_estimator=k1); keys
+    that are not fields here are kept in `params` and checked against the loss, with a "did you mean".
+    """
+
+    loss_type: str = "dapo"
+    beta: float | None = None  # KL coefficient; > 0 loads a frozen reference model
+    epsilon: float | None = None
+    epsilon_high: float | None = None
+    delta: float | None = None
+    importance_sampling_level: str | None = None  # token | sequence (GSPO)
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def loss_params(self) -> dict[str, Any]:
+        named = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                 if f.name not in ("loss_type", "params")}
+        return {**{k: v for k, v in named.items() if v is not None}, **self.params}
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    prompts_per_step: int = 16
+    mini_batches: int = 1
+    num_iterations: int = 1
+    token_budget: int = 16384
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    max_grad_norm: float = 1.0
+    lr_scheduler_type: str = "constant"  # constant | cosine
+    warmup_steps: int = 0
+    seed: int = 42
+    device: str = "auto"
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = "runs/default"
+    overwrite: bool = False
+    resume: bool = False
+    logging_steps: int = 1
+    save_steps: int = 0  # 0: only at the end
+    save_total_limit: int | None = 2
+    report_to: list[str] | None = None  # None: console, jsonl, and TensorBoard when installed; or wandb, trackio
+    log_completions: bool = False
+    eval_steps: int = 0  # 0: evaluate only before and after training
+    eval_num_samples: int = 1  # n completions per eval prompt (pass@n); greedy when 1
+    eval_max_prompts: int | None = None
+
+
+@dataclass
+class CohortConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def completions_per_step(self) -> int:
+        return self.train.prompts_per_step * self.generation.num_generations
+
+    def validate(self) -> CohortConfig:
+        """Check cross-field rules before any work; each error names the field, the value and the fix."""
+        g, t = self.generation, self.train
+        _require(g.num_generations >= 2, "generation.num_generations", g.num_generations,
+                 "GRPO normalises rewards within a group of completions of the same prompt; use 2 or more")
+        _require(t.prompts_per_step >= 1, "train.prompts_per_step", t.prompts_per_step, "use 1 or more")
+        _require(t.mini_batches >= 1 and t.prompts_per_step % t.mini_batches == 0, "train.mini_batches",
+                 t.mini_batches, f"it must divide train.prompts_per_step={t.prompts_per_step} so every "
+                 "optimiser update sees whole groups; choose a divisor")
+        _require(t.num_iterations >= 1, "train.num_iterations", t.num_iterations, "use 1 or more")
+        _require(t.max_steps >= 1, "train.max_steps", t.max_steps, "use 1 or more")
+        _require(g.max_completion_length >= 1, "generation.max_completion_length", g.max_completion_length,
+                 "use 1 or more")
+        _require(g.temperature >= 0, "generation.temperature", g.temperature, "use 0 (greedy) or more")
+        _require(0 < g.top_p <= 1, "generation.top_p", g.top_p, "use a value in (0, 1]")
+        _require(t.token_budget >= 1, "train.token_budget", t.token_budget, "use a positive token count")
+        _require(self.data.truncation in ("left", "drop"), "data.truncation", self.data.truncation,
+                 "use 'left' or 'drop'")
+        _require(g.engine in ("auto", "cohort", "hf"), "generation.engine", g.engine,
+                 "use 'auto', 'cohort' or 'hf'")
+        _require(self.reward.on_error in ("raise", "skip"), "reward.on_error", self.reward.on_error,
+                 "use 'raise' or 'skip'")
+        _require(t.lr_scheduler_type in ("constant", "cosine"), "train.lr_scheduler_type",
+                 t.lr_scheduler_type, "use 'constant' or 'cosine'")
+        from cohort.algorithms import build_policy_loss
+
+        build_policy_loss(self.loss.loss_type, self.loss.loss_params())  # unknown names fail here
+        weights = self.reward.reward_weights
+        _require(weights is None or len(weights) == len(self.reward.funcs), "reward.reward_weights", weights,
+                 f"give one weight per reward function ({len(self.reward.funcs)})")
+        return self
+
+
+def _require(ok: bool, name: str, value: Any, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}={value!r} is not valid: {fix}.")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# YAML and dotted overrides
+
+
+def _section_types() -> dict[str, type]:
+    return {f.name: f.default_factory().__class__ for f in dataclasses.fields(CohortConfig)}  # type: ignore[misc]
+
+
+def _did_you_mean(key: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(key, options, n=1, cutoff=0.6)
+    return f" Did you mean '{close[0]}'?" if close else f" Known keys: {', '.join(sorted(options))}."
+
+
+def _all_dotted_keys() -> list[str]:
+    keys = []
+    for name, cls in _section_types().items():
+        keys += [f"{name}.{f.name}" for f in dataclasses.fields(cls)]
+    return keys
+
+
+def _set(cfg: CohortConfig, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    sections = _section_types()
+    if parts[0] not in sections:
+        # a bare field name (e.g. "num_generations") is accepted when it is unique across sections
+        owners = [s for s, cls in sections.items() if parts[0] in {f.name for f in dataclasses.fields(cls)}]
+        if len(parts) == 1 and len(owners) == 1:
+            parts = [owners[0], parts[0]]
+        else:
+            raise ConfigError(f"Unknown config key '{dotted}'.{_did_you_mean(dotted, _all_dotted_keys())}")
+    if len(parts) < 2:
+        raise ConfigError(f"Config key '{dotted}' names a section; set one of its fields, e.g. "
+                          f"{parts[0]}.{dataclasses.fields(sections[parts[0]])[0].name}=...")
+    section = getattr(cfg, parts[0])
+    names = [f.name for f in dataclasses.fields(section)]
+    if parts[0] == "loss" and parts[1] not in names and len(parts) == 2:
+        section.params[parts[1]] = value  # a loss-specific parameter, checked by the loss itself
+        return
+    if parts[1] not in names:
+        raise ConfigError(f"Unknown config key '{dotted}'.{_did_you_mean(parts[1], names)} "
+                          f"(fields of '{parts[0]}': {', '.join(names)})")
+    if len(parts) > 2:  # into a dict-valued field, e.g. data.options.min_terms=2 or loss.params.tau_pos=1
+        target = getattr(section, parts[1])
+        if not isinstance(target, dict):
+            raise ConfigError(f"Config key '{dotted}': '{parts[0]}.{parts[1]}' is not a mapping.")
+        for p in parts[2:-1]:
+            target = target.setdefault(p, {})
+        target[parts[-1]] = value
+        return
+    setattr(section, parts[1], value)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and prefix == "":
+            out += _flatten(value, dotted + ".")
+        else:
+            out.append((dotted, value))
+    return out
+
+
+def config_from_dict(tree: dict[str, Any] | None, base: CohortConfig | None = None) -> CohortConfig:
+    cfg = base or CohortConfig()
+    for dotted, value in _flatten(tree or {}):
+        _set(cfg, dotted, value)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> CohortConfig:
+    """Read a YAML recipe (or the defaults when path is None), apply `key=value` overrides, validate."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"recipe={str(path)!r} does not exist; give the path to a YAML recipe "
+                              "(see recipes/ in the repository).")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"recipe={str(path)!r} is not valid YAML: {exc}") from exc
+        if not isinstance(tree, dict):
+            raise ConfigError(f"recipe={str(path)!r} must be a mapping of sections, got {type(tree).__name__}.")
+    cfg = config_from_dict(tree)
+    apply_overrides(cfg, overrides or [])
+    return cfg.validate()
+
+
+def apply_overrides(cfg: CohortConfig, overrides: list[str]) -> CohortConfig:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"Override {item!r} must look like section.field=value, e.g. loss.epsilon=0.3.")
+        key, raw = item.split("=", 1)
+        _set(cfg, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    return cfg
+
+
+def dump_config(cfg: CohortConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,54 @@
+"""Held-out evaluation: mean reward, accuracy and pass@k on prompts never trained on.
+
+Accuracy is read off the first reward function (by convention the correctness reward, e.g. `accuracy` or
+`reasoning_gym`): a completion counts as correct when that function gives it at least
+`correct_threshold` (1.0 by default, i.e. a fully correct answer). With `run.eval_num_samples = 1` decoding
+is greedy; with k > 1 it samples k completions at the training temperature and also reports pass@k (the
+share of prompts with at least one correct completion) next to the mean accuracy over all samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from cohort.config import CohortConfig
+
+
+@torch.no_grad()
+def evaluate(comp, cfg: CohortConfig, *, batch_prompts: int = 64, correct_threshold: float = 1.0
+             ) -> dict[str, float]:
+    k = max(1, cfg.run.eval_num_samples)
+    params = dataclasses.replace(comp.sampling_params, n=k, seed=cfg.train.seed,
+                                 temperature=0.0 if k == 1 else comp.sampling_params.temperature)
+    was_training = comp.policy.training
+    comp.policy.eval()
+    data = comp.eval_data
+    correct, rewards, passed = [], [], []
+    for start in range(0, len(data), batch_prompts):
+        idx = list(range(start, min(len(data), start + batch_prompts)))
+        batch = data.batch(idx)
+        groups = comp.engine.generate(batch.prompt_ids, params)
+        completions = [c for group in groups for c in group]
+        conversational = bool(batch.prompts) and isinstance(batch.prompts[0], list)
+        from cohort.rollout import decode_completions
+
+        texts = decode_completions(comp.tokenizer, completions, conversational)
+        rep = [i for i in range(len(idx)) for _ in range(k)]
+        result = comp.reward_runner(
+            prompts=[batch.prompts[i] for i in rep], completions=texts,
+            completion_ids=[c.token_ids for c in completions],
+            columns={name: [col[i] for i in rep] for name, col in batch.columns.items()},
+            trainer_state={"eval": True})
+        first = torch.nan_to_num(result.rewards[:, 0], nan=0.0)
+        ok = first >= correct_threshold - 1e-6
+        correct.append(ok.float())
+        rewards.append(torch.nan_to_num(result.rewards, nan=0.0).sum(dim=1))
+        passed.append(ok.view(-1, k).any(dim=1).float())
+    if was_training:
+        comp.policy.train()
+    out = {"accuracy": float(torch.cat(correct).mean()), "reward": float(torch.cat(rewards).mean())}
+    if k > 1:
+        out[f"pass@{k}"] = float(torch.cat(passed).mean())
+    return out

@@ -1,0 +1,86 @@
+"""Optimiser and learning-rate schedule.
+
+Precision policy (documented choice): on the GPU the policy's parameters live in bfloat16, so that the
+rollout engine and the training forward both read half-size weights in place; the optimiser keeps float32
+master weights and float32 Adam moments. A pure-bf16 AdamW would silently drop updates: with the usual RL
+learning rates (1e-6) an update is ~1e-5 of a weight's magnitude, below bf16's 2^-8 resolution. On the CPU
+(float32 parameters) the master copy is skipped and this is plain `torch.optim.AdamW`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+
+class MasterWeightAdamW(torch.optim.Optimizer):
+    """AdamW over float32 master copies of low-precision parameters.
+
+    step(): copy each parameter's gradient into its master (float32), run AdamW on the masters, and write
+    the result back into the low-precision parameter. State dict round-trips the masters, so a resumed run
+    continues from the exact float32 weights, not their bf16 rounding.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], **adamw_kwargs):
+        self.params = [p for p in params if p.requires_grad]
+        self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        self.inner = torch.optim.AdamW(self.masters, **adamw_kwargs)
+        # expose the inner param_groups so schedulers and logging see the real learning rate
+        super().__init__(self.masters, dict(self.inner.defaults))
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+        self.inner.step()
+        for p, m in zip(self.params, self.masters):
+            p.copy_(m)
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+        self.inner.zero_grad(set_to_none=True)
+
+    def state_dict(self):  # type: ignore[override]
+        return {"inner": self.inner.state_dict(), "masters": [m.detach().clone() for m in self.masters]}
+
+    def load_state_dict(self, state):  # type: ignore[override]
+        self.inner.load_state_dict(state["inner"])
+        with torch.no_grad():
+            for p, m, saved in zip(self.params, self.masters, state["masters"]):
+                m.copy_(saved)
+                p.copy_(saved)
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+
+
+def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
+                    ) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    kwargs = {"lr": lr, "weight_decay": weight_decay, "betas": betas}
+    if params and params[0].dtype in (torch.bfloat16, torch.float16):
+        return MasterWeightAdamW(params, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, *, kind: str, warmup_steps: int, total_steps: int
+                    ) -> LambdaLR:
+    """Linear warmup, then constant or cosine decay to zero over the remaining optimiser updates."""
+
+    def factor(update: int) -> float:
+        if warmup_steps > 0 and update < warmup_steps:
+            return (update + 1) / warmup_steps
+        if kind == "constant":
+            return 1.0
+        span = max(1, total_steps - warmup_steps)
+        progress = min(1.0, (update - warmup_steps) / span)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    target = optimizer.inner if isinstance(optimizer, MasterWeightAdamW) else optimizer
+    return LambdaLR(target, factor)

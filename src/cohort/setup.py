@@ -1,0 +1,184 @@
+"""Turn a `CohortConfig` into the live objects of a run, failing early on any bad input.
+
+Order matters: config checks, then the model (a missing path fails here), then data (a missing prompt
+column fails here), then rewards and the loss (unknown names fail here). Only after all of that does the
+trainer create the run directory, so a bad input never leaves a half-written run behind.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cohort.algorithms import build_policy_loss
+from cohort.config import CohortConfig
+from cohort.data import drop_overlap, load_prompt_dataset, reasoning_gym_eval_set, train_eval_split
+from cohort.errors import ConfigError
+from cohort.model import load_policy
+from cohort.optim import build_optimizer, build_scheduler
+from cohort.rewards import RewardRunner, get_reward_function
+from cohort.types import RolloutEngine, SamplingParams
+
+
+@dataclass
+class Components:
+    policy: torch.nn.Module
+    tokenizer: Any
+    reference: torch.nn.Module | None
+    loss_fn: Any
+    engine: RolloutEngine
+    train_data: Any
+    eval_data: Any | None
+    reward_runner: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    sampling_params: SamplingParams
+    advantage_kwargs: dict[str, Any]
+    device: torch.device
+    num_tokens: int = 0
+    last_samples: list[dict] = field(default_factory=list)
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """The reference policy: the starting weights, frozen (beta > 0 only)."""
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"train.device={name!r} but CUDA is not available here; use train.device=cpu or auto.")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise ConfigError(f"model.dtype={name!r} is not known; use auto, bfloat16 or float32.")
+    return table[name]
+
+
+def sampling_params_for(cfg: CohortConfig, tokenizer, *, n: int, seed: int | None) -> SamplingParams:
+    g = cfg.generation
+    return SamplingParams(
+        n=n, max_tokens=g.max_completion_length, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+        min_p=g.min_p, repetition_penalty=g.repetition_penalty, stop_strings=tuple(g.stop_strings), seed=seed)
+
+
+def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, echo=print) -> RolloutEngine:
+    """cohort's own engine on the GPU when the architecture is supported; else HF `generate`."""
+    from cohort.engine.hf_backend import HFGenerateEngine
+
+    choice = cfg.generation.engine
+    if choice == "auto":
+        choice = "cohort" if device.type == "cuda" else "hf"
+    if choice == "cohort":
+        from cohort.engine import CohortEngine, engine_supports
+
+        ok, why = engine_supports(policy)
+        if ok:
+            return CohortEngine(policy, tokenizer, eos_token_ids=_eos_ids(tokenizer),
+                                kv_cache_fraction=cfg.generation.kv_cache_fraction, device=device)
+        echo(f"cohort engine does not support this model ({why}); falling back to Hugging Face generate")
+    return HFGenerateEngine(policy, tokenizer, eos_token_ids=_eos_ids(tokenizer),
+                            batch_size=cfg.generation.generation_batch_size)
+
+
+def _eos_ids(tokenizer) -> list[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    return sorted(ids)
+
+
+def _rewards(cfg: CohortConfig) -> RewardRunner:
+    funcs = []
+    for spec in cfg.reward.funcs:
+        if isinstance(spec, dict):
+            if len(spec) != 1:
+                raise ConfigError(f"reward.funcs entry {spec!r} must be a name or a one-key mapping "
+                                  "{name: {kwargs}}.")
+            (name, kwargs), = spec.items()
+            funcs.append(get_reward_function(name, **(kwargs or {})))
+        else:
+            funcs.append(spec if callable(spec) else get_reward_function(spec))
+    return RewardRunner(funcs, cfg.reward.reward_weights, timeout_s=cfg.reward.timeout_s,
+                        on_error=cfg.reward.on_error)
+
+
+def _data(cfg: CohortConfig, tokenizer, echo):
+    d = cfg.data
+    common = {"prompt_column": d.prompt_column, "system_prompt": d.system_prompt}
+    train = load_prompt_dataset(d.source, split=d.split, **common, **d.options)
+    if d.eval_source:
+        evald = load_prompt_dataset(d.eval_source, **common, **d.eval_options)
+        evald, overlap = drop_overlap(evald, train)  # never score on a prompt that is trained on
+        if overlap:
+            echo(f"data: removed {overlap} eval prompts that also occur in training")
+    elif d.eval_size and str(d.source).startswith("reasoning_gym:"):
+        # reasoning-gym seeds item i with seed + i: a fresh generator past the training items, not a split
+        task = str(d.source).split(":", 1)[1]
+        settings = {k: v for k, v in d.options.items() if k not in ("size", "seed")}
+        evald, overlap = reasoning_gym_eval_set(task, d.eval_size, train, train_seed=d.options.get("seed", 0),
+                                                **common, **settings)
+    elif d.eval_size:
+        train, evald = train_eval_split(train, d.eval_size, seed=cfg.train.seed)
+    else:
+        evald = None
+    train = train.encode(tokenizer, d.max_prompt_length, truncation=d.truncation)
+    if evald is not None:
+        evald = evald.encode(tokenizer, d.max_prompt_length, truncation=d.truncation)
+        if cfg.run.eval_max_prompts:
+            evald = evald.head(cfg.run.eval_max_prompts)
+    echo(f"data: {len(train)} training prompts" + (f", {len(evald)} held-out" if evald is not None else "")
+         + f"; {train.stats_line()}")
+    if len(train) < cfg.train.prompts_per_step:
+        raise ConfigError(f"data.source={d.source!r} gave {len(train)} prompts, fewer than "
+                          f"train.prompts_per_step={cfg.train.prompts_per_step}; use more data or fewer prompts.")
+    return train, evald
+
+
+def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_runner=None,
+                     train_data=None, eval_data=None, echo=print) -> Components:
+    cfg.validate()
+    device = resolve_device(cfg.train.device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    if policy is None:
+        policy, tokenizer = load_policy(cfg.model.name_or_path, dtype=dtype, device=device,
+                                        gguf_file=cfg.model.gguf_file,
+                                        trust_remote_code=cfg.model.trust_remote_code,
+                                        attn_implementation=cfg.model.attn_implementation)
+    if cfg.model.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+    loss_fn = build_policy_loss(cfg.loss.loss_type, cfg.loss.loss_params())
+    reward_runner = reward_runner or _rewards(cfg)
+    if train_data is None:
+        train_data, eval_data = _data(cfg, tokenizer, echo)
+    reference = None
+    if float(getattr(loss_fn, "beta", 0.0) or 0.0) != 0.0:
+        reference = frozen_copy(policy)
+    t = cfg.train
+    optimizer = build_optimizer(policy, lr=t.learning_rate, weight_decay=t.weight_decay,
+                                betas=(t.adam_beta1, t.adam_beta2))
+    total_updates = t.max_steps * t.mini_batches * t.num_iterations
+    scheduler = build_scheduler(optimizer, kind=t.lr_scheduler_type, warmup_steps=t.warmup_steps,
+                                total_steps=total_updates)
+    a = cfg.advantage
+    return Components(
+        policy=policy, tokenizer=tokenizer, reference=reference, loss_fn=loss_fn,
+        engine=build_engine(cfg, policy, tokenizer, device, echo), train_data=train_data, eval_data=eval_data,
+        reward_runner=reward_runner, optimizer=optimizer, scheduler=scheduler,
+        sampling_params=sampling_params_for(cfg, tokenizer, n=cfg.generation.num_generations, seed=None),
+        advantage_kwargs={"scale_rewards": a.scale_rewards, "estimator": a.estimator,
+                          "reward_weights": cfg.reward.reward_weights,
+                          "multi_objective_aggregation": a.multi_objective_aggregation},
+        device=device)

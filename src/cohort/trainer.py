@@ -1,0 +1,165 @@
+"""The GRPO training loop, one readable function over the stages.
+
+    for each step:
+        prompts   = sampler.next()                         (resumable, seeded order)
+        rollouts  = collect_rollouts(engine, prompts, ...)  (generate G each, score, advantages)
+        metrics   = updater.update(rollouts)                 (mini-batches x iterations, packed micro-batches)
+        engine.sync_weights()                                (no-op when the engine reads weights in place)
+        log, evaluate, checkpoint
+
+`build_components` turns a `CohortConfig` into the objects the loop needs (model, engine, data, rewards,
+loss, optimiser); `train` runs the loop. Neither knows any loss-type name. Everything that can fail on a bad
+input (config, model path, dataset) fails in `build_components`, before the run directory is created.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cohort import checkpoint as ckpt
+from cohort.config import CohortConfig, dump_config
+from cohort.data import PromptBatch, PromptSampler
+from cohort.evaluation import evaluate
+from cohort.logging import MetricLogger
+from cohort.rollout import collect_rollouts
+from cohort.run_dir import open_run_dir, write_resolved_config
+from cohort.setup import Components, build_components
+from cohort.timing import PhaseTimer
+from cohort.update import PolicyUpdater, UpdateSettings
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    history: list[dict[str, float]] = field(default_factory=list)
+    eval_before: dict[str, float] = field(default_factory=dict)
+    eval_after: dict[str, float] = field(default_factory=dict)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def describe_schedule(cfg: CohortConfig) -> str:
+    t, g = cfg.train, cfg.generation
+    n = cfg.completions_per_step
+    per_update = n // t.mini_batches
+    return (
+        f"schedule: {t.max_steps} steps x {t.prompts_per_step} prompts x {g.num_generations} completions "
+        f"= {n} completions/step; {t.mini_batches} optimiser update(s) of {per_update} completions "
+        f"x {t.num_iterations} pass(es) = {t.mini_batches * t.num_iterations} updates/step, "
+        f"{t.max_steps * t.mini_batches * t.num_iterations} in all; micro-batches of <= {t.token_budget} tokens"
+    )
+
+
+def _next_prompts(comp: Components, sampler: PromptSampler):
+    def take(count: int) -> PromptBatch:
+        idx = sampler.take(count)
+        return comp.train_data.batch(idx)
+    return take
+
+
+def train(cfg: CohortConfig, components: Components | None = None, *, echo=print) -> TrainResult:
+    cfg.validate()
+    seed_everything(cfg.train.seed)
+    comp = components or build_components(cfg, echo=echo)
+    echo(describe_schedule(cfg))
+    with open_run_dir(cfg.run.output_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite) as run_dir:
+        return _train_in(cfg, comp, run_dir, echo)
+
+
+def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo) -> TrainResult:
+    t = cfg.train
+    write_resolved_config(run_dir, cfg.to_dict())
+    sampler = PromptSampler(len(comp.train_data), t.prompts_per_step, seed=t.seed)
+    updater = PolicyUpdater(
+        comp.policy, comp.optimizer, comp.scheduler, comp.loss_fn, reference=comp.reference,
+        device=comp.device, settings=UpdateSettings(
+            mini_batches=t.mini_batches, num_iterations=t.num_iterations, token_budget=t.token_budget,
+            temperature=cfg.generation.temperature or 1.0, max_grad_norm=t.max_grad_norm,
+            max_completion_length=cfg.generation.max_completion_length,
+            num_generations=cfg.generation.num_generations))
+    start_step, result = 0, TrainResult(run_dir=run_dir)
+    latest = ckpt.latest_checkpoint(run_dir) if cfg.run.resume else None
+    if latest is not None:
+        state = ckpt.load_checkpoint(latest, model=comp.policy, optimizer=comp.optimizer,
+                                     scheduler=comp.scheduler)
+        start_step = int(state["step"])
+        comp.num_tokens = int(state.get("num_tokens", 0))
+        sampler.load_state_dict(state["sampler"])
+        result.eval_before = state.get("eval_before", {})
+        comp.engine.sync_weights()
+        echo(f"resumed from {latest} at step {start_step}")
+    logger = MetricLogger(run_dir, total_steps=t.max_steps, report_to=cfg.run.report_to,
+                          start_step=start_step)
+    try:
+        if start_step == 0 and comp.eval_data is not None:
+            result.eval_before = evaluate(comp, cfg)
+            echo("eval before training: " + _fmt(result.eval_before))
+        for step in range(start_step + 1, t.max_steps + 1):
+            metrics = _step(cfg, comp, sampler, updater, step)
+            result.history.append(metrics)
+            if step == 1 and result.eval_before:  # logged only once a step succeeded: a run that fails
+                # at step 1 (e.g. a broken reward function) leaves no run directory behind
+                logger.log(0, {f"eval/{k}": v for k, v in result.eval_before.items()})
+            if comp.eval_data is not None and cfg.run.eval_steps and step % cfg.run.eval_steps == 0 \
+                    and step != t.max_steps:
+                metrics.update({f"eval/{k}": v for k, v in evaluate(comp, cfg).items()})
+            logger.log(step, metrics)
+            if cfg.run.log_completions:
+                logger.log_samples(step, comp.last_samples)
+            if (cfg.run.save_steps and step % cfg.run.save_steps == 0) or step == t.max_steps:
+                _save(cfg, comp, run_dir, step, sampler, result)
+        if comp.eval_data is not None:
+            result.eval_after = evaluate(comp, cfg)
+            logger.log(t.max_steps, {f"eval/{k}": v for k, v in result.eval_after.items()})
+            echo("eval after training:  " + _fmt(result.eval_after))
+    finally:
+        logger.close()
+    return result
+
+
+def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, step: int) -> dict[str, Any]:
+    timer = PhaseTimer()
+    t0 = time.perf_counter()
+    with timer("generate"):
+        batch = collect_rollouts(
+            comp.engine, comp.tokenizer, _next_prompts(comp, sampler), cfg.train.prompts_per_step,
+            comp.sampling_params, comp.reward_runner, advantage_kwargs=comp.advantage_kwargs,
+            trainer_state={"step": step, "max_steps": cfg.train.max_steps},
+            dynamic_sampling=cfg.reward.dynamic_sampling, max_resample_tries=cfg.reward.max_resample_tries,
+            mask_truncated_completions=cfg.generation.mask_truncated_completions)
+    metrics: dict[str, Any] = dict(batch.metrics)
+    metrics.update(updater.update(batch, timer))
+    with timer("sync_weights"):
+        comp.engine.sync_weights()
+    metrics.update(timer.pop())
+    comp.num_tokens += sum(len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids))
+    metrics["num_tokens"] = comp.num_tokens
+    metrics["step_time"] = time.perf_counter() - t0
+    comp.last_samples = [
+        {"step": step, "prompt": str(p)[-500:], "completion": c, "reward": float(r), "advantage": float(a)}
+        for p, c, r, a in zip(batch.prompts, batch.completions_text, batch.rewards, batch.advantages)
+    ]
+    return metrics
+
+
+def _save(cfg: CohortConfig, comp: Components, run_dir: Path, step: int, sampler, result: TrainResult) -> None:
+    ckpt.save_checkpoint(
+        run_dir, step, model=comp.policy, tokenizer=comp.tokenizer, optimizer=comp.optimizer,
+        scheduler=comp.scheduler, keep_last=cfg.run.save_total_limit,
+        trainer_state={"step": step, "sampler": sampler.state_dict(), "num_tokens": comp.num_tokens,
+                       "eval_before": result.eval_before, "config": dump_config(cfg)})
+
+
+def _fmt(metrics: dict[str, float]) -> str:
+    return "  ".join(f"{k}={v:.4g}" for k, v in metrics.items())
