@@ -4,11 +4,12 @@ TRL pads every micro-batch to its longest sequence; with completions of 20 to 10
 compute goes to padding. Here a micro-batch is one row `[p0 c0 p1 c1 ...]` whose position ids restart at
 every sequence, and attention never crosses a sequence boundary:
 
-- attn="varlen" (default): a custom attention function registered with transformers' `AttentionInterface`.
-  On CUDA with bf16/fp16 it calls `torch.nn.attention.varlen.varlen_attn` (flash-attention over
-  `cu_seqlens`, no mask tensor at all); elsewhere it runs SDPA per sequence, which is exact and cheap
-  enough on the CPU. If the model already uses flash_attention_2/3, the same `cu_seq_lens_*` kwargs
-  drive it directly.
+- attn="varlen" (default): the model's attention is routed (once, permanently; see
+  `enable_packed_attention`) through a function registered with transformers' `AttentionInterface`. With
+  `cu_seq_lens` it runs `torch.nn.attention.varlen.varlen_attn` on CUDA in bf16/fp16 (flash-attention, no
+  mask tensor) and SDPA per sequence elsewhere (exact, cheap enough on the CPU); without them (generate,
+  ordinary forwards) it calls the model's previous implementation. Flash-attention-2/3 models already
+  understand the same `cu_seq_lens_*` kwargs and are left as they are.
 - attn="native": the model's own attention (sdpa/eager) with no attention mask; transformers detects the
   restarting position ids and builds a block-diagonal causal mask ([T, T] booleans, fine on the CPU).
 
@@ -102,13 +103,15 @@ def _segment_sdpa(query, key, value, cu_seqlens, scaling):
 # Set only while a packed forward builds its masks; the attention kernels themselves key off cu_seq_lens,
 # which autograd's checkpoint recomputation replays, so backward needs no flag.
 _PACKED_MASKS = contextvars.ContextVar("cohort_packed_masks", default=False)
+# id(config) -> the implementation the model had before; kept off the config so save_pretrained stays clean.
+_FALLBACK: dict[int, str] = {}
 
 
 def _fallback_name(config) -> str:
     """The model's own attention implementation, used for every call that is not a packed forward."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    name = getattr(config, "_cohort_fallback_attn", None) or "sdpa"
+    name = _FALLBACK.get(id(config), "sdpa")
     # "eager" lives in each modeling file, not in the registry; sdpa computes the same thing.
     return name if name in ALL_ATTENTION_FUNCTIONS else "sdpa"
 
@@ -157,7 +160,7 @@ def enable_packed_attention(model) -> None:
         return
     AttentionInterface.register(VARLEN_IMPL, varlen_attention_forward)
     AttentionMaskInterface.register(VARLEN_IMPL, _varlen_mask)
-    config._cohort_fallback_attn = current
+    _FALLBACK[id(config)] = current
     config._attn_implementation = VARLEN_IMPL
 
 
@@ -165,7 +168,7 @@ def disable_packed_attention(model) -> None:
     """Undo `enable_packed_attention` (the model's previous attention implementation comes back)."""
     config = model.config
     if config._attn_implementation == VARLEN_IMPL:
-        config._attn_implementation = getattr(config, "_cohort_fallback_attn", None) or "sdpa"
+        config._attn_implementation = _FALLBACK.pop(id(config), "sdpa")
 
 
 # ---------------------------------------------------------------------------------------------------------
