@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import time
 
 import torch
@@ -134,10 +135,16 @@ def logprob_mismatch(model, prompts, completions, temperature: float = 1.0, limi
     return d.mean().item(), d.max().item()
 
 
+def _alarm(signum, frame):
+    raise TimeoutError("HF static-cache generate ran past --hf-static-timeout")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--eager-row", action="store_true", help="also time the engine without CUDA graphs")
+    parser.add_argument("--fused-row", action="store_true", help="also time fused QKV/gate-up weight copies")
+    parser.add_argument("--hf-static-timeout", type=int, default=240, help="seconds for HF static compile + runs")
     args = parser.parse_args()
     from cohort.engine import CohortEngine
 
@@ -161,6 +168,14 @@ def main() -> None:
     results["preemptions"] = engine.scheduler.num_preemptions
     del engine
     torch.cuda.empty_cache()
+    if args.fused_row:
+        fused = CohortEngine(model, eos_token_ids=None, max_model_len=2048, max_num_seqs=256, fuse_projections=True)
+        _, results["engine_fused_a"], _ = run_engine_a(fused, prompts)
+        refresh = [timed(fused.sync_weights)[1] for _ in range(5)]
+        results["fused_refresh_ms"] = 1000 * sorted(refresh)[2]
+        print(f"engine fused A: {results['engine_fused_a']:.0f} tok/s", flush=True)
+        del fused
+        torch.cuda.empty_cache()
     if args.eager_row:
         eager = CohortEngine(model, eos_token_ids=None, max_model_len=2048, max_num_seqs=256, enforce_eager=True)
         _, results["engine_eager_a"], _ = run_engine_a(eager, prompts)
@@ -169,10 +184,14 @@ def main() -> None:
     if not args.skip_hf:
         results["hf_dynamic_a"], results["hf_dynamic_s"], _ = run_hf(model, prompts, static=False)
         print(f"HF dynamic: {results['hf_dynamic_a']:.0f} tok/s", flush=True)
+        signal.signal(signal.SIGALRM, _alarm)
+        signal.alarm(args.hf_static_timeout)  # torch.compile can take minutes: don't lose the other rows
         try:
             results["hf_static_a"], results["hf_static_s"], results["hf_static_compile_s"] = run_hf(model, prompts, True)
-        except Exception as exc:  # report, don't lose the other rows
+        except Exception as exc:
             results["hf_static_error"] = repr(exc)[:300]
+        finally:
+            signal.alarm(0)
     print_table(results)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "rollout.json"), "w") as f:
@@ -182,6 +201,9 @@ def main() -> None:
 def print_table(r: dict) -> None:
     best_hf = max(r.get("hf_dynamic_a", 0), r.get("hf_static_a", 0))
     rows = [("cohort engine (CUDA graphs, Triton decode + sampler)", r["engine_a"], r["engine_a_s"])]
+    if "engine_fused_a" in r:
+        rows.append((f"cohort engine, fused QKV/gate-up copies (refresh {r['fused_refresh_ms']:.2f} ms/step)",
+                     r["engine_fused_a"], None))
     if "engine_eager_a" in r:
         rows.append(("cohort engine, enforce_eager (no CUDA graphs)", r["engine_eager_a"], None))
     if "hf_dynamic_a" in r:

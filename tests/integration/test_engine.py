@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from tests.integration.engine_models import EOS, hf_greedy, random_prompts, recomputed_logprobs, tiny_model
 
 from cohort.engine import CohortEngine, engine_supports
@@ -190,3 +191,17 @@ def test_logprobs_are_finite_probabilities():
                                                                           repetition_penalty=1.3, seed=2,
                                                                           max_tokens=10))
     assert all(math.isfinite(lp) and lp <= 0 for c in out[0] for lp in c.logprobs)
+
+
+def test_fused_projection_copies_match_and_refresh_after_an_update():
+    model = tiny_model("qwen2")  # qkv bias
+    prompts = random_prompts(MIXED)
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+    fused = make_engine(model, fuse_projections=True)
+    assert fused.runner.net.fused
+    assert [g[0].token_ids for g in fused.generate(prompts, params)] == hf_greedy(model, prompts, 10)
+    with torch.no_grad():  # an "optimizer step"
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    fused.sync_weights()
+    assert [g[0].token_ids for g in fused.generate(prompts, params)] == hf_greedy(model, prompts, 10)

@@ -21,6 +21,9 @@ class EngineConfig:
         the KV cache. On the CPU it is a fraction of 4 GiB.
     num_kv_blocks: force the number of KV blocks (tests use this to force preemption); None = from memory.
     enforce_eager: True disables CUDA graphs for decode steps.
+    fuse_projections: keep concatenated QKV and gate-up weight copies (fewer, larger matmuls); they cost
+        memory and a refresh in `sync_weights`, and are skipped when a projection is not a plain nn.Linear
+        (LoRA wrappers keep running their own forward).
     """
 
     max_num_seqs: int = 256
@@ -30,6 +33,7 @@ class EngineConfig:
     kv_cache_fraction: float = 0.3
     num_kv_blocks: int | None = None
     enforce_eager: bool = False
+    fuse_projections: bool = False
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)

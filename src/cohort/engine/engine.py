@@ -55,6 +55,7 @@ class CohortEngine:
         max_model_len: int | None = None,
         num_kv_blocks: int | None = None,
         enforce_eager: bool = False,
+        fuse_projections: bool = False,
         device: str | torch.device | None = None,
     ) -> None:
         ok, reason = engine_supports(model)
@@ -76,6 +77,7 @@ class CohortEngine:
             kv_cache_fraction=kv_cache_fraction,
             num_kv_blocks=num_kv_blocks,
             enforce_eager=enforce_eager,
+            fuse_projections=fuse_projections,
         )
         self.tokenizer = tokenizer
         if isinstance(eos_token_ids, int):
@@ -104,11 +106,13 @@ class CohortEngine:
         ]
 
     def sync_weights(self) -> None:
-        """Nothing to refresh: every forward reads the policy's parameters in place."""
+        """Called after each optimizer step. In-place weights: nothing to do; fused copies are re-copied."""
+        self.runner.sync_weights()
 
     def engine_name(self) -> str:
+        fused = ", fused qkv/gate-up copies" if self.runner.net.fused else ""
         graphs = f"cuda graphs for {len(self.runner.graphs)} batch sizes" if self.runner.graphs else "eager"
-        return f"cohort engine ({self.runner.attention.name}, {graphs}, sampler={'triton' if self.sampler.use_triton else 'torch'})"
+        return f"cohort engine ({self.runner.attention.name}, {graphs}, sampler={'triton' if self.sampler.use_triton else 'torch'}{fused})"
 
     # ---- internals ---------------------------------------------------------------------------------
     def _add(self, index: int, prompt: list[int], params: SamplingParams) -> list[Sequence]:

@@ -33,7 +33,7 @@ class ModelRunner:
         dtype = model.get_input_embeddings().weight.dtype
         head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
         self.attention = AttentionOps(device, dtype, head_dim, config.block_size)
-        self.net = DecoderForward(model, self.attention, config.max_model_len)
+        self.net = DecoderForward(model, self.attention, config.max_model_len, config.fuse_projections)
         self.num_blocks = self._num_blocks()
         self.scratch_block = self.num_blocks
         shape = (2, self.net.num_layers, self.num_blocks + 1, config.block_size, self.net.num_kv_heads,
@@ -47,8 +47,28 @@ class ModelRunner:
         self._row_host = torch.zeros((4, config.max_num_seqs), dtype=torch.int64, pin_memory=pin)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_capture_seconds = 0.0
+        self._param_ptrs = self._parameter_pointers()
         if device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs()
+
+    def _parameter_pointers(self) -> list[int]:
+        return [p.data_ptr() for p in self.net.hf.parameters()]
+
+    def sync_weights(self) -> None:
+        """After an optimizer step: refresh fused copies; recapture graphs if parameters moved in memory.
+
+        Optimizers update parameters in place, so captured graphs stay valid; a trainer that swaps the
+        storage (load_state_dict(assign=True), some sharding wrappers) would leave graphs reading stale
+        memory, which this detects.
+        """
+        if self.net.fused:
+            self.net.refresh_fused()
+        pointers = self._parameter_pointers()
+        if pointers != self._param_ptrs:
+            self._param_ptrs = pointers
+            if self.graphs:
+                self.graphs.clear()
+                self._capture_graphs()
 
     # ---- memory ------------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:

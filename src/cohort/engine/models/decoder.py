@@ -11,9 +11,11 @@ matches `generate` and the sampling logprobs match the trainer's recompute.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from cohort.engine.attention import AttentionOps, AttnContext, store_kv
+from cohort.engine.models.layers import fused_ops
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _UNSUPPORTED_ROPE = ("dynamic", "longrope")
@@ -41,17 +43,11 @@ def engine_supports(model: nn.Module) -> tuple[bool, str]:
     return True, "ok"
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF `apply_rotary_pos_emb` on [T, heads, D] with per-token cos/sin [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 class DecoderForward:
     """Runs a *ForCausalLM of a supported family on packed tokens with paged attention."""
 
-    def __init__(self, model: nn.Module, attention: AttentionOps, max_len: int) -> None:
+    def __init__(self, model: nn.Module, attention: AttentionOps, max_len: int,
+                 fuse_projections: bool = False) -> None:
         ok, reason = engine_supports(model)
         if not ok:
             raise ValueError(reason)
@@ -67,6 +63,38 @@ class DecoderForward:
         self.scale = float(getattr(first, "scaling", self.head_dim**-0.5))
         self.qk_norm = hasattr(first, "q_norm")
         self.cos, self.sin = self._rope_tables(max_len)
+        self.ops = fused_ops(self.device)
+        self.fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+        if fuse_projections and self._plain_linears():
+            self.refresh_fused()
+
+    def _plain_linears(self) -> bool:
+        """Fused copies only replace plain nn.Linear layers: a LoRA wrapper must keep running its own forward."""
+        names = ("q_proj", "k_proj", "v_proj")
+        return all(
+            type(getattr(layer.self_attn, n)) is nn.Linear for layer in self.inner.layers for n in names
+        ) and all(
+            type(getattr(layer.mlp, n, None)) is nn.Linear for layer in self.inner.layers for n in ("gate_proj", "up_proj")
+        )
+
+    @torch.no_grad()
+    def refresh_fused(self) -> None:
+        """(Re)build the concatenated QKV and gate-up weights from the model's current parameters."""
+        rebuilt = []
+        for i, layer in enumerate(self.inner.layers):
+            a, m = layer.self_attn, layer.mlp
+            old = self.fused[i] if i < len(self.fused) else (None, None, None)
+            qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], out=old[0]) if old[0] is not None \
+                else torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            bias = None
+            if a.q_proj.bias is not None:
+                # out= keeps the storage: captured CUDA graphs hold these addresses.
+                bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], out=old[1]) if old[1] is not None \
+                    else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight], out=old[2]) if old[2] is not None \
+                else torch.cat([m.gate_proj.weight, m.up_proj.weight])
+            rebuilt.append((qkv, bias, gate_up))
+        self.fused = rebuilt
 
     @property
     def dtype(self) -> torch.dtype:
@@ -87,29 +115,55 @@ class DecoderForward:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttnContext,
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [2, layers, blocks, block_size, kv_heads, D]. -> [T, hidden]."""
+        ops, layers = self.ops, self.inner.layers
         x = self.inner.embed_tokens(input_ids)
         cos, sin = self.cos[positions], self.sin[positions]
-        for i, layer in enumerate(self.inner.layers):
-            x = x + self._attention(layer, layer.input_layernorm(x), cos, sin, ctx, kv_cache[0, i], kv_cache[1, i])
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.inner.norm(x)
+        norm = layers[0].input_layernorm
+        h = ops.rms_norm(x, norm.weight, norm.variance_epsilon)
+        for i, layer in enumerate(layers):
+            delta = self._attention(i, layer, h, cos, sin, ctx, kv_cache[0, i], kv_cache[1, i])
+            norm = layer.post_attention_layernorm
+            x, h = ops.add_rms_norm(x, delta, norm.weight, norm.variance_epsilon)
+            delta = self._mlp(i, layer, h)
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.inner.norm
+            x, h = ops.add_rms_norm(x, delta, norm.weight, norm.variance_epsilon)
+        return h
 
-    def _attention(self, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _qkv(self, i: int, attn: nn.Module, h: torch.Tensor):
+        if self.fused:
+            weight, bias, _ = self.fused[i]
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            return F.linear(h, weight, bias).split([q_size, kv_size, kv_size], dim=-1)
+        return attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+
+    def _attention(self, i: int, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    ctx: AttnContext, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         attn = layer.self_attn
         tokens = h.shape[0]
-        q = attn.q_proj(h).view(tokens, self.num_heads, self.head_dim)
-        k = attn.k_proj(h).view(tokens, self.num_kv_heads, self.head_dim)
-        v = attn.v_proj(h).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self._qkv(i, attn, h)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q = self.ops.rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
+            k = self.ops.rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
+        q, k = self.ops.rope(q, k, cos, sin)
         store_kv(k_cache, v_cache, k, v, ctx.slot_mapping)
         if ctx.is_prefill:
             o = self.attention.prefill(q, k, v, ctx, self.scale)
         else:
             o = self.attention.decode(q, k_cache, v_cache, ctx, self.scale)
         return attn.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
+
+    def _mlp(self, i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        mlp = layer.mlp
+        if self.fused:
+            gate, up = F.linear(h, self.fused[i][2]).chunk(2, dim=-1)
+        elif hasattr(mlp, "gate_proj"):
+            gate, up = mlp.gate_proj(h), mlp.up_proj(h)
+        else:
+            return mlp(h)
+        return mlp.down_proj(self.ops.silu_mul(gate, up))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.hf.lm_head(hidden)
