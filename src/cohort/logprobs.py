@@ -3,53 +3,109 @@
 The policy loss needs, for every completion token, `log_softmax(h @ W^T / T)[label]` and (for logging and
 entropy-based masks) the entropy of that distribution. Computing the full logits of 8k tokens over a 152k
 vocabulary costs 5 GB in fp32, more than the whole 0.5B model. Here the tokens are processed in chunks of
-`chunk_tokens`: the forward keeps only per-token scalars, and the backward recomputes each chunk's logits and
-turns them into gradients for the hidden states and the LM-head weight at once. Peak extra memory is one
-chunk's logits (plus its softmax), whatever the number of tokens.
+`chunk_tokens`: the forward keeps only per-token scalars (logprob, logsumexp, entropy), and the backward
+recomputes each chunk's logits and turns them into gradients for the hidden states and the LM-head weight.
+Peak extra memory is about one chunk's logits, whatever the number of tokens.
 
-Gradients, with z = logits / T and p = softmax(z):
+Gradients, with z = logits / T, log p = z - lse and H = -sum(p log p) saved from the forward:
   d logp[label] / dz = onehot(label) - p
-  d H / dz           = -p * (log p - sum(p * log p))    (H = -sum(p * log p))
-and dz / d(raw logits) = 1 / T.
+  d H / dz           = -p * (log p + H)
+and dz / d(raw logits) = 1 / T. Because lse and H are saved, the backward is one elementwise pass over the
+recomputed logits (no reduction). On CUDA the per-chunk elementwise work is compiled into fused kernels with
+torch.compile (the unfused version makes ~8 passes over [chunk, vocab] fp32 and costs more than the three
+matmuls); set COHORT_COMPILE_LOGPROBS=0 to turn that off. The CPU runs the in-place eager code.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 
-DEFAULT_CHUNK_TOKENS = 1024
+DEFAULT_CHUNK_TOKENS = 4096
 
 
-def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float):
-    """fp32 scaled logits of one chunk, their logsumexp, and the chosen tokens' logprobs."""
-    z = (h @ weight.t()).float()
-    if temperature != 1.0:
-        z.div_(temperature)
+# ---------------------------------------------------------------------------------------------------------
+# Per-chunk elementwise work. `logits` are the raw h @ W^T in the weights' dtype.
+
+
+def _stats_eager(logits, labels, inv_t: float, compute_entropy: bool):
+    """(chosen logprob, logsumexp, entropy or None), fp32 [n]; at most two [n, V] fp32 buffers."""
+    z = logits.float()
+    if inv_t != 1.0:
+        z.mul_(inv_t)
     lse = torch.logsumexp(z, dim=-1)
     chosen = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
-    return z, lse, chosen
+    entropy = None
+    if compute_entropy:
+        # H = -sum p log p on log p = z - lse: no cancellation between two large numbers.
+        logp = z.sub_(lse.unsqueeze(-1))
+        entropy = -torch.bmm(logp.exp().unsqueeze(1), logp.unsqueeze(2)).view(-1)
+    return chosen, lse, entropy
 
 
-def _chunk_grad(h, weight, labels, temperature, grad_lp, grad_ent):
-    """d loss / d raw logits of one chunk, in the weights' dtype. Only two [chunk, V] fp32 buffers live at
-    once (z and p): every update is in place."""
-    z, lse, _ = _chunk_stats(h, weight, labels, temperature)
-    z.sub_(lse.unsqueeze(-1))  # z now holds log p (shift-invariant gradients, better precision)
+def _grad_eager(logits, labels, lse, entropy, grad_lp, grad_ent, inv_t: float):
+    """d loss / d raw logits in the logits' dtype; in place on one fp32 buffer plus p."""
+    z = logits.float()
+    if inv_t != 1.0:
+        z.mul_(inv_t)
+    z.sub_(lse.unsqueeze(-1))  # log p
     p = z.exp()
-    if grad_ent is not None:
-        # dH/dz = -p * (log p - E_p[log p]); z becomes the gradient buffer.
-        mean_logp = torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1, 1)
-        z.sub_(mean_logp).mul_(p).mul_(-grad_ent.float().unsqueeze(-1))
-    else:
-        z.zero_()
-    if grad_lp is not None:
-        gl = grad_lp.float().unsqueeze(-1)
-        z.addcmul_(p, gl, value=-1.0)  # d logp / dz = onehot - p
-        z.scatter_add_(-1, labels.unsqueeze(-1), gl)
-    del p
-    if temperature != 1.0:
-        z.div_(temperature)
-    return z.to(weight.dtype)
+    # -p * [(log p + H) * gH + gL]  +  onehot * gL
+    z.add_(entropy.unsqueeze(-1)).mul_(grad_ent.unsqueeze(-1)).add_(grad_lp.unsqueeze(-1)).mul_(p).neg_()
+    z.scatter_add_(-1, labels.unsqueeze(-1), grad_lp.unsqueeze(-1))
+    if inv_t != 1.0:
+        z.mul_(inv_t)
+    return z.to(logits.dtype)
+
+
+def _stats_fused(logits, labels, inv_t: float, compute_entropy: bool):
+    z = logits.float() * inv_t
+    lse = torch.logsumexp(z, dim=-1)
+    chosen = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+    if not compute_entropy:
+        return chosen, lse, None
+    logp = z - lse.unsqueeze(-1)
+    return chosen, lse, -(logp.exp() * logp).sum(-1)
+
+
+def _grad_fused(logits, labels, lse, entropy, grad_lp, grad_ent, inv_t: float):
+    logp = logits.float() * inv_t - lse.unsqueeze(-1)
+    p = logp.exp()
+    g = -p * ((logp + entropy.unsqueeze(-1)) * grad_ent.unsqueeze(-1) + grad_lp.unsqueeze(-1))
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    g = g + (vocab.unsqueeze(0) == labels.unsqueeze(-1)) * grad_lp.unsqueeze(-1)
+    return (g * inv_t).to(logits.dtype)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _kernels(device: torch.device):
+    """(stats, grad) functions: torch.compile'd on CUDA unless disabled or unavailable, eager otherwise."""
+    if device.type != "cuda" or os.environ.get("COHORT_COMPILE_LOGPROBS", "1") == "0" or "failed" in _COMPILED:
+        return _stats_eager, _grad_eager
+    if not _COMPILED:
+        _COMPILED["stats"] = torch.compile(_stats_fused, dynamic=True)
+        _COMPILED["grad"] = torch.compile(_grad_fused, dynamic=True)
+    return _COMPILED["stats"], _COMPILED["grad"]
+
+
+def _call(which: int, device, *args):
+    """Run a kernel; if compilation fails once, warn and use the eager code from then on."""
+    fn = _kernels(device)[which]
+    try:
+        return fn(*args)
+    except Exception as exc:  # compile errors come in many types (backend, codegen, missing compiler)
+        if fn in (_stats_eager, _grad_eager):
+            raise
+        warnings.warn(f"torch.compile of the logprob kernel failed ({exc!r}); using eager code", stacklevel=3)
+        _COMPILED["failed"] = True
+        return (_stats_eager, _grad_eager)[which](*args)
+
+
+# ---------------------------------------------------------------------------------------------------------
 
 
 class _SelectiveLogprobs(torch.autograd.Function):
@@ -57,43 +113,43 @@ class _SelectiveLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, temperature, chunk_tokens, compute_entropy):
-        n = hidden.shape[0]
-        logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        entropy = torch.empty(n, dtype=torch.float32, device=hidden.device) if compute_entropy else None
+        n, device, inv_t = hidden.shape[0], hidden.device, 1.0 / temperature
+        logprobs = torch.empty(n, dtype=torch.float32, device=device)
+        lse = torch.empty(n, dtype=torch.float32, device=device)
+        entropy = torch.zeros(n if compute_entropy else 0, dtype=torch.float32, device=device)
         for start in range(0, n, chunk_tokens):
             end = min(start + chunk_tokens, n)
-            z, lse, chosen = _chunk_stats(hidden[start:end], weight, labels[start:end], temperature)
-            logprobs[start:end] = chosen
-            if entropy is not None:
-                # H = -sum p log p on log p = z - lse: no cancellation between two large numbers.
-                logp = z.sub_(lse.unsqueeze(-1))
-                entropy[start:end] = -torch.bmm(logp.exp().unsqueeze(1), logp.unsqueeze(2)).view(-1)
-            del z
-        ctx.save_for_backward(hidden, weight, labels)
-        ctx.temperature = temperature
-        ctx.chunk_tokens = chunk_tokens
-        ctx.compute_entropy = compute_entropy
-        if entropy is None:
+            logits = hidden[start:end] @ weight.t()
+            chosen, chunk_lse, chunk_ent = _call(0, device, logits, labels[start:end], inv_t, compute_entropy)
+            del logits
+            logprobs[start:end], lse[start:end] = chosen, chunk_lse
+            if compute_entropy:
+                entropy[start:end] = chunk_ent
+        ctx.save_for_backward(hidden, weight, labels, lse, entropy)
+        ctx.inv_t, ctx.chunk_tokens = inv_t, chunk_tokens
+        if not compute_entropy:
             # autograd.Function outputs must be tensors: an empty placeholder that carries no gradient.
-            entropy = torch.zeros(0, dtype=torch.float32, device=hidden.device)
             ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, labels = ctx.saved_tensors
-        temperature, chunk = ctx.temperature, ctx.chunk_tokens
+        hidden, weight, labels, lse, entropy = ctx.saved_tensors
+        n, chunk, device = hidden.shape[0], ctx.chunk_tokens, hidden.device
+        zeros = torch.zeros(n, dtype=torch.float32, device=device)
+        gl = zeros if grad_logprobs is None else grad_logprobs.float()
+        use_entropy = grad_entropy is not None and grad_entropy.numel() == n
+        ge = grad_entropy.float() if use_entropy else zeros
+        ent = entropy if use_entropy else zeros
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
         # The weight gradient sums over every token: accumulate it in fp32, cast once at the end.
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        use_entropy = ctx.compute_entropy and grad_entropy is not None and grad_entropy.numel() > 0
-        for start in range(0, hidden.shape[0], chunk):
-            end = min(start + chunk, hidden.shape[0])
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_w else None
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
             h = hidden[start:end]
-            g = _chunk_grad(h, weight, labels[start:end], temperature,
-                            None if grad_logprobs is None else grad_logprobs[start:end],
-                            grad_entropy[start:end] if use_entropy else None)
+            g = _call(1, device, h @ weight.t(), labels[start:end], lse[start:end], ent[start:end],
+                      gl[start:end], ge[start:end], ctx.inv_t)
             if need_h:
                 grad_h[start:end] = (g @ weight).to(hidden.dtype)
             if need_w:

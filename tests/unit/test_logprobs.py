@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import cohort.logprobs as lp_mod
 from cohort.logprobs import full_logprobs_and_entropy, selective_logprobs_and_entropy
 
 
@@ -16,9 +17,12 @@ def _inputs(n=37, d=16, v=50, seed=0, dtype=torch.float64):
     return h, w, labels
 
 
+@pytest.mark.parametrize("kernels", ["eager", "fused"])
 @pytest.mark.parametrize("chunk", [1, 5, 37, 100])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chunked_equals_full_values_and_grads(chunk, temperature):
+def test_chunked_equals_full_values_and_grads(chunk, temperature, kernels, monkeypatch):
+    if kernels == "fused":  # the functional code torch.compile fuses on CUDA, run eagerly here
+        monkeypatch.setattr(lp_mod, "_kernels", lambda device: (lp_mod._stats_fused, lp_mod._grad_fused))
     h, w, labels = _inputs()
     lp, ent = selective_logprobs_and_entropy(h, w, labels, temperature=temperature, chunk_tokens=chunk)
     g = torch.Generator().manual_seed(1)
