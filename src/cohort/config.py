@@ -190,7 +190,13 @@ class CohortConfig:
                  t.lr_scheduler_type, "use 'constant' or 'cosine'")
         from cohort.algorithms import build_policy_loss
 
-        build_policy_loss(self.loss.loss_type, self.loss.loss_params())  # unknown names fail here
+        try:  # unknown loss names and parameters fail here, before any work
+            build_policy_loss(self.loss.loss_type, self.loss.loss_params())
+        except ConfigError:
+            raise
+        except (ValueError, TypeError, ImportError) as exc:
+            raise ConfigError(f"loss (loss.loss_type={self.loss.loss_type!r}): {exc} Set it as loss.<name>=value."
+                              ) from exc
         weights = self.reward.reward_weights
         _require(weights is None or len(weights) == len(self.reward.funcs), "reward.reward_weights", weights,
                  f"give one weight per reward function ({len(self.reward.funcs)})")

@@ -44,7 +44,7 @@ def evaluate(comp, cfg: CohortConfig, *, batch_prompts: int = 64, correct_thresh
         first = torch.nan_to_num(result.rewards[:, 0], nan=0.0)
         ok = first >= correct_threshold - 1e-6
         correct.append(ok.float())
-        rewards.append(torch.nan_to_num(result.rewards, nan=0.0).sum(dim=1))
+        rewards.append(torch.nan_to_num(result.total, nan=0.0))
         passed.append(ok.view(-1, k).any(dim=1).float())
     if was_training:
         comp.policy.train()

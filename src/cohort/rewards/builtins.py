@@ -160,6 +160,24 @@ def answer_number(
     return out
 
 
+def number_line_format(completions: list[Any], **kwargs: Any) -> list[float]:
+    """1.0 when the completion's last non-empty line is a bare number (an optional "Answer:" label and
+    trailing period allowed): the output format the numeric tasks ask for, checkable without the gold.
+
+    >>> number_line_format(["7 + 5 = 12\\n12", "The answer is 12.", "Answer: -3.5.", ""])
+    [1.0, 0.0, 1.0, 0.0]
+    """
+    out = []
+    for c in completions:
+        lines = [line.strip() for line in completion_text(c).strip().splitlines() if line.strip()]
+        last = lines[-1] if lines else ""
+        out.append(1.0 if _NUMBER_LINE.fullmatch(last) else 0.0)
+    return out
+
+
+_NUMBER_LINE = re.compile(r"(?:(?:final )?answer\s*[:=]\s*)?-?\d[\d,]*(?:\.\d+)?\.?", re.IGNORECASE)
+
+
 # -- length shaping ---------------------------------------------------------------------------------
 class soft_overlong_punishment:  # lower-case: used like a function, soft_overlong_punishment(512, 128)
     """DAPO's soft overlong punishment (Eq. 13): 0 up to L_max - L_cache tokens, then a linear ramp down to

@@ -20,6 +20,7 @@ FUNCTIONS = {
     "think_answer_format": builtins.think_answer_format,
     "answer_format": builtins.answer_format,
     "answer_number": builtins.answer_number,
+    "number_line_format": builtins.number_line_format,
     "reasoning_gym": reasoning_gym_score,
 }
 # Factories: called with the keyword arguments, they return the reward function.
