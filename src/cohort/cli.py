@@ -31,13 +31,19 @@ def _train(args: argparse.Namespace) -> int:
         print(dump_config(cfg))
         return 0
     result = train(cfg)
+    if result.stopped_at is not None:
+        print(f"stopped at step {result.stopped_at} (time limit); run directory: {result.run_dir}")
+        return 0
     if result.eval_before or result.eval_after:
         print("held-out before -> after: " + "  ".join(
             f"{k} {result.eval_before.get(k, float('nan')):.3f} -> {v:.3f}" for k, v in result.eval_after.items()))
-    from cohort.plot import plot_run
+    try:
+        from cohort.plot import plot_run
 
-    for path in plot_run(result.run_dir):
-        print(f"curves: {path}")
+        for path in plot_run(result.run_dir):
+            print(f"curves: {path}")
+    except ImportError:
+        print("curves: matplotlib is not installed (pip install matplotlib), skipped; `cohort plot` later")
     print(f"run directory: {result.run_dir}")
     return 0
 

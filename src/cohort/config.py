@@ -144,6 +144,7 @@ class RunConfig:
     eval_steps: int = 0  # 0: evaluate only before and after training
     eval_num_samples: int = 1  # n completions per eval prompt (pass@n); greedy when 1
     eval_max_prompts: int | None = None
+    time_limit_s: float | None = None  # stop at a step boundary after this long, with a checkpoint; --resume
 
 
 @dataclass

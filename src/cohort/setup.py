@@ -39,6 +39,7 @@ class Components:
     advantage_kwargs: dict[str, Any]
     device: torch.device
     num_tokens: int = 0
+    train_time_s: float = 0.0
     last_samples: list[dict] = field(default_factory=list)
 
 
@@ -157,6 +158,8 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
                                         gguf_file=cfg.model.gguf_file,
                                         trust_remote_code=cfg.model.trust_remote_code,
                                         attn_implementation=cfg.model.attn_implementation)
+    elif next(policy.parameters()).device != device:
+        policy.to(device)  # a model object handed in (facade, tests) trains where the config says
     if cfg.model.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
     loss_fn = build_policy_loss(cfg.loss.loss_type, cfg.loss.loss_params())

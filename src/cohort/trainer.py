@@ -41,6 +41,7 @@ class TrainResult:
     history: list[dict[str, float]] = field(default_factory=list)
     eval_before: dict[str, float] = field(default_factory=dict)
     eval_after: dict[str, float] = field(default_factory=dict)
+    stopped_at: int | None = None  # the step a time limit stopped the run at (resume to continue)
 
 
 def seed_everything(seed: int) -> None:
@@ -88,13 +89,14 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo) -> Train
             temperature=cfg.generation.temperature or 1.0, max_grad_norm=t.max_grad_norm,
             max_completion_length=cfg.generation.max_completion_length,
             num_generations=cfg.generation.num_generations))
-    start_step, result = 0, TrainResult(run_dir=run_dir)
+    start_step, result, started = 0, TrainResult(run_dir=run_dir), time.monotonic()
     latest = ckpt.latest_checkpoint(run_dir) if cfg.run.resume else None
     if latest is not None:
         state = ckpt.load_checkpoint(latest, model=comp.policy, optimizer=comp.optimizer,
                                      scheduler=comp.scheduler)
         start_step = int(state["step"])
         comp.num_tokens = int(state.get("num_tokens", 0))
+        comp.train_time_s = float(state.get("train_time_s", 0.0))
         sampler.load_state_dict(state["sampler"])
         result.eval_before = state.get("eval_before", {})
         comp.engine.sync_weights()
@@ -117,8 +119,14 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo) -> Train
             logger.log(step, metrics)
             if cfg.run.log_completions:
                 logger.log_samples(step, comp.last_samples)
-            if (cfg.run.save_steps and step % cfg.run.save_steps == 0) or step == t.max_steps:
+            out_of_time = cfg.run.time_limit_s is not None and time.monotonic() - started > cfg.run.time_limit_s
+            if (cfg.run.save_steps and step % cfg.run.save_steps == 0) or step == t.max_steps or out_of_time:
                 _save(cfg, comp, run_dir, step, sampler, result)
+            if out_of_time and step < t.max_steps:
+                echo(f"run.time_limit_s={cfg.run.time_limit_s} reached after step {step}: checkpoint saved; "
+                     "continue with --resume")
+                result.stopped_at = step
+                return result
         if comp.eval_data is not None:
             result.eval_after = evaluate(comp, cfg)
             logger.log(t.max_steps, {f"eval/{k}": v for k, v in result.eval_after.items()})
@@ -146,6 +154,8 @@ def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, 
     comp.num_tokens += sum(len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids))
     metrics["num_tokens"] = comp.num_tokens
     metrics["step_time"] = time.perf_counter() - t0
+    comp.train_time_s += metrics["step_time"]
+    metrics["train_time"] = comp.train_time_s  # cumulative over resumes: "accuracy after N minutes"
     comp.last_samples = [
         {"step": step, "prompt": str(p)[-500:], "completion": c, "reward": float(r), "advantage": float(a)}
         for p, c, r, a in zip(batch.prompts, batch.completions_text, batch.rewards, batch.advantages)
@@ -158,6 +168,7 @@ def _save(cfg: CohortConfig, comp: Components, run_dir: Path, step: int, sampler
         run_dir, step, model=comp.policy, tokenizer=comp.tokenizer, optimizer=comp.optimizer,
         scheduler=comp.scheduler, keep_last=cfg.run.save_total_limit,
         trainer_state={"step": step, "sampler": sampler.state_dict(), "num_tokens": comp.num_tokens,
+                       "train_time_s": comp.train_time_s,
                        "eval_before": result.eval_before, "config": dump_config(cfg)})
 
 

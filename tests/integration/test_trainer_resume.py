@@ -9,7 +9,7 @@ from tests.integration.test_trainer_learns import toy_components, toy_config
 from cohort.logging import read_jsonl
 from cohort.trainer import train
 
-VOLATILE = ("time", "step_time", "time/")
+VOLATILE = ("time", "step_time", "time/", "train_time")
 
 
 def _rows(run_dir):
