@@ -159,7 +159,8 @@ class CohortConfig:
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain data; a callable (a reward function handed in from Python) becomes its import path."""
+        return _plain(dataclasses.asdict(self))
 
     @property
     def completions_per_step(self) -> int:
@@ -202,6 +203,16 @@ class CohortConfig:
         _require(weights is None or len(weights) == len(self.reward.funcs), "reward.reward_weights", weights,
                  f"give one weight per reward function ({len(self.reward.funcs)})")
         return self
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if callable(value):
+        return f"{getattr(value, '__module__', '?')}:{getattr(value, '__qualname__', type(value).__name__)}"
+    return value
 
 
 def _require(ok: bool, name: str, value: Any, fix: str) -> None:
@@ -258,7 +269,27 @@ def _set(cfg: CohortConfig, dotted: str, value: Any) -> None:
             target = target.setdefault(p, {})
         target[parts[-1]] = value
         return
-    setattr(section, parts[1], value)
+    annotation = str(next(f.type for f in dataclasses.fields(section) if f.name == parts[1]))
+    setattr(section, parts[1], _coerce(dotted, annotation, value))
+
+
+def _coerce(dotted: str, annotation: str, value: Any) -> Any:
+    """Match YAML's guess to the field's type: YAML 1.1 reads `2e-6` as a string, `1` as an int."""
+    if value is None or not isinstance(value, str | int | float) or isinstance(value, bool):
+        if annotation.startswith("list") and isinstance(value, str):
+            return [value]
+        return value
+    kind = annotation.split("|")[0].strip()
+    try:
+        if kind == "float":
+            return float(value)
+        if kind == "int" and (isinstance(value, str) or float(value).is_integer()):
+            return int(float(value)) if isinstance(value, float) else int(value)
+    except ValueError:
+        raise ConfigError(f"{dotted}={value!r} is not a valid {kind}; give a number, e.g. {dotted}=1") from None
+    if annotation.startswith("list") and isinstance(value, str):
+        return [value]
+    return value
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:

@@ -93,7 +93,7 @@ class GRPOConfig:
         loss.loss_type = self.loss_type
         candidates = {"beta": self.beta, "epsilon": self.epsilon, "epsilon_high": self.epsilon_high,
                       "delta": self.delta, "importance_sampling_level": self.importance_sampling_level,
-                      "top_entropy_quantile": self.top_entropy_quantile}
+                      "top_entropy_quantile": self.top_entropy_quantile if self.top_entropy_quantile < 1 else None}
         owned = _loss_parameter_names(self.loss_type)
         for name, value in candidates.items():  # TRL passes every knob; a cohort loss owns only its own
             if value is not None and (owned is None or name in owned):
