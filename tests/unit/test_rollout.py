@@ -1,0 +1,72 @@
+"""collect_rollouts: layout, metrics, DAPO dynamic sampling and truncation masking with a scripted engine."""
+
+from __future__ import annotations
+
+import torch
+
+from cohort.data import PromptBatch
+from cohort.rewards import RewardRunner
+from cohort.rollout import collect_rollouts
+from cohort.types import Completion, SamplingParams
+
+
+class ScriptedEngine:
+    """Prompt p's completions are the token lists [p, j] (j = sample index); the last one hits the length cap."""
+
+    def generate(self, prompts, params):
+        return [[Completion([p[0], j], [-0.5, -0.5], "length" if j == params.n - 1 else "stop")
+                 for j in range(params.n)] for p in prompts]
+
+    def sync_weights(self):
+        pass
+
+
+class Tok:
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return [" ".join(map(str, x)) for x in ids]
+
+
+def reward_by_prompt(prompts, completion_ids, **kwargs):
+    # even prompts: every sample gets 1 (a zero-std group); odd prompts: the sample index
+    return [1.0 if ids[0] % 2 == 0 else float(ids[1]) for ids in completion_ids]
+
+
+def feeder():
+    state = {"next": 0}
+
+    def take(count):
+        ids = list(range(state["next"], state["next"] + count))
+        state["next"] += count
+        return PromptBatch(prompts=[f"p{i}" for i in ids], prompt_ids=[[i] for i in ids], columns={}, indices=ids)
+    return take
+
+
+def run(**kw):
+    return collect_rollouts(ScriptedEngine(), Tok(), feeder(), 4, SamplingParams(n=3), RewardRunner([reward_by_prompt]),
+                            advantage_kwargs={"scale_rewards": "group"}, trainer_state={}, **kw)
+
+
+def test_plain_step_keeps_every_group_and_counts_zero_std():
+    batch = run()
+    assert len(batch) == 12 and batch.prompt_ids[:3] == [[0], [0], [0]]
+    assert batch.metrics["frac_reward_zero_std"] == 0.5  # prompts 0 and 2
+    assert torch.equal(batch.advantages[:3], torch.zeros(3))
+    assert abs(batch.metrics["completions/clipped_ratio"] - 1 / 3) < 1e-6
+
+
+def test_dynamic_sampling_refills_with_informative_groups():
+    batch = run(dynamic_sampling=True, max_resample_tries=5)
+    # each draw asks only for the missing prompts: 0-3 keeps 1, 3; 4-5 keeps 5; 6 keeps none; 7 fills the step
+    assert [p[0] for p in batch.prompt_ids[::3]] == [1, 3, 5, 7]
+    assert batch.metrics["sampling/tries"] == 4.0
+    assert (batch.rewards.view(4, 3).std(dim=1) > 0).all()
+
+
+def test_dynamic_sampling_fills_the_step_on_its_last_try():
+    batch = run(dynamic_sampling=True, max_resample_tries=1)
+    assert len(batch) == 12  # one try: every group is kept
+
+
+def test_truncated_completions_can_be_masked():
+    batch = run(mask_truncated_completions=True)
+    assert batch.loss_mask_keep == [True, True, False] * 4
