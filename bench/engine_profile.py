@@ -36,7 +36,7 @@ def step_breakdown(engine, prompts) -> dict[str, float]:
     params = SamplingParams(n=8, max_tokens=256, temperature=1.0, ignore_eos=True, seed=0)
     for i, p in enumerate(prompts):
         engine._add(i, p, params)
-    phases = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "append+finish": 0.0}
+    phases = {"schedule": 0.0, "forward+sample": 0.0, "eager sample": 0.0, "append+finish": 0.0}
     sched, runner = engine.scheduler, engine.runner
     steps = 0
     while sched.has_work():
@@ -46,10 +46,10 @@ def step_breakdown(engine, prompts) -> dict[str, float]:
         t0 = time.perf_counter()
         step = sched.schedule()
         t1 = time.perf_counter()
-        logits = runner.decode(step.seqs)
+        logits, sampled = runner.decode(step.seqs)  # in-graph sampler: decode includes sampling
         torch.cuda.synchronize()
         t2 = time.perf_counter()
-        tokens, logprobs = engine.sampler(logits, step.seqs)
+        tokens, logprobs = sampled if sampled is not None else engine.sampler(logits, step.seqs)
         t3 = time.perf_counter()
         for seq, tok, lp in zip(step.seqs, tokens, logprobs):
             seq.append(tok, lp, None)
@@ -70,11 +70,12 @@ def main() -> None:
     runner = engine.runner
     graph, _logits = runner.graphs[256]
     print(f"graph replay bs=256 (ctx 1, scratch rows): {gpu_ms(graph.replay):.3f} ms")
-    keys = torch.randint(0, 2**32, (256,), device="cuda")
+    seeds = torch.randint(0, 2**62, (256,), device="cuda")
+    positions = torch.randint(0, 2048, (256,), device="cuda")
     inv_t = torch.ones(256, device="cuda")
     noise = torch.ones(256, device="cuda")
     fake = torch.randn(256, model.config.vocab_size, device="cuda").to(torch.bfloat16)
-    print(f"fused sampler 256 x {fake.shape[1]}: {gpu_ms(lambda: fused_sample(fake, fake, inv_t, noise, keys)):.3f} ms")
+    print(f"fused sampler 256 x {fake.shape[1]}: {gpu_ms(lambda: fused_sample(fake, fake, inv_t, noise, seeds, positions)):.3f} ms")
     q = torch.randn(256, 14, 64, device="cuda", dtype=torch.bfloat16)
     kc = runner.kv_cache[0, 0]
     for ctx in (256, 1024, 2048):

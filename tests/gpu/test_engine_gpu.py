@@ -16,7 +16,7 @@ from cohort.engine import (
     triton_ops,
 )
 from cohort.engine.attention import AttnContext, decode_gather, prefill_sdpa, prefill_varlen
-from cohort.engine.sampler import gumbel_noise
+from cohort.engine.sampler import gumbel_noise, row_keys
 from cohort.types import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -41,10 +41,12 @@ def test_paged_decode_kernel_matches_gather(dtype):
 def test_fused_sampler_matches_torch():
     torch.manual_seed(0)
     logits = (torch.randn(64, 151936, device="cuda") * 4).to(torch.bfloat16)
-    keys = torch.randint(0, 2**32, (64,), device="cuda")
+    seeds = torch.randint(0, 2**62, (64,))
+    positions = torch.randint(0, 5000, (64,))
+    keys = torch.from_numpy(row_keys(seeds.numpy(), positions.numpy())).cuda()
     inv_t = torch.rand(64, device="cuda") + 0.5
     noise = (torch.rand(64, device="cuda") > 0.3).float()
-    tokens, logprobs = triton_ops.fused_sample(logits, logits, inv_t, noise, keys)
+    tokens, logprobs = triton_ops.fused_sample(logits, logits, inv_t, noise, seeds.cuda(), positions.cuda())
     scaled = logits.float() * inv_t[:, None]
     ref_tokens = (scaled + noise[:, None] * gumbel_noise(keys, logits.shape[1])).argmax(-1)
     ref_lp = scaled.gather(-1, ref_tokens[:, None])[:, 0] - scaled.logsumexp(-1)
@@ -66,11 +68,13 @@ def test_varlen_prefill_matches_sdpa():
     assert (out - ref).norm() / ref.norm() < 1e-2
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_graphs_greedy_matches_hf_float32(family):
+@pytest.mark.parametrize(("family", "fuse"), [("llama", None), ("qwen2", None), ("qwen3", None), ("qwen2", False)])
+def test_graphs_greedy_matches_hf_float32(family, fuse):
     model = tiny_model(family).cuda()
     prompts = random_prompts([5, 11, 2, 17, 8])
-    engine = CohortEngine(model, eos_token_ids=[EOS], block_size=16, max_model_len=128, max_num_seqs=16)
+    engine = CohortEngine(model, eos_token_ids=[EOS], block_size=16, max_model_len=128, max_num_seqs=16,
+                          fuse_projections=fuse)
+    assert bool(engine.runner.net.fused) == (fuse is None)
     assert engine.runner.graphs, "CUDA graphs were not captured"
     out = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20))
     assert [g[0].token_ids for g in out] == hf_greedy(model, prompts, 20)

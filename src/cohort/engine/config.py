@@ -23,7 +23,8 @@ class EngineConfig:
     enforce_eager: True disables CUDA graphs for decode steps.
     fuse_projections: keep concatenated QKV and gate-up weight copies (fewer, larger matmuls); they cost
         memory and a refresh in `sync_weights`, and are skipped when a projection is not a plain nn.Linear
-        (LoRA wrappers keep running their own forward).
+        (LoRA wrappers keep running their own forward). None = on CUDA when the copies take under a
+        quarter of the free memory, off on the CPU.
     """
 
     max_num_seqs: int = 256
@@ -33,7 +34,7 @@ class EngineConfig:
     kv_cache_fraction: float = 0.3
     num_kv_blocks: int | None = None
     enforce_eager: bool = False
-    fuse_projections: bool = False
+    fuse_projections: bool | None = None
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)

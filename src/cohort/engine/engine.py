@@ -22,7 +22,7 @@ from cohort.engine.block_manager import BlockManager
 from cohort.engine.config import EngineConfig
 from cohort.engine.model_runner import ModelRunner
 from cohort.engine.models.decoder import engine_supports
-from cohort.engine.sampler import Sampler
+from cohort.engine.sampler import Sampler, needs_processing
 from cohort.engine.scheduler import Scheduler
 from cohort.engine.sequence import PrefillUnit, Sequence
 from cohort.types import Completion, SamplingParams
@@ -55,7 +55,7 @@ class CohortEngine:
         max_model_len: int | None = None,
         num_kv_blocks: int | None = None,
         enforce_eager: bool = False,
-        fuse_projections: bool = False,
+        fuse_projections: bool | None = None,
         device: str | torch.device | None = None,
     ) -> None:
         ok, reason = engine_supports(model)
@@ -157,16 +157,20 @@ class CohortEngine:
             rows = [u for u, unit in enumerate(step.units) for _ in unit.seqs]
             if len(rows) != len(step.units):
                 logits = logits[torch.tensor(rows, device=logits.device)]
+            sampled = None
             self.stats.prefill_tokens += sum(unit.num_tokens for unit in step.units)
             self.stats.prefill_steps += 1
         else:
             if not step.seqs:
                 return
-            logits = self.runner.decode(step.seqs)
+            logits, sampled = self.runner.decode(step.seqs, fused_sampling=not needs_processing(step.seqs))
             self.stats.decode_tokens += len(step.seqs)
             self.stats.decode_steps += 1
         self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, self.blocks.num_used_blocks)
-        tokens, logprobs = self.sampler(logits, step.seqs)
+        if step.is_prefill or sampled is None:
+            tokens, logprobs = self.sampler(logits, step.seqs)
+        else:
+            tokens, logprobs = sampled
         for seq, token, logprob in zip(step.seqs, tokens, logprobs):
             seq.append(token, logprob, self.tokenizer)
         self.scheduler.finish(step.seqs)

@@ -20,6 +20,7 @@ import torch
 from cohort.engine.attention import AttentionOps, AttnContext
 from cohort.engine.config import EngineConfig
 from cohort.engine.models.decoder import DecoderForward
+from cohort.engine.sampler import temperature_rows
 from cohort.engine.scheduler import PrefillUnit
 from cohort.engine.sequence import Sequence
 
@@ -44,8 +45,16 @@ class ModelRunner:
         pin = device.type == "cuda"
         self._tables_host = torch.full((config.max_num_seqs, width), self.scratch_block, dtype=torch.int32,
                                        pin_memory=pin)
-        self._row_host = torch.zeros((4, config.max_num_seqs), dtype=torch.int64, pin_memory=pin)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Per-row decode inputs: ids, positions, slots, ctx_lens, seeds (int64) and 1/T, noise (float32).
+        self._row_host = torch.zeros((5, config.max_num_seqs), dtype=torch.int64, pin_memory=pin)
+        self._float_host = torch.ones((2, config.max_num_seqs), dtype=torch.float32, pin_memory=pin)
+        self._out_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=pin)
+        self._out_logprobs = torch.zeros(config.max_num_seqs, dtype=torch.float32, pin_memory=pin)
+        from cohort.engine import triton_ops
+
+        # The fused sampler joins the decode graph, so a plain-sampling step is a single graph replay.
+        self.sample_in_graph = triton_ops.triton is not None and device.type == "cuda"
+        self.graphs: dict[int, tuple] = {}  # batch size -> (graph, logits, tokens, logprobs)
         self.graph_capture_seconds = 0.0
         self._param_ptrs = self._parameter_pointers()
         if device.type == "cuda" and not config.enforce_eager:
@@ -145,6 +154,9 @@ class ModelRunner:
         last_blocks = np.fromiter((s.block_table[(len(s) - 1) // bs] for s in seqs), dtype=np.int64, count=n)
         host[2, :n] = last_blocks * bs + (lengths - 1) % bs
         host[3, :n] = lengths
+        host[4, :n] = np.fromiter((s.seed for s in seqs), dtype=np.int64, count=n)
+        floats = self._float_host.numpy()
+        floats[0, :n], floats[1, :n] = temperature_rows(seqs)
         # All block tables in one scatter (a per-row numpy assignment costs ~2 us x 256 rows per step).
         counts = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
         flat = np.fromiter(itertools.chain.from_iterable(s.block_table for s in seqs), dtype=np.int32,
@@ -159,18 +171,25 @@ class ModelRunner:
         tables[n:rows, 0] = self.scratch_block
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One token for each sequence; returns logits [B, V]."""
+    def decode(self, seqs: list[Sequence], fused_sampling: bool = True):
+        """One token for each sequence. Returns (logits [B, V], sampled), where sampled is
+        (tokens, logprobs) lists when the in-graph sampler served the step (plain sampling), else None."""
         n = len(seqs)
         graph_bs = next((b for b in sorted(self.graphs) if b >= n), None)
         rows = graph_bs or n
         self._fill_decode_inputs(seqs, rows)
         if graph_bs is not None:
             self._static_rows.copy_(self._row_host, non_blocking=True)
+            self._static_floats.copy_(self._float_host, non_blocking=True)
             self._static_tables.copy_(self._tables_host, non_blocking=True)
-            graph, logits = self.graphs[graph_bs]
+            graph, logits, tokens, logprobs = self.graphs[graph_bs]
             graph.replay()
-            return logits[:n]
+            if not (fused_sampling and tokens is not None):
+                return logits[:n], None
+            self._out_tokens[:n].copy_(tokens[:n], non_blocking=True)
+            self._out_logprobs[:n].copy_(logprobs[:n], non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+            return logits[:n], (self._out_tokens[:n].tolist(), self._out_logprobs[:n].tolist())
         rows_dev = self._row_host[:, :n].to(self.device)
         ctx = AttnContext(
             is_prefill=False,
@@ -179,7 +198,7 @@ class ModelRunner:
             ctx_lens=rows_dev[3].to(torch.int32),
             max_ctx_len=max(len(s) for s in seqs),
         )
-        return self.net.logits(self.net.forward(rows_dev[0], rows_dev[1], ctx, self.kv_cache))
+        return self.net.logits(self.net.forward(rows_dev[0], rows_dev[1], ctx, self.kv_cache)), None
 
     # ---- CUDA graphs -------------------------------------------------------------------------------
     def graph_batch_sizes(self) -> list[int]:
@@ -192,7 +211,8 @@ class ModelRunner:
         start = time.perf_counter()
         top = self.config.max_num_seqs
         width = self.config.max_blocks_per_seq
-        self._static_rows = torch.zeros((4, top), dtype=torch.int64, device=self.device)
+        self._static_rows = torch.zeros((5, top), dtype=torch.int64, device=self.device)
+        self._static_floats = torch.ones((2, top), dtype=torch.float32, device=self.device)
         self._static_rows[2] = self.scratch_block * self.config.block_size
         self._static_rows[3] = 1
         self._static_tables = torch.full((top, width), self.scratch_block, dtype=torch.int32, device=self.device)
@@ -203,16 +223,24 @@ class ModelRunner:
                               block_tables=self._static_tables[:bs], ctx_lens=self._static_ctx_lens[:bs])
             ids, pos = self._static_rows[0, :bs], self._static_rows[1, :bs]
 
-            def run(ctx=ctx, ids=ids, pos=pos):
+            def run(ctx=ctx, ids=ids, pos=pos, bs=bs):
                 self._static_ctx_lens.copy_(self._static_rows[3].to(torch.int32))
-                return self.net.logits(self.net.forward(ids, pos, ctx, self.kv_cache))
+                logits = self.net.logits(self.net.forward(ids, pos, ctx, self.kv_cache))
+                if not self.sample_in_graph:
+                    return logits, None, None
+                from cohort.engine.triton_ops import fused_sample
+
+                # The sampled token sits at position ctx_len (row 3): the key of sampler.row_key.
+                rows, floats = self._static_rows, self._static_floats
+                return (logits, *fused_sample(logits, logits, floats[0, :bs], floats[1, :bs], rows[4, :bs],
+                                              rows[3, :bs]))
 
             run()  # warm-up: compiles kernels, initialises cuBLAS handles outside the capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = run()
+                outputs = run()
             pool = graph.pool()
-            self.graphs[bs] = (graph, logits)
+            self.graphs[bs] = (graph, *outputs)
         torch.cuda.synchronize(self.device)
         self.graph_capture_seconds = time.perf_counter() - start

@@ -96,6 +96,21 @@ def apply_filters(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return torch.empty_like(scaled).scatter_(-1, order, sorted_vals)
 
 
+def temperature_rows(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row 1/T (1 for greedy) and noise scale (0 for greedy, 1 when sampling), float32."""
+    temps = np.fromiter((s.params.temperature for s in seqs), dtype=np.float32, count=len(seqs))
+    sampled = temps > 0
+    inv_temp = np.where(sampled, 1.0 / np.where(sampled, temps, 1.0), 1.0).astype(np.float32)
+    return inv_temp, sampled.astype(np.float32)
+
+
+def needs_processing(seqs: list[Sequence]) -> bool:
+    """Whether any row uses a penalty or a filter (then the fused in-graph sampler cannot serve the step)."""
+    return any(
+        p.repetition_penalty != 1.0 or p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in (s.params for s in seqs)
+    )
+
+
 class Sampler:
     """Turns one logits row per sequence into (token, logprob), using the fused kernel when it can."""
 
@@ -113,20 +128,19 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(seqs)
-        temps = np.fromiter((s.params.temperature for s in seqs), dtype=np.float32, count=n)
-        noise_np = (temps > 0).astype(np.float32)
-        inv_temp_np = np.where(temps > 0, 1.0 / np.where(temps > 0, temps, 1.0), 1.0).astype(np.float32)
+        inv_temp_np, noise_np = temperature_rows(seqs)
         seeds = np.fromiter((s.seed for s in seqs), dtype=np.int64, count=n)
         positions = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
         floats = torch.from_numpy(np.stack([inv_temp_np, noise_np])).to(self.device, non_blocking=True)
         inv_temp, noise = floats[0], floats[1]
-        keys = torch.from_numpy(row_keys(seeds, positions)).to(self.device, non_blocking=True)
         choice = self._processed(logits, seqs)
         if self.use_triton:
             from cohort.engine.triton_ops import fused_sample
 
+            ints = torch.from_numpy(np.stack([seeds, positions])).to(self.device, non_blocking=True)
             choice_scaled_input = logits if choice is None else choice
-            return fused_sample(logits, choice_scaled_input.contiguous(), inv_temp, noise, keys)
+            return fused_sample(logits, choice_scaled_input.contiguous(), inv_temp, noise, ints[0], ints[1])
+        keys = torch.from_numpy(row_keys(seeds, positions)).to(self.device, non_blocking=True)
         scaled = logits.float() * inv_temp[:, None]
         chosen_scaled = scaled if choice is None else choice.float() * inv_temp[:, None]
         score = chosen_scaled + noise[:, None] * gumbel_noise(keys, logits.shape[-1])

@@ -85,13 +85,18 @@ if triton is not None:
 
     @triton.jit
     def _sample_kernel(
-        logits_ptr, choice_ptr, inv_temp_ptr, noise_ptr, keys_ptr, tok_ptr, lp_ptr,
+        logits_ptr, choice_ptr, inv_temp_ptr, noise_ptr, seeds_ptr, pos_ptr, tok_ptr, lp_ptr,
         vocab, stride_l, stride_c, BLOCK_V: tl.constexpr,
     ):
         row = tl.program_id(0)
         inv_t = tl.load(inv_temp_ptr + row)
         noise = tl.load(noise_ptr + row)
-        key = tl.load(keys_ptr + row).to(tl.uint32)
+        # Row key = sampler.row_key(seed, position), computed here so the kernel can sit in a CUDA graph.
+        seed = tl.load(seeds_ptr + row)
+        pos = tl.load(pos_ptr + row)
+        key = _mix32(((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
+        key = _mix32(key ^ (seed & 0xFFFFFFFF).to(tl.uint32))
+        key = _mix32(key ^ (pos & 0xFFFFFFFF).to(tl.uint32))
         m = tl.full([BLOCK_V], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK_V], tl.float32)
         best = tl.full([BLOCK_V], float("-inf"), tl.float32)
@@ -142,13 +147,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def fused_sample(logits: torch.Tensor, choice: torch.Tensor, inv_temp: torch.Tensor, noise: torch.Tensor,
-                 keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gumbel-max sample of `choice`/T and log_softmax(logits/T)[token], one pass. Rows: [B, V]."""
+                 seeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gumbel-max sample of `choice`/T and log_softmax(logits/T)[token], one pass. Rows: [B, V].
+
+    seeds, positions: int64 [B]; the noise key of a row is sampler.row_key(seed, position).
+    """
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
     _sample_kernel[(rows,)](
-        logits, choice, inv_temp, noise, keys, tokens, logprobs, vocab, logits.stride(0), choice.stride(0),
+        logits, choice, inv_temp, noise, seeds, positions, tokens, logprobs, vocab, logits.stride(0),
+        choice.stride(0),
         BLOCK_V=2048, num_warps=8,
     )
     return tokens, logprobs

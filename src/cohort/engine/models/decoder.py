@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cohort.engine.attention import AttentionOps, AttnContext, store_kv
+from cohort.engine.attention import AttentionOps, AttnContext
 from cohort.engine.models.layers import fused_ops
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -47,7 +47,7 @@ class DecoderForward:
     """Runs a *ForCausalLM of a supported family on packed tokens with paged attention."""
 
     def __init__(self, model: nn.Module, attention: AttentionOps, max_len: int,
-                 fuse_projections: bool = False) -> None:
+                 fuse_projections: bool | None = None) -> None:
         ok, reason = engine_supports(model)
         if not ok:
             raise ValueError(reason)
@@ -65,8 +65,21 @@ class DecoderForward:
         self.cos, self.sin = self._rope_tables(max_len)
         self.ops = fused_ops(self.device)
         self.fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+        if fuse_projections is None:
+            fuse_projections = self._plain_linears() and self._fused_copies_fit()
         if fuse_projections and self._plain_linears():
             self.refresh_fused()
+
+    def _fused_copies_fit(self) -> bool:
+        """Auto mode: fuse on CUDA when the copies take under a quarter of the free device memory."""
+        if self.device.type != "cuda":
+            return False
+        layer = self.inner.layers[0]
+        names = [("self_attn", n) for n in ("q_proj", "k_proj", "v_proj")] + [("mlp", "gate_proj"), ("mlp", "up_proj")]
+        per_layer = sum(getattr(getattr(layer, a), n).weight.numel() for a, n in names)
+        needed = per_layer * self.num_layers * self.dtype.itemsize
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return needed < free // 4
 
     def _plain_linears(self) -> bool:
         """Fused copies only replace plain nn.Linear layers: a LoRA wrapper must keep running its own forward."""
@@ -117,11 +130,12 @@ class DecoderForward:
         """input_ids, positions: [T]; kv_cache: [2, layers, blocks, block_size, kv_heads, D]. -> [T, hidden]."""
         ops, layers = self.ops, self.inner.layers
         x = self.inner.embed_tokens(input_ids)
+        kv_flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
         cos, sin = self.cos[positions], self.sin[positions]
         norm = layers[0].input_layernorm
         h = ops.rms_norm(x, norm.weight, norm.variance_epsilon)
         for i, layer in enumerate(layers):
-            delta = self._attention(i, layer, h, cos, sin, ctx, kv_cache[0, i], kv_cache[1, i])
+            delta = self._attention(i, layer, h, cos, sin, ctx, kv_cache, kv_flat)
             norm = layer.post_attention_layernorm
             x, h = ops.add_rms_norm(x, delta, norm.weight, norm.variance_epsilon)
             delta = self._mlp(i, layer, h)
@@ -137,7 +151,7 @@ class DecoderForward:
         return attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
 
     def _attention(self, i: int, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   ctx: AttnContext, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                   ctx: AttnContext, kv_cache: torch.Tensor, kv_flat: torch.Tensor) -> torch.Tensor:
         attn = layer.self_attn
         tokens = h.shape[0]
         q, k, v = self._qkv(i, attn, h)
@@ -147,12 +161,11 @@ class DecoderForward:
         if self.qk_norm:
             q = self.ops.rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
             k = self.ops.rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
-        q, k = self.ops.rope(q, k, cos, sin)
-        store_kv(k_cache, v_cache, k, v, ctx.slot_mapping)
+        q, k = self.ops.rope_store(q, k, v, cos, sin, kv_flat, ctx.slot_mapping, i * kv_flat.shape[1] // self.num_layers)
         if ctx.is_prefill:
             o = self.attention.prefill(q, k, v, ctx, self.scale)
         else:
-            o = self.attention.decode(q, k_cache, v_cache, ctx, self.scale)
+            o = self.attention.decode(q, kv_cache[0, i], kv_cache[1, i], ctx, self.scale)
         return attn.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
 
     def _mlp(self, i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
