@@ -253,6 +253,27 @@ def packed_forward_logprobs(
     return PackedLogprobs(logprobs, entropy, offsets)
 
 
+def compile_decoder_layers(model, *, dynamic: bool = True) -> int:
+    """torch.compile each decoder layer in place (idempotent); returns how many layers were compiled.
+
+    HF's eager layers launch many small elementwise kernels (RMSNorm in fp32, RoPE, SiLU * up); fusing them
+    took a packed forward+backward of Qwen2.5-0.5B on one H100 from 26% to about 40% model-FLOPs
+    utilisation (8-17k tokens per micro-batch; the first call compiles for ~8 s). `dynamic=True` keeps
+    one graph for every packed length. Meant for CUDA training; generate() through the same layers works
+    but recompiles for the KV-cache path.
+    """
+    layers = getattr(_decoder(model), "layers", None)
+    if layers is None:
+        raise TypeError(f"{type(model).__name__}: no decoder .layers to compile")
+    count = 0
+    for layer in layers:
+        if not getattr(layer, "_cohort_compiled", False):
+            layer.compile(dynamic=dynamic)
+            layer._cohort_compiled = True
+            count += 1
+    return count
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Micro-batches
 

@@ -50,6 +50,16 @@ def test_flash_varlen_matches_masked_sdpa_bf16(monkeypatch):
     assert torch.nn.functional.cosine_similarity(g_v, g_n, dim=0).item() > 0.999
 
 
+def test_compiled_layers_match_eager():
+    model, seqs = _model(torch.bfloat16), _sequences()
+    lp_e, g_e = _run(model, seqs, "varlen")
+    assert packing.compile_decoder_layers(model) == 2
+    assert packing.compile_decoder_layers(model) == 0  # idempotent
+    lp_c, g_c = _run(model, seqs, "varlen")
+    assert (lp_c - lp_e).abs().max().item() < 5e-2
+    assert torch.nn.functional.cosine_similarity(g_c, g_e, dim=0).item() > 0.999
+
+
 def test_fp32_cuda_segment_path_exact():
     model, seqs = _model(torch.float32), _sequences()
     lp_v, g_v = _run(model, seqs, "varlen")

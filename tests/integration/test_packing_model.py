@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from cohort.packing import disable_packed_attention, packed_forward_logprobs
+from cohort.packing import compile_decoder_layers, disable_packed_attention, packed_forward_logprobs
 
 VOCAB = 97
 
@@ -114,3 +114,13 @@ def test_padded_layout_and_no_grad_mode():
 def test_rejects_empty_prompt():
     with pytest.raises(ValueError, match="empty prompt"):
         packed_forward_logprobs(_tiny("llama"), [([], [1, 2])])
+
+
+def test_compile_decoder_layers_is_idempotent(monkeypatch):
+    # The real compile runs in tests/gpu; here only which modules get compiled, and only once.
+    compiled = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compiled.append((type(self).__name__, kw)))
+    model = _tiny("qwen2")
+    assert compile_decoder_layers(model) == 2
+    assert compile_decoder_layers(model) == 0
+    assert compiled == [("Qwen2DecoderLayer", {"dynamic": True})] * 2
