@@ -68,6 +68,7 @@ class GenerationConfig:
     repetition_penalty: float = 1.0
     stop_strings: list[str] = field(default_factory=list)
     mask_truncated_completions: bool = False
+    ignore_eos: bool = False  # sample through EOS to max_completion_length (benchmarks, fixed-length runs)
     engine: str = "auto"  # auto: cohort's engine on GPU when the architecture is supported, else hf
     kv_cache_fraction: float = 0.3
     generation_batch_size: int | None = None  # hf engine only: prompts per generate call

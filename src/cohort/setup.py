@@ -74,7 +74,8 @@ def sampling_params_for(cfg: CohortConfig, tokenizer, *, n: int, seed: int | Non
     g = cfg.generation
     return SamplingParams(
         n=n, max_tokens=g.max_completion_length, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-        min_p=g.min_p, repetition_penalty=g.repetition_penalty, stop_strings=tuple(g.stop_strings), seed=seed)
+        min_p=g.min_p, repetition_penalty=g.repetition_penalty, stop_strings=tuple(g.stop_strings),
+        ignore_eos=g.ignore_eos, seed=seed)
 
 
 def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, echo=print) -> RolloutEngine:
