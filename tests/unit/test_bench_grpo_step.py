@@ -54,7 +54,8 @@ def test_summary_rates(bench):
 @pytest.mark.parametrize("runner", ["cohort", "cohort-lowmem"])
 def test_cohort_child_runs_exact_lengths_on_cpu(bench, runner):
     args = argparse.Namespace(size="tiny", device="cpu", warmup=1, steps=1, prompts=2, generations=2,
-                              prompt_len=8, completion_len=12, token_budget=None, mem_cap=None)
+                              prompt_len=8, completion_len=12, token_budget=None, mem_cap=None,
+                              compile_layers=False)
     result = bench.run_cohort(args, lowmem=runner == "cohort-lowmem")
     assert len(result["steps"]) == 2
     assert all(s["completion_len"] == 12.0 for s in result["steps"])  # ignore_eos: never shorter
