@@ -38,20 +38,6 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return rotate(q), rotate(k)
 
 
-def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               kv_flat: torch.Tensor, slots: torch.Tensor, layer_offset: int):
-    """RoPE on q, k, then write k, v into their cache slots; one kernel once compiled.
-
-    kv_flat: the whole cache viewed as [2, layers * slots_per_layer, kv_heads, D]; passing it whole (with an
-    int offset) rather than one layer's view keeps torch.compile from specialising on 24 storage offsets.
-    """
-    q, k = rope(q, k, cos, sin)
-    index = slots + layer_offset
-    kv_flat[0].index_copy_(0, index, k)
-    kv_flat[1].index_copy_(0, index, v)
-    return q, k
-
-
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
@@ -62,7 +48,6 @@ class FusedOps:
         self.rms_norm = wrap(rms_norm)
         self.add_rms_norm = wrap(add_rms_norm)
         self.rope = wrap(rope)
-        self.rope_store = wrap(rope_store)
         self.silu_mul = wrap(silu_mul)
         self.compiled = compile_
 
