@@ -205,3 +205,19 @@ def test_fused_projection_copies_match_and_refresh_after_an_update():
             p.add_(torch.randn_like(p) * 0.05)
     fused.sync_weights()
     assert [g[0].token_ids for g in fused.generate(prompts, params)] == hf_greedy(model, prompts, 10)
+
+
+def test_lora_adapters_apply_without_merging():
+    peft = pytest.importorskip("peft")
+    model = tiny_model("qwen3")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"],
+                             init_lora_weights=False)  # random A and B: the adapter changes the outputs
+    lora = peft.get_peft_model(model, config).eval()
+    prompts = random_prompts(MIXED)
+    engine = make_engine(lora)
+    assert not engine.runner.net.fused  # LoRA wrappers keep running their own forward
+    out = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+    expected = hf_greedy(lora, prompts, 12)
+    assert [g[0].token_ids for g in out] == expected
+    with lora.disable_adapter():
+        assert hf_greedy(lora, prompts, 12) != expected  # the adapter really matters here

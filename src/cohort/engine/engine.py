@@ -21,7 +21,7 @@ import torch
 from cohort.engine.block_manager import BlockManager
 from cohort.engine.config import EngineConfig
 from cohort.engine.model_runner import ModelRunner
-from cohort.engine.models.decoder import engine_supports
+from cohort.engine.models.decoder import engine_supports, unwrap_model
 from cohort.engine.sampler import Sampler, needs_processing
 from cohort.engine.scheduler import Scheduler
 from cohort.engine.sequence import PrefillUnit, Sequence
@@ -61,6 +61,7 @@ class CohortEngine:
         ok, reason = engine_supports(model)
         if not ok:
             raise ValueError(reason)
+        model = unwrap_model(model)
         weights_device = model.get_input_embeddings().weight.device
         self.device = torch.device(device) if device is not None else weights_device
         if self.device.type != weights_device.type:

@@ -21,8 +21,15 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _UNSUPPORTED_ROPE = ("dynamic", "longrope")
 
 
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The *ForCausalLM inside a PEFT wrapper (its LoRA layers stay in place and run in our forward)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
 def engine_supports(model: nn.Module) -> tuple[bool, str]:
     """Whether CohortEngine can run `model`; the reason names what blocks it (for a fallback message)."""
+    model = unwrap_model(model)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -51,6 +58,7 @@ class DecoderForward:
         ok, reason = engine_supports(model)
         if not ok:
             raise ValueError(reason)
+        model = unwrap_model(model)
         config = model.config
         self.hf = model
         self.inner = model.model
