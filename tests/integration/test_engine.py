@@ -221,3 +221,14 @@ def test_lora_adapters_apply_without_merging():
     assert [g[0].token_ids for g in out] == expected
     with lora.disable_adapter():
         assert hf_greedy(lora, prompts, 12) != expected  # the adapter really matters here
+
+
+def test_an_error_mid_generate_leaves_the_engine_clean():
+    model = tiny_model("llama")
+    engine = make_engine(model)
+    prompts = random_prompts([5, 6])
+    with pytest.raises(ValueError, match="max_model_len"):  # the second prompt is rejected after the first queued
+        engine.generate([prompts[0], [1] * 120], SamplingParams(max_tokens=20))
+    assert not engine.scheduler.has_work() and engine.blocks.num_used_blocks == 0
+    out = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert [len(g) for g in out] == [1, 1] and len(out[0][0].token_ids) == 5

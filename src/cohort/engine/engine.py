@@ -11,6 +11,7 @@ There is no global state: build one engine per data-parallel rank, each on its r
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 from collections.abc import Sequence as Seq
@@ -98,13 +99,26 @@ class CohortEngine:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts; pass one or one each.")
-        groups = [self._add(i, list(prompt), p) for i, (prompt, p) in enumerate(zip(prompts, per_prompt))]
-        while self.scheduler.has_work():
-            self.step()
+        try:
+            groups = [self._add(i, list(prompt), p) for i, (prompt, p) in enumerate(zip(prompts, per_prompt))]
+            # The device context matters with one engine per rank: Triton and graph capture use the current one.
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+                while self.scheduler.has_work():
+                    self.step()
+        except BaseException:
+            self._abort()
+            raise
         return [
             [Completion(s.completion_ids, s.logprobs, s.finish_reason or "length") for s in group]
             for group in groups
         ]
+
+    def _abort(self) -> None:
+        """Drop every queued and running sequence (after an error) so the next call starts clean."""
+        for seq in list(self.scheduler.running):
+            self.blocks.free(seq)
+        self.scheduler.running.clear()
+        self.scheduler.waiting.clear()
 
     def sync_weights(self) -> None:
         """Called after each optimizer step. In-place weights: nothing to do; fused copies are re-copied."""

@@ -58,7 +58,8 @@ class ModelRunner:
         self.graph_capture_seconds = 0.0
         self._param_ptrs = self._parameter_pointers()
         if device.type == "cuda" and not config.enforce_eager:
-            self._capture_graphs()
+            with torch.cuda.device(device):
+                self._capture_graphs()
 
     def _parameter_pointers(self) -> list[int]:
         return [p.data_ptr() for p in self.net.hf.parameters()]
