@@ -85,3 +85,24 @@ def test_config_errors_name_the_field():
         EngineConfig(kv_cache_fraction=1.5)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(max_num_batched_tokens=100, max_model_len=200)
+
+
+def test_decode_inputs_pad_rows_into_the_scratch_block():
+    """CUDA-graph padding rows must write and read only the scratch block, never a live sequence's KV."""
+    from tests.integration.engine_models import tiny_model
+
+    from cohort.engine import CohortEngine
+
+    engine = CohortEngine(tiny_model("llama"), eos_token_ids=[2], block_size=4, max_model_len=64, num_kv_blocks=20)
+    runner = engine.runner
+    seqs = [_seq(n, i) for i, n in enumerate((6, 9))]
+    for seq in seqs:
+        engine.blocks.allocate(seq)
+    runner._fill_decode_inputs(seqs, rows=5)
+    host, tables = runner._row_host.numpy(), runner._tables_host.numpy()
+    scratch = runner.scratch_block
+    assert host[1, :2].tolist() == [5, 8]  # positions of the last tokens
+    assert host[2, :2].tolist() == [seqs[0].block_table[1] * 4 + 1, seqs[1].block_table[2] * 4 + 0]
+    assert host[3, :5].tolist() == [6, 9, 1, 1, 1]  # padded rows attend to one slot
+    assert host[2, 2:5].tolist() == [scratch * 4] * 3 and tables[2:5, 0].tolist() == [scratch] * 3
+    assert tables[1, :3].tolist() == seqs[1].block_table
