@@ -14,6 +14,7 @@ input (config, model path, dataset) fails in `build_components`, before the run 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
@@ -139,10 +140,13 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo) -> Train
 def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, step: int) -> dict[str, Any]:
     timer = PhaseTimer()
     t0 = time.perf_counter()
+    # A seed per step makes sampling a function of (seed, step), whatever RNG state the engine keeps:
+    # a resumed run samples exactly what the uninterrupted run sampled.
+    params = dataclasses.replace(comp.sampling_params, seed=(cfg.train.seed * 1_000_003 + step * 7_919) % 2**31)
     with timer("generate"):
         batch = collect_rollouts(
             comp.engine, comp.tokenizer, _next_prompts(comp, sampler), cfg.train.prompts_per_step,
-            comp.sampling_params, comp.reward_runner, advantage_kwargs=comp.advantage_kwargs,
+            params, comp.reward_runner, advantage_kwargs=comp.advantage_kwargs,
             trainer_state={"step": step, "max_steps": cfg.train.max_steps},
             dynamic_sampling=cfg.reward.dynamic_sampling, max_resample_tries=cfg.reward.max_resample_tries,
             mask_truncated_completions=cfg.generation.mask_truncated_completions)
