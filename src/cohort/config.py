@@ -117,6 +117,7 @@ class LossConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 100
+    max_train_time_s: float | None = None  # also end training (normally) after this much step time
     prompts_per_step: int = 16
     mini_batches: int = 1
     num_iterations: int = 1

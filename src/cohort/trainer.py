@@ -108,33 +108,41 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo) -> Train
         if start_step == 0 and comp.eval_data is not None:
             result.eval_before = evaluate(comp, cfg)
             echo("eval before training: " + _fmt(result.eval_before))
-        for step in range(start_step + 1, t.max_steps + 1):
+        step = start_step
+        while step < t.max_steps and not _budget_spent(cfg, comp):
+            step += 1
             metrics = _step(cfg, comp, sampler, updater, step)
             result.history.append(metrics)
             if step == 1 and result.eval_before:  # logged only once a step succeeded: a run that fails
                 # at step 1 (e.g. a broken reward function) leaves no run directory behind
                 logger.log(0, {f"eval/{k}": v for k, v in result.eval_before.items()})
-            if comp.eval_data is not None and cfg.run.eval_steps and step % cfg.run.eval_steps == 0 \
-                    and step != t.max_steps:
+            last = step == t.max_steps or _budget_spent(cfg, comp)
+            if comp.eval_data is not None and cfg.run.eval_steps and step % cfg.run.eval_steps == 0 and not last:
                 metrics.update({f"eval/{k}": v for k, v in evaluate(comp, cfg).items()})
             logger.log(step, metrics)
             if cfg.run.log_completions:
                 logger.log_samples(step, comp.last_samples)
             out_of_time = cfg.run.time_limit_s is not None and time.monotonic() - started > cfg.run.time_limit_s
-            if (cfg.run.save_steps and step % cfg.run.save_steps == 0) or step == t.max_steps or out_of_time:
+            if (cfg.run.save_steps and step % cfg.run.save_steps == 0) or last or out_of_time:
                 _save(cfg, comp, run_dir, step, sampler, result)
-            if out_of_time and step < t.max_steps:
+            if out_of_time and not last:
                 echo(f"run.time_limit_s={cfg.run.time_limit_s} reached after step {step}: checkpoint saved; "
                      "continue with --resume")
                 result.stopped_at = step
                 return result
         if comp.eval_data is not None:
             result.eval_after = evaluate(comp, cfg)
-            logger.log(t.max_steps, {f"eval/{k}": v for k, v in result.eval_after.items()})
+            logger.log(step, {f"eval/{k}": v for k, v in result.eval_after.items()})
             echo("eval after training:  " + _fmt(result.eval_after))
     finally:
         logger.close()
     return result
+
+
+def _budget_spent(cfg: CohortConfig, comp: Components) -> bool:
+    """train.max_train_time_s: training ends (final checkpoint, final eval) once this much step time is spent."""
+    limit = cfg.train.max_train_time_s
+    return limit is not None and comp.train_time_s >= limit
 
 
 def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, step: int) -> dict[str, Any]:
