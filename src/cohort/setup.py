@@ -149,6 +149,27 @@ def _data(cfg: CohortConfig, tokenizer, echo):
     return train, evald
 
 
+def _check_memory(cfg: CohortConfig, policy, device: torch.device, with_reference: bool, echo) -> None:
+    """Print what the run will need and, on a GPU, stop before any work when it cannot fit."""
+    from cohort.memory import check_fits, estimate_memory
+
+    param = next(policy.parameters())
+    avail = None
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        avail = free + torch.cuda.memory_allocated(device)  # as if our own weights were not loaded yet
+    kv = int(cfg.generation.kv_cache_fraction * avail) if avail and cfg.generation.engine != "hf" else 0
+    try:
+        est = estimate_memory(policy.config, dtype=param.dtype, token_budget=cfg.train.token_budget,
+                              gradient_checkpointing=cfg.model.gradient_checkpointing, kv_cache_bytes=kv,
+                              reference_model=with_reference)
+    except (KeyError, TypeError, ValueError, AttributeError):  # an architecture the estimator cannot read
+        return
+    echo(est.table())
+    if avail is not None:
+        check_fits(est, avail)
+
+
 def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_runner=None,
                      train_data=None, eval_data=None, echo=print) -> Components:
     cfg.validate()
@@ -176,6 +197,7 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
     total_updates = t.max_steps * t.mini_batches * t.num_iterations
     scheduler = build_scheduler(optimizer, kind=t.lr_scheduler_type, warmup_steps=t.warmup_steps,
                                 total_steps=total_updates)
+    _check_memory(cfg, policy, device, reference is not None, echo)
     a = cfg.advantage
     return Components(
         policy=policy, tokenizer=tokenizer, reference=reference, loss_fn=loss_fn,

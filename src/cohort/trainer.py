@@ -112,6 +112,8 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo) -> Train
         while step < t.max_steps and not _budget_spent(cfg, comp):
             step += 1
             metrics = _step(cfg, comp, sampler, updater, step)
+            if step == start_step + 1:  # prompt truncation/drop counts, logged with the first step
+                metrics.update(getattr(comp.train_data.stats, "as_metrics", dict)())
             result.history.append(metrics)
             if step == 1 and result.eval_before:  # logged only once a step succeeded: a run that fails
                 # at step 1 (e.g. a broken reward function) leaves no run directory behind

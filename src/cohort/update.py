@@ -84,7 +84,7 @@ class PolicyUpdater:
                 ref_logprobs=None if ref is None else pad_rows([ref[r] for r in idx], width),
                 sampling_logprobs=pad_rows(
                     [torch.tensor(batch.sampling_logprobs[r], device=self.device) for r in idx], width),
-                entropy=packed.padded("entropy").detach(),
+                entropy=packed.padded("entropy"),  # with grad: the entropy bonus (entropy_coef) needs it
                 num_tokens=max(num_tokens, 1.0), num_sequences=len(rows),
                 max_completion_length=self.s.max_completion_length,
             )
