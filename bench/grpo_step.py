@@ -12,10 +12,12 @@ cheap length reward, one optimizer update per step, beta = 0 (no reference model
 The tokenizer is a word-level one built here (`w0 w1 ...`, one word per model id, EOS = Qwen's 151643), so a
 prompt is exactly its 128 words and every id the model can sample decodes; nothing is downloaded.
 
+The TRL side (and how its phases are timed) is in bench/grpo_step_trl.py.
 Every (size, runner) pair runs in its own subprocess, one after another, so GPU memory peaks never mix;
 the parent prints the table. Peak memory is torch.cuda.max_memory_allocated / max_memory_reserved over the
 training steps (reset after setup). Seconds per step are the mean over the steps after `--warmup`.
-Phases: generate (sampling, decode to text, advantages), score (reward functions), logprobs (no-grad
+Phases: generate (cohort: sampling, decode to text, advantages; TRL: tokenise and HF generate, its decode
+and advantages fall in "other"), score (reward functions), logprobs (no-grad
 forwards before the update: old/reference logprobs; zero on-policy with beta = 0 on both sides), update
 (forward, backward and optimizer step), other (the rest of the step). Update MFU = 6 * N * tokens in the
 update / update seconds / peak, with N all parameters (the tied embedding counted once, as the LM head)
@@ -23,7 +25,8 @@ and peak 989e12 (H100 SXM dense bf16); recomputation under gradient checkpointin
 
 Runners: `trl` (GRPOTrainer, its defaults: HF generate, gradient checkpointing, bf16 AdamW states,
 8 completions per micro-batch, so 32 accumulation steps); `cohort` (fast: no checkpointing, fp32 master
-weights and AdamW, packed micro-batches of `--token-budget` tokens, KV pool sized to the workload);
+weights and AdamW, packed micro-batches of `--token-budget` tokens, KV pool sized to the workload, decoder
+layers compiled with cohort.packing.compile_decoder_layers on CUDA, retried eager if that fails);
 `cohort-lowmem` (gradient checkpointing, bf16 AdamW states as TRL, 2048-token micro-batches, 256-token
 logprob chunks, KV pool = what is left of TRL's measured peak after the memory estimate).
 """
@@ -256,92 +259,6 @@ def _train_cohort(args, lowmem: bool, model, tok, device) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# TRL side
-
-
-def _trl_trainer(args, model, tok, device):
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
-
-    n = args.prompts * args.generations
-    micro = min(8, n)  # GRPOConfig's default per_device_train_batch_size
-    cuda = device.type == "cuda"
-    targs = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="grpo_step_trl_"), per_device_train_batch_size=micro,
-        gradient_accumulation_steps=n // micro, num_generations=args.generations,
-        max_completion_length=args.completion_len, temperature=1.0, learning_rate=1e-6, beta=0.0,
-        max_steps=args.warmup + args.steps, logging_steps=1, save_strategy="no", report_to="none",
-        generation_kwargs={"min_new_tokens": args.completion_len}, seed=0, bf16=cuda, use_cpu=not cuda,
-        disable_tqdm=True,
-    )
-    rows = make_prompts(args.prompts * targs.max_steps, args.prompt_len, model.config.vocab_size)
-    return GRPOTrainer(model=model, reward_funcs=[length_reward], args=targs,
-                       train_dataset=Dataset.from_dict({"prompt": rows}), processing_class=tok)
-
-
-def _instrument_trl(trainer, device) -> list[dict]:
-    """Per-step phase seconds from wrapped TRL methods (synchronised), plus step time from a callback."""
-    from transformers import TrainerCallback
-
-    steps: list[dict] = []
-    current: dict = {}
-
-    def timed(name, fn, only_no_grad=False):
-        def wrapper(*a, **k):
-            if only_no_grad and torch.is_grad_enabled():
-                return fn(*a, **k)
-            sync(device)
-            start = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                sync(device)
-                current[name] = current.get(name, 0.0) + time.perf_counter() - start
-        return wrapper
-
-    trainer._generate = timed("generate", trainer._generate)
-    trainer._calculate_rewards = timed("score", trainer._calculate_rewards)
-    trainer._get_per_token_logps_and_entropies = timed(
-        "logprobs", trainer._get_per_token_logps_and_entropies, only_no_grad=True)
-    trainer._prepare_inputs = timed("prepare", trainer._prepare_inputs)
-
-    class StepClock(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            sync(device)
-            current.clear()
-            current["_start"] = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            sync(device)
-            steps.append({**current, "step": time.perf_counter() - current.pop("_start")})
-
-    trainer.add_callback(StepClock())
-    return steps
-
-
-def run_trl(args) -> dict:
-    device = torch.device(args.device)
-    model = build_model(args.size, device)
-    tok = build_tokenizer(model.config.vocab_size)
-    trainer = _trl_trainer(args, model, tok, device)
-    raw = _instrument_trl(trainer, device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    trainer.train()
-    logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
-    steps = []
-    for s, log in zip(raw, logs):
-        phases = {k: s.get(k, 0.0) for k in ("generate", "score", "logprobs")}
-        phases["update"] = s["step"] - s.get("prepare", 0.0)
-        steps.append({**phases, "step": s["step"], "other": s["step"] - sum(phases.values()),
-                      "completion_len": log["completions/mean_length"], "num_tokens": log.get("num_tokens")})
-    import trl
-    return {"steps": steps, "num_params": sum(p.numel() for p in model.parameters()),
-            "trl_version": trl.__version__, "micro_batch": trainer.args.per_device_train_batch_size,
-            "gradient_checkpointing": bool(trainer.args.gradient_checkpointing), **peak_memory(device)}
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Parent: run the children, summarise, print
 
 
@@ -393,7 +310,9 @@ def run_child(args, runner: str, size: str, mem_cap: int | None, timeout: float,
 
 def fmt_row(size: str, runner: str, res: dict, trl: dict | None) -> str:
     if "summary" not in res:
-        return f"| {size} | {runner} | failed: {res.get('error', '?')[:80]} |" + " |" * 10
+        why = res.get("error", "?")
+        label = "not run" if why.startswith("skipped") else "failed"
+        return f"| {size} | {runner} | {label}: {why[:80]} |" + " |" * 10
     s = res["summary"]
     ph = " | ".join(f"{s[k]:.2f}" for k in ("generate", "score", "logprobs", "update", "other"))
     speedup = trl["summary"]["step"] / s["step"] if trl and "summary" in trl else float("nan")
@@ -466,7 +385,12 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.child is None:
         return parent(args)
-    result = run_trl(args) if args.child == "trl" else run_cohort(args, lowmem=args.child == "cohort-lowmem")
+    if args.child == "trl":
+        from grpo_step_trl import run_trl  # bench/ is the script's folder, so on sys.path
+
+        result = run_trl(args)
+    else:
+        result = run_cohort(args, lowmem=args.child == "cohort-lowmem")
     with open(args.json, "w") as fh:
         json.dump(result, fh)
 
