@@ -14,6 +14,10 @@ Terms (P parameters, b bytes per weight element, T = token_budget tokens per for
   checkpointing only each layer's input is kept (H*b per layer) plus one layer being recomputed;
 - logits chunk: one chunk of the chunked logprob kernel, chunk_tokens x vocab in the weight dtype plus
   three fp32 copies (logits, softmax, gradient) in the backward;
+- LM-head gradient: the same kernel's backward sums the LM-head weight gradient over chunks in an fp32
+  [vocab, hidden] buffer next to one chunk's product in the weight dtype (4 + b bytes per element). It does
+  not shrink with the token budget or chunk size: 0.76 GiB for Qwen2.5-0.5B in bf16, 1.30 GiB for 1.5B
+  (bench/grpo_step.py's low-memory run peaked about 1 GiB above the estimate before this term existed);
 - KV cache: what the rollout engine reserves (given); reference model: P*b more when beta > 0.
 """
 
@@ -35,6 +39,7 @@ _ADVICE = {
     "master_weights": "drop fp32 master weights (master_weights_fp32=False)",
     "kv_cache": "give the rollout engine a smaller KV cache",
     "logits_chunk": "lower chunk_tokens of the logprob kernel",
+    "lm_head_grad": "use a smaller model (this term is vocabulary x hidden size, fixed)",
     "reference": "set beta=0 (no reference model) or use a smaller model",
     "weights": "use a smaller model or bf16 weights",
     "grads": "use a smaller model or bf16 weights",
@@ -51,6 +56,7 @@ class MemoryEstimate:
     optimizer: int
     activations: int
     logits_chunk: int
+    lm_head_grad: int
     kv_cache: int
     reference: int
     num_params: int
@@ -142,10 +148,11 @@ def estimate_memory(
     opt = {"adamw": 2 * state_bytes * p, "adamw_8bit": 2 * p, "sgd": 0}[optimizer]
     activations = _activation_bytes(s, b, token_budget, gradient_checkpointing) if known else 0
     logits = min(chunk_tokens, token_budget) * s["V"] * (b + 3 * 4) if known else 0
+    lm_head_grad = s["V"] * s["H"] * (4 + b) if known else 0
     return MemoryEstimate(
         weights=p * b, grads=p * b, master_weights=master, optimizer=opt, activations=activations,
-        logits_chunk=logits, kv_cache=int(kv_cache_bytes), reference=p * b if reference_model else 0,
-        num_params=p, activations_known=known,
+        logits_chunk=logits, lm_head_grad=lm_head_grad, kv_cache=int(kv_cache_bytes),
+        reference=p * b if reference_model else 0, num_params=p, activations_known=known,
     )
 
 

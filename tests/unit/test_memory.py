@@ -36,8 +36,9 @@ def test_bf16_adamw_master_weights_by_hand():
     # per layer and token: 2 bytes * (7*64 + 3*32 + 4*128 = 1056) + 4 * 2*64 = 2624; outer 2*2*64 = 256
     assert est.activations == 10 * (2 * 2624 + 256)
     assert est.logits_chunk == 4 * 100 * (2 + 12)
+    assert est.lm_head_grad == 100 * 64 * (4 + 2)  # fp32 accumulator + one bf16 chunk product
     assert est.kv_cache == 1000
-    assert est.total == 2 * P * 3 + 4 * P + 8 * P + 55040 + 5600 + 1000
+    assert est.total == 2 * P * 3 + 4 * P + 8 * P + 55040 + 5600 + 38400 + 1000
 
 
 def test_checkpointing_bf16_optimizer_fp32_and_param_count_only():
@@ -49,6 +50,7 @@ def test_checkpointing_bf16_optimizer_fp32_and_param_count_only():
     assert fp32.master_weights == 0 and fp32.optimizer == 0 and fp32.weights == 4 * P
     bare = estimate_memory(1_000_000, dtype="bf16", optimizer="adamw_8bit")
     assert bare.activations == 0 and bare.logits_chunk == 0 and bare.optimizer == 2_000_000
+    assert bare.lm_head_grad == 0 and fp32.lm_head_grad == 100 * 64 * (4 + 4)
     assert "unknown" in bare.table() and "total" in bare.table()
 
 
