@@ -28,7 +28,7 @@ Runners: `trl` (GRPOTrainer, its defaults: HF generate, gradient checkpointing, 
 weights and AdamW, packed micro-batches of `--token-budget` tokens, KV pool sized to the workload, decoder
 layers compiled with cohort.packing.compile_decoder_layers on CUDA, retried eager if that fails);
 `cohort-lowmem` (gradient checkpointing, bf16 AdamW states as TRL, 2048-token micro-batches, 256-token
-logprob chunks, KV pool = what is left of TRL's measured peak after the memory estimate).
+logprob chunks (--lowmem-token-budget, --lowmem-chunk-tokens), KV pool = what is left of TRL's measured peak after the memory estimate).
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def _cohort_config(args, lowmem: bool, kv_fraction: float):
     t = cfg.train
     t.prompts_per_step, t.mini_batches, t.num_iterations = args.prompts, 1, 1
     t.max_steps, t.seed = args.warmup + args.steps, 0
-    t.token_budget = 2048 if lowmem else (args.token_budget or FAST_TOKEN_BUDGET[args.size])
+    t.token_budget = args.lowmem_token_budget if lowmem else (args.token_budget or FAST_TOKEN_BUDGET[args.size])
     cfg.loss.beta = 0.0
     cfg.run.output_dir = tempfile.mkdtemp(prefix="grpo_step_")
     cfg.run.overwrite, cfg.run.report_to = True, ["jsonl"]
@@ -192,8 +192,9 @@ def _kv_plan(args, model, device, lowmem: bool) -> tuple[float, dict]:
     info = {"kv_need_gib": need / 2**30}
     kv = 1.25 * need
     if lowmem and args.mem_cap:
-        est = estimate_memory(model.config, dtype="bf16", master_weights_fp32=False, token_budget=2048,
-                              gradient_checkpointing=True, chunk_tokens=256)
+        est = estimate_memory(model.config, dtype="bf16", master_weights_fp32=False,
+                              token_budget=args.lowmem_token_budget, gradient_checkpointing=True,
+                              chunk_tokens=args.lowmem_chunk_tokens)
         left = 0.95 * args.mem_cap - est.total
         kv = max(0.25 * need, min(1.05 * need, left))
         info.update(estimate_wo_kv_gib=est.total / 2**30, cap_gib=args.mem_cap / 2**30)
@@ -216,7 +217,7 @@ def run_cohort(args, lowmem: bool) -> dict:
         if lowmem:  # settings the config does not expose yet
             stack.enter_context(mock.patch.object(cohort.setup, "build_optimizer", _bf16_adamw))
             stack.enter_context(mock.patch.dict(cohort.packing.packed_forward_logprobs.__kwdefaults__,
-                                                {"chunk_tokens": 256}))
+                                                {"chunk_tokens": args.lowmem_chunk_tokens}))
             # no fused QKV / gate-up weight copies in the engine (they cost ~0.5 GB on 0.5B, ~1.7 GB on 1.5B)
             stack.enter_context(mock.patch.object(cohort.engine, "CohortEngine",
                                                   functools.partial(cohort.engine.CohortEngine,
@@ -283,6 +284,8 @@ def run_child(args, runner: str, size: str, mem_cap: int | None, timeout: float,
            "--prompt-len", str(args.prompt_len), "--completion-len", str(args.completion_len)]
     if mem_cap:
         cmd += ["--mem-cap", str(mem_cap)]
+    cmd += ["--lowmem-token-budget", str(args.lowmem_token_budget),
+            "--lowmem-chunk-tokens", str(args.lowmem_chunk_tokens)]
     if args.token_budget:
         cmd += ["--token-budget", str(args.token_budget)]
     cmd += ["--compile-layers" if compile_layers else "--no-compile-layers"]
@@ -346,7 +349,8 @@ def parent(args) -> None:
                 continue
             trl = results[size].get("trl", {})
             peak = trl.get("peak_alloc_gib", float("nan"))
-            cap = int(peak * 2**30) if runner == "cohort-lowmem" and peak == peak else None  # NaN on the CPU
+            peak = peak if peak == peak else args.mem_cap_gib  # NaN on the CPU or without a TRL row
+            cap = int(peak * 2**30) if runner == "cohort-lowmem" and peak else None
             compiled = args.compile_layers and runner != "trl"
             res = run_child(args, runner, size, cap, min(left, args.child_timeout_s), compiled)
             left = deadline - time.monotonic()
@@ -373,6 +377,10 @@ def main(argv=None) -> None:
     p.add_argument("--completion-len", type=int, default=256)
     p.add_argument("--token-budget", type=int, default=None, help="cohort fast row (default per size)")
     p.add_argument("--budget-s", type=float, default=86400.0, help="stop starting children after this long")
+    p.add_argument("--lowmem-token-budget", type=int, default=2048)
+    p.add_argument("--lowmem-chunk-tokens", type=int, default=256)
+    p.add_argument("--mem-cap-gib", type=float, default=None,
+                   help="low-memory row's target peak when no TRL row ran in this run (else TRL's peak)")
     p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction,
                    default=torch.cuda.is_available(), help="cohort rows: torch.compile each decoder layer")
     p.add_argument("--child-timeout-s", type=float, default=240.0, help="kill a run after this long")
