@@ -69,7 +69,7 @@ class GenerationConfig:
     stop_strings: list[str] = field(default_factory=list)
     mask_truncated_completions: bool = False
     ignore_eos: bool = False  # sample through EOS to max_completion_length (benchmarks, fixed-length runs)
-    engine: str = "auto"  # auto: cohort's engine on GPU when the architecture is supported, else hf
+    engine: str = "auto"  # auto: cohort's engine when the architecture is supported, else hf
     kv_cache_fraction: float = 0.3
     generation_batch_size: int | None = None  # hf engine only: prompts per generate call
 

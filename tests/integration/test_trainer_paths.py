@@ -19,6 +19,7 @@ SETTINGS = {
     "dr_grpo + rloo": ["loss.loss_type=dr_grpo", "advantage.estimator=rloo", "advantage.scale_rewards=none"],
     "dynamic sampling": ["reward.dynamic_sampling=true", "reward.max_resample_tries=3"],
     "masked truncation": ["generation.mask_truncated_completions=true"],
+    "hf generate backend": ["generation.engine=hf"],
     "entropy bonus + top entropy": ["loss.entropy_coef=0.01", "loss.top_entropy_quantile=0.5"],
 }
 
