@@ -40,6 +40,7 @@ class ModelConfig:
     gguf_file: str | None = None
     attn_implementation: str | None = None
     gradient_checkpointing: bool = False
+    compile_layers: bool = False  # CUDA: torch.compile each decoder layer for training (~8 s once; +50% MFU)
     trust_remote_code: bool = False
 
 

@@ -185,6 +185,10 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
         policy.to(device)  # a model object handed in (facade, tests) trains where the config says
     if cfg.model.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
+    if cfg.model.compile_layers and device.type == "cuda":
+        from cohort.packing import compile_decoder_layers
+
+        compile_decoder_layers(policy)  # what bench/grpo_step.py's "cohort (fast)" row uses
     loss_fn = build_policy_loss(cfg.loss.loss_type, cfg.loss.loss_params())
     reward_runner = reward_runner or _rewards(cfg)
     if train_data is None:
