@@ -90,18 +90,8 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo) -> Train
             temperature=cfg.generation.temperature or 1.0, max_grad_norm=t.max_grad_norm,
             max_completion_length=cfg.generation.max_completion_length,
             num_generations=cfg.generation.num_generations))
-    start_step, result, started = 0, TrainResult(run_dir=run_dir), time.monotonic()
-    latest = ckpt.latest_checkpoint(run_dir) if cfg.run.resume else None
-    if latest is not None:
-        state = ckpt.load_checkpoint(latest, model=comp.policy, optimizer=comp.optimizer,
-                                     scheduler=comp.scheduler)
-        start_step = int(state["step"])
-        comp.num_tokens = int(state.get("num_tokens", 0))
-        comp.train_time_s = float(state.get("train_time_s", 0.0))
-        sampler.load_state_dict(state["sampler"])
-        result.eval_before = state.get("eval_before", {})
-        comp.engine.sync_weights()
-        echo(f"resumed from {latest} at step {start_step}")
+    result, started = TrainResult(run_dir=run_dir), time.monotonic()
+    start_step = _resume(cfg, comp, run_dir, sampler, result, echo) if cfg.run.resume else 0
     logger = MetricLogger(run_dir, total_steps=t.max_steps, report_to=cfg.run.report_to,
                           start_step=start_step)
     try:
@@ -119,12 +109,8 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo) -> Train
                 # at step 1 (e.g. a broken reward function) leaves no run directory behind
                 logger.log(0, {f"eval/{k}": v for k, v in result.eval_before.items()})
             last = step == t.max_steps or _budget_spent(cfg, comp)
-            if comp.eval_data is not None and cfg.run.eval_steps and step % cfg.run.eval_steps == 0 and not last:
-                metrics.update({f"eval/{k}": v for k, v in evaluate(comp, cfg).items()})
-            logger.log(step, metrics)
-            if cfg.run.log_completions:
-                logger.log_samples(step, comp.last_samples)
             out_of_time = cfg.run.time_limit_s is not None and time.monotonic() - started > cfg.run.time_limit_s
+            _record(cfg, comp, logger, step, metrics, last=last)
             if (cfg.run.save_steps and step % cfg.run.save_steps == 0) or last or out_of_time:
                 _save(cfg, comp, run_dir, step, sampler, result)
             if out_of_time and not last:
@@ -139,6 +125,30 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo) -> Train
     finally:
         logger.close()
     return result
+
+
+def _resume(cfg: CohortConfig, comp: Components, run_dir: Path, sampler, result: TrainResult, echo) -> int:
+    """Load the newest complete checkpoint into the live objects; returns its step (0 when none)."""
+    latest = ckpt.latest_checkpoint(run_dir)
+    if latest is None:
+        return 0
+    state = ckpt.load_checkpoint(latest, model=comp.policy, optimizer=comp.optimizer, scheduler=comp.scheduler)
+    comp.num_tokens = int(state.get("num_tokens", 0))
+    comp.train_time_s = float(state.get("train_time_s", 0.0))
+    sampler.load_state_dict(state["sampler"])
+    result.eval_before = state.get("eval_before", {})
+    comp.engine.sync_weights()
+    echo(f"resumed from {latest} at step {state['step']}")
+    return int(state["step"])
+
+
+def _record(cfg: CohortConfig, comp: Components, logger, step: int, metrics: dict, *, last: bool) -> None:
+    """Periodic held-out evaluation (the final one happens after the loop), metrics and sample rows."""
+    if comp.eval_data is not None and cfg.run.eval_steps and step % cfg.run.eval_steps == 0 and not last:
+        metrics.update({f"eval/{k}": v for k, v in evaluate(comp, cfg).items()})
+    logger.log(step, metrics)
+    if cfg.run.log_completions:
+        logger.log_samples(step, comp.last_samples)
 
 
 def _budget_spent(cfg: CohortConfig, comp: Components) -> bool:
