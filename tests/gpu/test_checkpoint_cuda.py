@@ -2,29 +2,19 @@
 
 import pytest
 import torch
+from tests.helpers.tiny_models import tiny_llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def tiny_llama_cuda(seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-    )
-    return LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+def _cuda_llama(seed: int):
+    return tiny_llama(seed).to("cuda", torch.bfloat16)
 
 
 def test_bf16_cuda_round_trip_with_cuda_rng(tmp_path):
     from cohort.checkpoint import load_checkpoint, save_checkpoint
 
-    model = tiny_llama_cuda(0)
+    model = _cuda_llama(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(
         torch.tensor([[1, 2, 3]], device="cuda"), labels=torch.tensor([[1, 2, 3]], device="cuda")
@@ -34,7 +24,7 @@ def test_bf16_cuda_round_trip_with_cuda_rng(tmp_path):
     path = save_checkpoint(tmp_path, 1, model=model, optimizer=opt, trainer_state={})
     expected = torch.rand(4, device="cuda").tolist()
 
-    fresh = tiny_llama_cuda(1)
+    fresh = _cuda_llama(1)
     opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
     torch.cuda.manual_seed_all(123)
     load_checkpoint(path, model=fresh, optimizer=opt2)

@@ -6,25 +6,12 @@ import random
 import numpy as np
 import pytest
 import torch
+from tests.helpers.tiny_models import tiny_llama
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from cohort import checkpoint as ckpt
 from cohort.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from cohort.errors import ConfigError
-
-
-def tiny_llama(seed: int, tie: bool = False) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        tie_word_embeddings=tie,
-    )
-    return LlamaForCausalLM(config)
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:

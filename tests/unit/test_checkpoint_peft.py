@@ -2,25 +2,11 @@
 
 import pytest
 import torch
+from tests.helpers.tiny_models import tiny_llama
 
 from cohort.checkpoint import load_checkpoint, save_checkpoint
 
 peft = pytest.importorskip("peft")
-
-
-def tiny_llama(seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-    )
-    return LlamaForCausalLM(config)
 
 
 def lora(seed: int):
