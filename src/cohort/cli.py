@@ -56,6 +56,7 @@ def _eval(args: argparse.Namespace) -> int:
     cfg = load_config(args.recipe, args.overrides)
     if not (cfg.data.eval_source or cfg.data.eval_size):
         cfg.data.eval_size = 100
+    cfg.train.prompts_per_step = 1  # evaluation draws no training batches: any training set size will do
     comp = build_components(cfg)
     for k, v in evaluate(comp, cfg).items():
         print(f"{k}: {v:.4f}")

@@ -66,3 +66,18 @@ def test_good_input_runs(capsys, workspace, tmp_path):
     code, err, out = run_cli(capsys, workspace, tmp_path)
     assert code == 0, err
     assert (out / "metrics.jsonl").is_file() and (out / "config.yaml").is_file()
+
+
+def test_generate_eval_and_plot_commands(capsys, workspace, tmp_path):
+    model_dir, toy = workspace
+    assert main(["generate", str(model_dir), "Say the digit 3", "-n", "2", "--max-tokens", "4",
+                 "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- [") == 2
+    assert main(["eval", f"model.name_or_path={model_dir}", f"data.source={toy}", "data.eval_size=10",
+                 "reward.funcs=[tests.helpers.toy_task:digit_share]", "generation.max_completion_length=4"]) == 0
+    assert "accuracy:" in capsys.readouterr().out
+    code, err, run = run_cli(capsys, workspace, tmp_path)
+    assert code == 0, err
+    assert main(["plot", str(run)]) == 0
+    assert (run / "curves.png").stat().st_size > 0
