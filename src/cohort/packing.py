@@ -54,7 +54,7 @@ class PackedLogprobs:
         return out
 
     def padded(self, which: str = "logprobs", pad_value: float = 0.0) -> torch.Tensor:
-        """[B, T] right-padded tensor (T = longest completion), the layout of `TrainBatch`; differentiable."""
+        """[B, T] right-padded tensor (T = longest completion), the layout of `LossInputs`; differentiable."""
         flat = self.logprobs if which == "logprobs" else self.entropy
         if flat is None:
             raise ValueError(f"padded({which!r}): entropy was not computed (compute_entropy=False)")

@@ -1,7 +1,7 @@
 """Typed records passed between the stages of a GRPO step.
 
 prompts -> RolloutEngine.generate -> Completion (per prompt, n of them) -> rewards -> advantages
--> TrainBatch (padded [B, T] tensors for the loss) -> policy update.
+-> RolloutBatch (cohort.rollout) -> packed micro-batches and LossInputs (cohort.update) -> policy update.
 
 Every engine (the reference Hugging Face `generate` backend and cohort's own paged engine) implements the
 `RolloutEngine` protocol, so the trainer never knows which one it talks to.
@@ -10,10 +10,8 @@ Every engine (the reference Hugging Face `generate` backend and cohort's own pag
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
-
-import torch
 
 FinishReason = Literal["stop", "length"]
 
@@ -79,23 +77,3 @@ class RolloutEngine(Protocol):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]: ...
 
     def sync_weights(self) -> None: ...
-
-
-@dataclass
-class TrainBatch:
-    """Tensors for the policy loss on one micro-batch, completions right-padded to T.
-
-    Shapes: B sequences (completions), T = longest completion in the micro-batch.
-    prompt_ids: list of B prompt token lists (prompts are not padded: the packed forward takes lists).
-    completion_ids: [B, T] long; completion_mask: [B, T] float (1 on real, loss-bearing tokens).
-    advantages: [B] float. old_logprobs / ref_logprobs / sampling_logprobs: [B, T] or None.
-    """
-
-    prompt_ids: list[list[int]]
-    completion_ids: torch.Tensor
-    completion_mask: torch.Tensor
-    advantages: torch.Tensor
-    old_logprobs: torch.Tensor | None = None
-    ref_logprobs: torch.Tensor | None = None
-    sampling_logprobs: torch.Tensor | None = None
-    extra: dict[str, torch.Tensor] = field(default_factory=dict)
