@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.integration import test_trainer_resume as resume_case
 from tests.integration.test_trainer_learns import toy_components, toy_config
-from tests.integration.test_trainer_resume import test_resume_equals_uninterrupted
 
 from cohort.trainer import train
 
@@ -21,4 +21,4 @@ def test_learns_on_cuda_with_the_engine(tmp_path):
 
 
 def test_resume_is_exact_on_cuda(tmp_path):
-    test_resume_equals_uninterrupted(tmp_path)
+    resume_case.test_resume_equals_uninterrupted(tmp_path)
