@@ -41,6 +41,11 @@ class ModelConfig:
     attn_implementation: str | None = None
     gradient_checkpointing: bool = False
     compile_layers: bool = False  # CUDA: torch.compile each decoder layer for training (~8 s once; +50% MFU)
+    lora_r: int = 0  # > 0: train LoRA adapters of this rank (peft) instead of every weight
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     trust_remote_code: bool = False
 
 

@@ -43,6 +43,21 @@ class Components:
     last_samples: list[dict] = field(default_factory=list)
 
 
+def _with_lora(cfg: CohortConfig, policy):
+    """model.lora_r > 0: wrap the policy in peft LoRA adapters; the engine runs them unmerged, checkpoints
+    save only the adapters."""
+    m = cfg.model
+    if m.lora_r <= 0:
+        return policy
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise ConfigError(f"model.lora_r={m.lora_r} needs peft: pip install peft (or set model.lora_r=0).") from exc
+    lora = LoraConfig(r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
+                      target_modules=list(m.lora_target_modules), task_type="CAUSAL_LM")
+    return get_peft_model(policy, lora)
+
+
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     """The reference policy: the starting weights, frozen (beta > 0 only)."""
     ref = copy.deepcopy(model).eval()
@@ -183,6 +198,7 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
                                         attn_implementation=cfg.model.attn_implementation)
     elif next(policy.parameters()).device != device:
         policy.to(device)  # a model object handed in (facade, tests) trains where the config says
+    policy = _with_lora(cfg, policy)
     if cfg.model.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
     if cfg.model.compile_layers and device.type == "cuda":

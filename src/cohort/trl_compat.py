@@ -129,10 +129,11 @@ class GRPOTrainer:
     """TRL's `GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class)`."""
 
     def __init__(self, model: Any, reward_funcs: Any, args: GRPOConfig | None = None, train_dataset: Any = None,
-                 eval_dataset: Any = None, processing_class: Any = None, **unsupported: Any):
+                 eval_dataset: Any = None, processing_class: Any = None, peft_config: Any = None,
+                 **unsupported: Any):
         if unsupported:
             raise ConfigError(f"GRPOTrainer got unsupported arguments {sorted(unsupported)}; cohort's facade "
-                              "takes model, reward_funcs, args, train_dataset, eval_dataset, processing_class.")
+                              "takes model, reward_funcs, args, train_dataset, eval_dataset, processing_class, peft_config.")
         if train_dataset is None:
             raise ConfigError("GRPOTrainer needs train_dataset= (rows with a 'prompt' column).")
         self.args = args or GRPOConfig()
@@ -141,7 +142,7 @@ class GRPOTrainer:
         self.config.reward.funcs = list(funcs)
         if self.args.reward_weights is not None:
             self.config.reward.reward_weights = list(self.args.reward_weights)
-        self.model, self.processing_class = model, processing_class
+        self.model, self.processing_class, self.peft_config = model, processing_class, peft_config
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.result = None
 
@@ -159,6 +160,10 @@ class GRPOTrainer:
             cfg.model.name_or_path = self.model
         if tok is None:
             raise ConfigError("GRPOTrainer(model=<a model object>) also needs processing_class=<its tokenizer>.")
+        if self.peft_config is not None:  # TRL's way to train LoRA adapters
+            from peft import get_peft_model
+
+            policy = get_peft_model(policy, self.peft_config)
         d = cfg.data
 
         def encode(rows):

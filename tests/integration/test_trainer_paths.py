@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from tests.integration.test_trainer_learns import toy_components, toy_config
 
 from cohort.config import apply_overrides
@@ -36,3 +37,17 @@ def test_loop_branch_runs(name, tmp_path):
             assert "kl" in metrics and math.isfinite(metrics["kl"])
         if "off-policy" in name:
             assert metrics["time/logprobs"] > 0  # old and reference logprobs were computed
+
+
+def test_lora_trains_only_the_adapters(tmp_path):
+    pytest.importorskip("peft")
+    cfg = apply_overrides(toy_config(tmp_path, steps=2), ["model.lora_r=4", "loss.beta=0.04"]).validate()
+    comp = toy_components(cfg)
+    base_before = {n: p.detach().clone() for n, p in comp.policy.named_parameters() if "lora_" not in n}
+    lora_before = {n: p.detach().clone() for n, p in comp.policy.named_parameters() if "lora_B" in n}
+    result = train(cfg, comp)
+    assert all(math.isfinite(m["kl"]) for m in result.history)
+    params = dict(comp.policy.named_parameters())
+    assert all(torch.equal(params[n], p) for n, p in base_before.items())  # frozen base
+    assert any(not torch.equal(params[n], p) for n, p in lora_before.items())  # adapters learned
+    assert (tmp_path / "run" / "checkpoints" / "step-000002" / "adapter_model.safetensors").is_file()

@@ -37,3 +37,14 @@ def test_facade_trains_with_model_object(tmp_path):
     result = trainer.train()
     assert len(result.history) == 3
     assert all("reward" in m and "clip_ratio/region_mean" in m for m in result.history)
+
+
+def test_facade_takes_a_peft_config(tmp_path):
+    peft = pytest.importorskip("peft")
+    tok = make_tiny_tokenizer()
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=8, max_steps=1, report_to="jsonl", extra={"train.device": "cpu"})
+    trainer = GRPOTrainer(model=tiny_model(tok), reward_funcs=digit_share, args=args, train_dataset=toy_rows(),
+                          processing_class=tok, peft_config=peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    trainer.train()
+    assert (tmp_path / "run" / "checkpoints" / "step-000001" / "adapter_config.json").is_file()
