@@ -63,29 +63,31 @@ class PolicyUpdater:
     # -- one optimiser update ------------------------------------------------------------------------------
     def _mini_batch_step(self, batch: RolloutBatch, rows: list[int], old: dict | None, ref: dict | None,
                          sums: dict[str, float]) -> None:
-        """One optimiser update over `rows`; adds its reduced metrics into `sums`."""
-        masks = {r: self._mask(batch, r) for r in rows}
-        num_tokens = sum(float(m.sum()) for m in masks.values())
+        """One optimiser update over `rows`; adds its reduced metrics into `sums`.
+
+        Counts, masks and engine logprobs are built on the host from the rollout's lists and sent in one copy
+        per micro-batch: nothing in the micro-batch loop waits for the GPU.
+        """
+        num_tokens = sum(len(batch.completion_ids[r]) for r in rows if batch.loss_mask_keep[r])
         lengths = [len(batch.prompt_ids[r]) + len(batch.completion_ids[r]) for r in rows]
         self.policy.train()
         parts: list[dict] = []
         for micro in split_micro_batches(lengths, self.s.token_budget):
             idx = [rows[i] for i in micro]
+            width = max(len(batch.completion_ids[r]) for r in idx)
+            mask, sampling = self._host_tensors(batch, idx, width)
             packed = packed_forward_logprobs(
                 self.policy, [(batch.prompt_ids[r], batch.completion_ids[r]) for r in idx],
                 temperature=self.s.temperature, compute_entropy=True)
-            logprobs = packed.padded("logprobs")
-            width = logprobs.shape[1]
             inputs = LossInputs(
-                logprobs=logprobs,
+                logprobs=packed.padded("logprobs"),
                 old_logprobs=None if old is None else pad_rows([old[r] for r in idx], width),
                 advantages=batch.advantages[idx].to(self.device, torch.float32),
-                mask=pad_rows([masks[r] for r in idx], width),
+                mask=mask,
                 ref_logprobs=None if ref is None else pad_rows([ref[r] for r in idx], width),
-                sampling_logprobs=pad_rows(
-                    [torch.tensor(batch.sampling_logprobs[r], device=self.device) for r in idx], width),
+                sampling_logprobs=sampling,
                 entropy=packed.padded("entropy"),  # with grad: the entropy bonus (entropy_coef) needs it
-                num_tokens=max(num_tokens, 1.0), num_sequences=len(rows),
+                num_tokens=max(num_tokens, 1), num_sequences=len(rows),
                 max_completion_length=self.s.max_completion_length,
             )
             out = self.loss_fn(inputs)
@@ -99,10 +101,15 @@ class PolicyUpdater:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _mask(self, batch: RolloutBatch, r: int) -> torch.Tensor:
-        n = len(batch.completion_ids[r])
-        value = 1.0 if batch.loss_mask_keep[r] else 0.0
-        return torch.full((n,), value, device=self.device)
+    def _host_tensors(self, batch: RolloutBatch, idx: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, width] loss mask (0 on padding and on masked completions) and engine logprobs, on the device."""
+        mask = torch.zeros(len(idx), width)
+        sampling = torch.zeros(len(idx), width)
+        for i, r in enumerate(idx):
+            n = len(batch.completion_ids[r])
+            mask[i, :n] = 1.0 if batch.loss_mask_keep[r] else 0.0
+            sampling[i, :n] = torch.tensor(batch.sampling_logprobs[r], dtype=torch.float32)
+        return mask.to(self.device, non_blocking=True), sampling.to(self.device, non_blocking=True)
 
     def update(self, batch: RolloutBatch, timer) -> dict[str, float]:
         n, g = len(batch), self.s.num_generations
