@@ -64,6 +64,8 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, b
                     ) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     kwargs = {"lr": lr, "weight_decay": weight_decay, "betas": betas}
+    if params and params[0].is_cuda:
+        kwargs["fused"] = True  # one kernel for all parameters instead of a loop of small ones
     if params and params[0].dtype in (torch.bfloat16, torch.float16):
         return MasterWeightAdamW(params, **kwargs)
     return torch.optim.AdamW(params, **kwargs)
