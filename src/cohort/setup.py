@@ -93,7 +93,8 @@ def sampling_params_for(cfg: CohortConfig, tokenizer, *, n: int, seed: int | Non
         ignore_eos=g.ignore_eos, seed=seed)
 
 
-def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, echo=print) -> RolloutEngine:
+def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, echo=print,
+                 kv_cache_fraction: float | None = None) -> RolloutEngine:
     """cohort's own engine whenever the architecture is supported (on the CPU too, where its shared prompt
     prefill makes it about 2x faster than `generate` for SmolLM2); else Hugging Face `generate`."""
     from cohort.engine.hf_backend import HFGenerateEngine
@@ -107,7 +108,8 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
         ok, why = engine_supports(policy)
         if ok:
             return CohortEngine(policy, tokenizer, eos_token_ids=_eos_ids(tokenizer),
-                                kv_cache_fraction=cfg.generation.kv_cache_fraction, device=device)
+                                kv_cache_fraction=kv_cache_fraction or cfg.generation.kv_cache_fraction,
+                                device=device)
         echo(f"cohort engine does not support this model ({why}); falling back to Hugging Face generate")
     return HFGenerateEngine(policy, tokenizer, eos_token_ids=_eos_ids(tokenizer),
                             batch_size=cfg.generation.generation_batch_size)
@@ -165,25 +167,36 @@ def _data(cfg: CohortConfig, tokenizer, echo):
     return train, evald
 
 
-def _check_memory(cfg: CohortConfig, policy, device: torch.device, with_reference: bool, echo) -> None:
-    """Print what the run will need and, on a GPU, stop before any work when it cannot fit."""
+def _check_memory(cfg: CohortConfig, policy, device: torch.device, with_reference: bool, echo) -> float:
+    """Print what training will need; on a GPU, stop before any work when it cannot fit, and return the
+    share of free memory the engine may take for its KV cache *after* the trainer's needs (at most
+    generation.kv_cache_fraction), so the engine's pool never starves the update into an out-of-memory."""
     from cohort.memory import check_fits, estimate_memory
 
-    param = next(policy.parameters())
-    avail = None
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        avail = free + torch.cuda.memory_allocated(device)  # as if our own weights were not loaded yet
-    kv = int(cfg.generation.kv_cache_fraction * avail) if avail and cfg.generation.engine != "hf" else 0
+    fraction = cfg.generation.kv_cache_fraction
     try:
-        est = estimate_memory(policy.config, dtype=param.dtype, token_budget=cfg.train.token_budget,
-                              gradient_checkpointing=cfg.model.gradient_checkpointing, kv_cache_bytes=kv,
-                              reference_model=with_reference)
+        est = estimate_memory(policy.config, dtype=next(policy.parameters()).dtype,
+                              token_budget=cfg.train.token_budget,
+                              gradient_checkpointing=cfg.model.gradient_checkpointing, reference_model=with_reference)
     except (KeyError, TypeError, ValueError, AttributeError):  # an architecture the estimator cannot read
-        return
+        return fraction
     echo(est.table())
-    if avail is not None:
-        check_fits(est, avail)
+    if device.type != "cuda":
+        return fraction
+    free, _ = torch.cuda.mem_get_info(device)
+    check_fits(est, free + torch.cuda.memory_allocated(device))  # as if our own weights were not loaded yet
+    pending = est.total - est.weights - est.reference  # allocated later: grads, optimiser, activations
+    room = 0.9 * free - pending
+    if room < 0.02 * free:
+        raise ConfigError(f"generation.kv_cache_fraction={fraction}: after the update's estimated "
+                          f"{pending / 2**30:.1f} GiB, {max(room, 0) / 2**30:.2f} GiB are left for the rollout "
+                          "engine's KV cache; lower train.token_budget, set model.gradient_checkpointing=true "
+                          "or use a smaller model.")
+    if room / free < fraction:
+        echo(f"kv cache: generation.kv_cache_fraction={fraction} lowered to {room / free:.2f} so the update fits")
+        fraction = room / free
+    echo(f"kv cache: {fraction * free / 2**30:.1f} GiB for the rollout engine")
+    return fraction
 
 
 def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_runner=None,
@@ -218,11 +231,12 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
     total_updates = t.max_steps * t.mini_batches * t.num_iterations
     scheduler = build_scheduler(optimizer, kind=t.lr_scheduler_type, warmup_steps=t.warmup_steps,
                                 total_steps=total_updates)
-    _check_memory(cfg, policy, device, reference is not None, echo)
+    kv_fraction = _check_memory(cfg, policy, device, reference is not None, echo)
     a = cfg.advantage
     return Components(
         policy=policy, tokenizer=tokenizer, reference=reference, loss_fn=loss_fn,
-        engine=build_engine(cfg, policy, tokenizer, device, echo), train_data=train_data, eval_data=eval_data,
+        engine=build_engine(cfg, policy, tokenizer, device, echo, kv_fraction), train_data=train_data,
+        eval_data=eval_data,
         reward_runner=reward_runner, optimizer=optimizer, scheduler=scheduler,
         sampling_params=sampling_params_for(cfg, tokenizer, n=cfg.generation.num_generations, seed=None),
         advantage_kwargs={"scale_rewards": a.scale_rewards, "estimator": a.estimator,
