@@ -14,6 +14,7 @@ import dataclasses
 import torch
 
 from cohort.config import CohortConfig
+from cohort.types import TrainerState
 
 
 @torch.no_grad()
@@ -40,7 +41,7 @@ def evaluate(comp, cfg: CohortConfig, *, batch_prompts: int = 64, correct_thresh
             prompts=[batch.prompts[i] for i in rep], completions=texts,
             completion_ids=[c.token_ids for c in completions],
             columns={name: [col[i] for i in rep] for name, col in batch.columns.items()},
-            trainer_state={"eval": True})
+            trainer_state=TrainerState(global_step=-1, max_steps=cfg.train.max_steps, is_eval=True))
         first = torch.nan_to_num(result.rewards[:, 0], nan=0.0)
         ok = first >= correct_threshold - 1e-6
         correct.append(ok.float())

@@ -52,7 +52,7 @@ def _repeat(values: Sequence[Any], g: int) -> list[Any]:
 
 
 def _generate_and_score(engine: RolloutEngine, tokenizer, batch: PromptBatch, params: SamplingParams,
-                        reward_runner, trainer_state: dict) -> tuple[list[Completion], list[Any], Any]:
+                        reward_runner, trainer_state) -> tuple[list[Completion], list[Any], Any]:
     groups = engine.generate(batch.prompt_ids, params)
     completions = [c for group in groups for c in group]
     conversational = bool(batch.prompts) and isinstance(batch.prompts[0], list)
@@ -75,7 +75,7 @@ def collect_rollouts(
     reward_runner,
     *,
     advantage_kwargs: dict[str, Any],
-    trainer_state: dict,
+    trainer_state,
     dynamic_sampling: bool = False,
     max_resample_tries: int = 3,
     mask_truncated_completions: bool = False,

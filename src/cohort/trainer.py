@@ -33,6 +33,7 @@ from cohort.rollout import collect_rollouts
 from cohort.run_dir import open_run_dir, write_resolved_config
 from cohort.setup import Components, build_components
 from cohort.timing import PhaseTimer
+from cohort.types import TrainerState
 from cohort.update import PolicyUpdater, UpdateSettings
 
 
@@ -167,7 +168,7 @@ def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, 
         batch = collect_rollouts(
             comp.engine, comp.tokenizer, _next_prompts(comp, sampler), cfg.train.prompts_per_step,
             params, comp.reward_runner, advantage_kwargs=comp.advantage_kwargs,
-            trainer_state={"step": step, "max_steps": cfg.train.max_steps},
+            trainer_state=TrainerState(global_step=step, max_steps=cfg.train.max_steps),
             dynamic_sampling=cfg.reward.dynamic_sampling, max_resample_tries=cfg.reward.max_resample_tries,
             mask_truncated_completions=cfg.generation.mask_truncated_completions)
     metrics: dict[str, Any] = dict(batch.metrics)

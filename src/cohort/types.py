@@ -77,3 +77,19 @@ class RolloutEngine(Protocol):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]: ...
 
     def sync_weights(self) -> None: ...
+
+
+@dataclass
+class TrainerState:
+    """What reward functions receive as `trainer_state`, shaped like TRL's (attribute `global_step`), and
+    readable as a mapping too (`state["global_step"]`), for curricula or step-dependent shaping."""
+
+    global_step: int
+    max_steps: int
+    is_eval: bool = False
+
+    def __getitem__(self, key: str):
+        return getattr(self, key)
+
+    def get(self, key: str, default=None):
+        return getattr(self, key, default)

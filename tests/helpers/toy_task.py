@@ -19,6 +19,11 @@ def digit_share(completions, digit, **kwargs):
     return [sum(ch == d for ch in c) / max(1, len(c)) for c, d in zip(completions, digit)]
 
 
+def step_aware(completions, trainer_state, **kwargs):
+    """TRL-style use of trainer_state: 1.0 from step 2 on."""
+    return [float(trainer_state.global_step >= 2)] * len(completions)
+
+
 def wrong_length(completions, **kwargs):
     return [0.0] * (len(completions) - 1)
 

@@ -51,3 +51,18 @@ def test_lora_trains_only_the_adapters(tmp_path):
     assert all(torch.equal(params[n], p) for n, p in base_before.items())  # frozen base
     assert any(not torch.equal(params[n], p) for n, p in lora_before.items())  # adapters learned
     assert (tmp_path / "run" / "checkpoints" / "step-000002" / "adapter_model.safetensors").is_file()
+
+
+def test_reward_functions_see_trls_trainer_state(tmp_path):
+    from tests.helpers.tiny_tokenizer import make_tiny_tokenizer
+    from tests.helpers.toy_task import step_aware, tiny_model, toy_rows
+
+    from cohort.data import load_prompt_dataset
+    from cohort.rewards import RewardRunner
+    from cohort.setup import build_components
+
+    cfg = toy_config(tmp_path, steps=3)
+    tok = make_tiny_tokenizer()
+    comp = build_components(cfg, policy=tiny_model(tok), tokenizer=tok, reward_runner=RewardRunner([step_aware]),
+                            train_data=load_prompt_dataset(toy_rows()).encode(tok, 64))
+    assert [m["reward"] for m in train(cfg, comp).history] == [0.0, 1.0, 1.0]
