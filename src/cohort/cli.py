@@ -23,8 +23,8 @@ def _train(args: argparse.Namespace) -> int:
     from cohort.trainer import train
 
     cfg = load_config(args.recipe, args.overrides)
-    if args.resume:
-        cfg.run.resume = True
+    if args.resume:  # continuing a run never wipes it, whatever the recipe says about overwrite
+        cfg.run.resume, cfg.run.overwrite = True, False
     if args.overwrite:
         cfg.run.overwrite = True
     if args.print_config:

@@ -81,3 +81,12 @@ def test_generate_eval_and_plot_commands(capsys, workspace, tmp_path):
     assert code == 0, err
     assert main(["plot", str(run)]) == 0
     assert (run / "curves.png").stat().st_size > 0
+
+
+def test_resume_flag_continues_a_recipe_that_overwrites(capsys, workspace, tmp_path):
+    code, err, run = run_cli(capsys, workspace, tmp_path, "run.overwrite=true")
+    assert code == 0, err
+    code, err, _ = run_cli(capsys, workspace, tmp_path, "run.overwrite=true", "train.max_steps=3", "--resume")
+    assert code == 0, err
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
