@@ -185,7 +185,9 @@ def _check_memory(cfg: CohortConfig, policy, device: torch.device, with_referenc
         return fraction
     free, _ = torch.cuda.mem_get_info(device)
     check_fits(est, free + torch.cuda.memory_allocated(device))  # as if our own weights were not loaded yet
-    pending = est.total - est.weights - est.reference  # allocated later: grads, optimiser, activations
+    # already on the device: weights, the reference copy, the optimiser's fp32 masters (made with it);
+    # allocated later: gradients, Adam moments (first step), activations, logprob chunks
+    pending = est.total - est.weights - est.reference - est.master_weights
     room = 0.9 * free - pending
     if room < 0.02 * free:
         raise ConfigError(f"generation.kv_cache_fraction={fraction}: after the update's estimated "
