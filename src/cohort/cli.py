@@ -19,10 +19,12 @@ from cohort.errors import CohortError
 
 
 def _train(args: argparse.Namespace) -> int:
+    from cohort import distributed
     from cohort.config import dump_config, load_config
     from cohort.trainer import train
 
     cfg = load_config(args.recipe, args.overrides)
+    distributed.init_from_env()  # torchrun: one process per GPU, data parallel
     if args.resume:  # continuing a run never wipes it, whatever the recipe says about overwrite
         cfg.run.resume, cfg.run.overwrite = True, False
     if args.overwrite:

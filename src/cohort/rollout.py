@@ -9,6 +9,7 @@ nothing of the loss.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,7 +80,11 @@ def collect_rollouts(
     dynamic_sampling: bool = False,
     max_resample_tries: int = 3,
     mask_truncated_completions: bool = False,
+    gather_rewards: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    rank: int = 0,
 ) -> RolloutBatch:
+    """gather_rewards / rank (data parallelism): advantages are computed on every rank's rewards together
+    (rank order) and this rank keeps its own rows, so batch-level scaling sees the whole step."""
     g = params.n
     kept: list[tuple[PromptBatch, list[Completion], list[Any], Any]] = []
     have, tries, zero_std_groups, seen_groups = 0, 0, 0, 0
@@ -101,7 +106,7 @@ def collect_rollouts(
             break
     return _assemble(kept, g, advantage_kwargs, mask_truncated_completions,
                      {"frac_reward_zero_std": zero_std_groups / max(1, seen_groups),
-                      "sampling/tries": float(tries)})
+                      "sampling/tries": float(tries)}, gather_rewards, rank)
 
 
 def _select_groups(batch: PromptBatch, completions, texts, result, keep: list[int], g: int):
@@ -115,7 +120,7 @@ def _select_groups(batch: PromptBatch, completions, texts, result, keep: list[in
 
 
 def _assemble(kept, g: int, advantage_kwargs: dict[str, Any], mask_truncated: bool,
-              metrics: dict[str, float]) -> RolloutBatch:
+              metrics: dict[str, float], gather=None, rank: int = 0) -> RolloutBatch:
     prompt_ids, completions, texts, prompts, results = [], [], [], [], []
     for batch, comps, txts, result in kept:
         prompt_ids += _repeat(batch.prompt_ids, g)
@@ -124,7 +129,13 @@ def _assemble(kept, g: int, advantage_kwargs: dict[str, Any], mask_truncated: bo
         texts += txts
         results.append(result)
     result = results[0].concat(results) if len(results) > 1 else results[0]
-    adv = compute_advantages(result.rewards, g, **advantage_kwargs)
+    if gather is None:
+        adv = compute_advantages(result.rewards, g, **advantage_kwargs)
+    else:
+        n = result.rewards.shape[0]
+        adv = compute_advantages(gather(result.rewards), g, **advantage_kwargs)
+        mine = slice(rank * n, (rank + 1) * n)
+        adv = dataclasses.replace(adv, advantages=adv.advantages[mine], rewards=adv.rewards[mine])
     finish = [c.finish_reason for c in completions]
     keep = [not (mask_truncated and f == "length") for f in finish]
     metrics = {**metrics, **result.metrics(), **_completion_metrics(completions)}

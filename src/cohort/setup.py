@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from cohort import distributed
 from cohort.algorithms import build_policy_loss
 from cohort.config import CohortConfig
 from cohort.data import drop_overlap, load_prompt_dataset, reasoning_gym_eval_set, train_eval_split
@@ -204,7 +205,7 @@ def _check_memory(cfg: CohortConfig, policy, device: torch.device, with_referenc
 def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_runner=None,
                      train_data=None, eval_data=None, echo=print) -> Components:
     cfg.validate()
-    device = resolve_device(cfg.train.device)
+    device = resolve_device(distributed.local_device(cfg.train.device))
     dtype = resolve_dtype(cfg.model.dtype, device)
     if policy is None:
         policy, tokenizer = load_policy(cfg.model.name_or_path, dtype=dtype, device=device,

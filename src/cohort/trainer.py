@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from cohort import checkpoint as ckpt
+from cohort import distributed
 from cohort.config import CohortConfig, dump_config
 from cohort.data import PromptBatch, PromptSampler
 from cohort.evaluation import evaluate
@@ -65,24 +66,48 @@ def describe_schedule(cfg: CohortConfig) -> str:
 
 
 def _next_prompts(comp: Components, sampler: PromptSampler):
+    """The step's prompts: every rank draws the same global indices and keeps its own contiguous slice."""
     def take(count: int) -> PromptBatch:
-        idx = sampler.take(count)
-        return comp.train_data.batch(idx)
+        idx = sampler.take(count * distributed.current().world_size)
+        return comp.train_data.batch(distributed.rank_slice(idx))
     return take
 
 
 def train(cfg: CohortConfig, components: Components | None = None, *, echo=print) -> TrainResult:
     cfg.validate()
     seed_everything(cfg.train.seed)
+    info = distributed.current()
+    distributed.check_layout(cfg.train.prompts_per_step, cfg.train.mini_batches, cfg.reward.dynamic_sampling)
+    if not info.is_main:  # rank 0 alone writes the run directory; the others train beside it
+        echo = _silent
     comp = components or build_components(cfg, echo=echo)
     echo(describe_schedule(cfg))
+    if not info.is_main:
+        distributed.barrier()  # rank 0 has prepared the run directory (resume reads its checkpoints)
+        return _train_in(cfg, comp, Path(cfg.run.output_dir), echo)
     with open_run_dir(cfg.run.output_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite) as run_dir:
+        distributed.barrier()
         return _train_in(cfg, comp, run_dir, echo)
 
 
+def _silent(*args, **kwargs) -> None:
+    pass
+
+
+class _NoLogger:
+    """What ranks other than 0 log to."""
+
+    def log(self, *args, **kwargs) -> None:
+        pass
+
+    log_samples = log
+    close = log
+
+
 def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo) -> TrainResult:
-    t = cfg.train
-    write_resolved_config(run_dir, cfg.to_dict())
+    t, main = cfg.train, distributed.current().is_main
+    if main:
+        write_resolved_config(run_dir, cfg.to_dict())
     sampler = PromptSampler(len(comp.train_data), t.prompts_per_step, seed=t.seed)
     updater = PolicyUpdater(
         comp.policy, comp.optimizer, comp.scheduler, comp.loss_fn, reference=comp.reference,
@@ -94,9 +119,9 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo) -> Train
     result, started = TrainResult(run_dir=run_dir), time.monotonic()
     start_step = _resume(cfg, comp, run_dir, sampler, result, echo) if cfg.run.resume else 0
     logger = MetricLogger(run_dir, total_steps=t.max_steps, report_to=cfg.run.report_to,
-                          start_step=start_step)
+                          start_step=start_step) if main else _NoLogger()
     try:
-        if start_step == 0 and comp.eval_data is not None:
+        if start_step == 0 and comp.eval_data is not None and main:
             result.eval_before = evaluate(comp, cfg)
             echo("eval before training: " + _fmt(result.eval_before))
         step = start_step
@@ -112,14 +137,14 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo) -> Train
             last = step == t.max_steps or _budget_spent(cfg, comp)
             out_of_time = cfg.run.time_limit_s is not None and time.monotonic() - started > cfg.run.time_limit_s
             _record(cfg, comp, logger, step, metrics, last=last)
-            if (cfg.run.save_steps and step % cfg.run.save_steps == 0) or last or out_of_time:
+            if main and ((cfg.run.save_steps and step % cfg.run.save_steps == 0) or last or out_of_time):
                 _save(cfg, comp, run_dir, step, sampler, result)
             if out_of_time and not last:
                 echo(f"run.time_limit_s={cfg.run.time_limit_s} reached after step {step}: checkpoint saved; "
                      "continue with --resume")
                 result.stopped_at = step
                 return result
-        if comp.eval_data is not None:
+        if comp.eval_data is not None and main:
             result.eval_after = evaluate(comp, cfg)
             logger.log(step, {f"eval/{k}": v for k, v in result.eval_after.items()})
             echo("eval after training:  " + _fmt(result.eval_after))
@@ -144,8 +169,9 @@ def _resume(cfg: CohortConfig, comp: Components, run_dir: Path, sampler, result:
 
 
 def _record(cfg: CohortConfig, comp: Components, logger, step: int, metrics: dict, *, last: bool) -> None:
-    """Periodic held-out evaluation (the final one happens after the loop), metrics and sample rows."""
-    if comp.eval_data is not None and cfg.run.eval_steps and step % cfg.run.eval_steps == 0 and not last:
+    """Periodic held-out evaluation (rank 0; the final one happens after the loop), metrics, sample rows."""
+    due = cfg.run.eval_steps and step % cfg.run.eval_steps == 0 and not last
+    if comp.eval_data is not None and due and distributed.current().is_main:
         metrics.update({f"eval/{k}": v for k, v in evaluate(comp, cfg).items()})
     logger.log(step, metrics)
     if cfg.run.log_completions:
@@ -163,20 +189,27 @@ def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, 
     t0 = time.perf_counter()
     # A seed per step makes sampling a function of (seed, step), whatever RNG state the engine keeps:
     # a resumed run samples exactly what the uninterrupted run sampled.
-    params = dataclasses.replace(comp.sampling_params, seed=(cfg.train.seed * 1_000_003 + step * 7_919) % 2**31)
+    # Data parallelism: rank r holds global prompts [r * local, (r + 1) * local), and the seed offset makes
+    # completion j of global prompt i use the same seed as on one rank.
+    info = distributed.current()
+    local = cfg.train.prompts_per_step // info.world_size
+    seed = (cfg.train.seed * 1_000_003 + step * 7_919) % 2**31 + info.rank * local * comp.sampling_params.n
+    params = dataclasses.replace(comp.sampling_params, seed=seed)
     with timer("generate"):
         batch = collect_rollouts(
-            comp.engine, comp.tokenizer, _next_prompts(comp, sampler), cfg.train.prompts_per_step,
+            comp.engine, comp.tokenizer, _next_prompts(comp, sampler), local,
             params, comp.reward_runner, advantage_kwargs=comp.advantage_kwargs,
             trainer_state=TrainerState(global_step=step, max_steps=cfg.train.max_steps),
             dynamic_sampling=cfg.reward.dynamic_sampling, max_resample_tries=cfg.reward.max_resample_tries,
-            mask_truncated_completions=cfg.generation.mask_truncated_completions)
-    metrics: dict[str, Any] = dict(batch.metrics)
+            mask_truncated_completions=cfg.generation.mask_truncated_completions,
+            gather_rewards=distributed.all_gather_rows if info.enabled else None, rank=info.rank)
+    metrics: dict[str, Any] = distributed.reduce_metrics(dict(batch.metrics))
     metrics.update(updater.update(batch, timer))
     with timer("sync_weights"):
         comp.engine.sync_weights()
-    metrics.update(timer.pop())
-    comp.num_tokens += sum(len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids))
+    metrics.update(distributed.reduce_metrics(timer.pop()))
+    comp.num_tokens += int(distributed.all_sum(sum(len(p) + len(c) for p, c in zip(batch.prompt_ids,
+                                                                                    batch.completion_ids))))
     metrics["num_tokens"] = comp.num_tokens
     metrics["step_time"] = time.perf_counter() - t0
     comp.train_time_s += metrics["step_time"]

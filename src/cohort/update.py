@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cohort import distributed
 from cohort.algorithms import LossInputs, reduce_metrics
 from cohort.packing import packed_forward_logprobs, split_micro_batches
 from cohort.rollout import RolloutBatch
@@ -68,7 +69,9 @@ class PolicyUpdater:
         Counts, masks and engine logprobs are built on the host from the rollout's lists and sent in one copy
         per micro-batch: nothing in the micro-batch loop waits for the GPU.
         """
-        num_tokens = sum(len(batch.completion_ids[r]) for r in rows if batch.loss_mask_keep[r])
+        # normalisers of the whole mini-batch, summed over data-parallel ranks
+        num_tokens = distributed.all_sum(sum(len(batch.completion_ids[r]) for r in rows if batch.loss_mask_keep[r]))
+        num_sequences = int(distributed.all_sum(len(rows)))
         lengths = [len(batch.prompt_ids[r]) + len(batch.completion_ids[r]) for r in rows]
         self.policy.train()
         parts: list[dict] = []
@@ -87,14 +90,16 @@ class PolicyUpdater:
                 ref_logprobs=None if ref is None else pad_rows([ref[r] for r in idx], width),
                 sampling_logprobs=sampling,
                 entropy=packed.padded("entropy"),  # with grad: the entropy bonus (entropy_coef) needs it
-                num_tokens=max(num_tokens, 1), num_sequences=len(rows),
+                num_tokens=max(num_tokens, 1), num_sequences=num_sequences,
                 max_completion_length=self.s.max_completion_length,
             )
             out = self.loss_fn(inputs)
             out.loss.backward()
             parts.append(out.metrics)
-        for k, v in reduce_metrics(parts).items():  # partial sums -> the mini-batch's values
+        local = reduce_metrics(parts)  # partial sums of this rank -> summed over ranks (min/max by min/max)
+        for k, v in distributed.reduce_metrics(local, summed=tuple(local)).items():
             sums[k] += float(v)
+        distributed.sum_gradients(self.policy.parameters())
         norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.s.max_grad_norm)
         sums["grad_norm"] += float(norm)
         self.optimizer.step()
