@@ -132,6 +132,15 @@ def reduce_metrics(metrics: dict[str, float], *, summed: tuple[str, ...] = ()) -
     return out
 
 
+def any_rank(flag: bool) -> bool:
+    """True on every rank when it is true on one (ranks must agree on when to stop)."""
+    if not current().enabled:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def barrier() -> None:
     if current().enabled:
         dist.barrier()

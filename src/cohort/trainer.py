@@ -135,7 +135,8 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo) -> Train
                 # at step 1 (e.g. a broken reward function) leaves no run directory behind
                 logger.log(0, {f"eval/{k}": v for k, v in result.eval_before.items()})
             last = step == t.max_steps or _budget_spent(cfg, comp)
-            out_of_time = cfg.run.time_limit_s is not None and time.monotonic() - started > cfg.run.time_limit_s
+            out_of_time = distributed.any_rank(
+                cfg.run.time_limit_s is not None and time.monotonic() - started > cfg.run.time_limit_s)
             _record(cfg, comp, logger, step, metrics, last=last)
             if main and ((cfg.run.save_steps and step % cfg.run.save_steps == 0) or last or out_of_time):
                 _save(cfg, comp, run_dir, step, sampler, result)
@@ -211,7 +212,8 @@ def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, 
     comp.num_tokens += int(distributed.all_sum(sum(len(p) + len(c) for p, c in zip(batch.prompt_ids,
                                                                                     batch.completion_ids))))
     metrics["num_tokens"] = comp.num_tokens
-    metrics["step_time"] = time.perf_counter() - t0
+    # the slowest rank's time, so every rank agrees on time budgets and stops at the same step
+    metrics["step_time"] = distributed.reduce_metrics({"step_time": time.perf_counter() - t0})["step_time"]
     comp.train_time_s += metrics["step_time"]
     metrics["train_time"] = comp.train_time_s  # cumulative over resumes: "accuracy after N minutes"
     comp.last_samples = [
