@@ -66,3 +66,19 @@ def test_reward_functions_see_trls_trainer_state(tmp_path):
     comp = build_components(cfg, policy=tiny_model(tok), tokenizer=tok, reward_runner=RewardRunner([step_aware]),
                             train_data=load_prompt_dataset(toy_rows()).encode(tok, 64))
     assert [m["reward"] for m in train(cfg, comp).history] == [0.0, 1.0, 1.0]
+
+
+def test_unsupported_architecture_falls_back_to_generate_with_a_reason():
+    from tests.helpers.tiny_tokenizer import make_tiny_tokenizer
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from cohort.config import CohortConfig
+    from cohort.engine.hf_backend import HFGenerateEngine
+    from cohort.setup import build_engine
+
+    tok = make_tiny_tokenizer()
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2))
+    said: list[str] = []
+    engine = build_engine(CohortConfig(), model, tok, torch.device("cpu"), said.append)
+    assert isinstance(engine, HFGenerateEngine)
+    assert said and "falling back to Hugging Face generate" in said[0]
