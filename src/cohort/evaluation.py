@@ -14,6 +14,7 @@ import dataclasses
 import torch
 
 from cohort.config import CohortConfig
+from cohort.rollout import decode_completions
 from cohort.types import TrainerState
 
 
@@ -33,8 +34,6 @@ def evaluate(comp, cfg: CohortConfig, *, batch_prompts: int = 64, correct_thresh
         groups = comp.engine.generate(batch.prompt_ids, params)
         completions = [c for group in groups for c in group]
         conversational = bool(batch.prompts) and isinstance(batch.prompts[0], list)
-        from cohort.rollout import decode_completions
-
         texts = decode_completions(comp.tokenizer, completions, conversational)
         rep = [i for i in range(len(idx)) for _ in range(k)]
         result = comp.reward_runner(

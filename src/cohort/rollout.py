@@ -86,24 +86,28 @@ def collect_rollouts(
     """gather_rewards / rank (data parallelism): advantages are computed on every rank's rewards together
     (rank order) and this rank keeps its own rows, so batch-level scaling sees the whole step."""
     g = params.n
+    if not dynamic_sampling:
+        batch = next_prompts(num_prompts)
+        completions, texts, result = _generate_and_score(engine, tokenizer, batch, params, reward_runner,
+                                                         trainer_state)
+        return _assemble([(batch, completions, texts, result)], g, advantage_kwargs, mask_truncated_completions,
+                         {"sampling/tries": 1.0}, gather_rewards, rank)
     kept: list[tuple[PromptBatch, list[Completion], list[Any], Any]] = []
     have, tries, zero_std_groups, seen_groups = 0, 0, 0, 0
     while have < num_prompts:
-        batch = next_prompts(num_prompts - have if dynamic_sampling else num_prompts)
+        batch = next_prompts(num_prompts - have)
         completions, texts, result = _generate_and_score(engine, tokenizer, batch, params, reward_runner,
                                                          trainer_state)
-        combined = compute_advantages(result.rewards, g, **advantage_kwargs)
-        zero = combined.is_std_zero.view(-1, g)[:, 0]
+        zero = compute_advantages(result.rewards, g, **advantage_kwargs).is_std_zero.view(-1, g)[:, 0]
         seen_groups += len(batch.prompt_ids)
         zero_std_groups += int(zero.sum())
         tries += 1
-        if dynamic_sampling and tries < max_resample_tries:  # the last try keeps every group: a full step
+        if tries < max_resample_tries:  # the last try keeps every group: a full step
             keep = (~zero).nonzero().flatten().tolist()
             batch, completions, texts, result = _select_groups(batch, completions, texts, result, keep, g)
         kept.append((batch, completions, texts, result))
         have += len(batch.prompt_ids)
-        if not dynamic_sampling:
-            break
+    # counted over every group sampled, dropped ones included: how much sampling the filter cost
     return _assemble(kept, g, advantage_kwargs, mask_truncated_completions,
                      {"frac_reward_zero_std": zero_std_groups / max(1, seen_groups),
                       "sampling/tries": float(tries)}, gather_rewards, rank)
@@ -138,7 +142,8 @@ def _assemble(kept, g: int, advantage_kwargs: dict[str, Any], mask_truncated: bo
         adv = dataclasses.replace(adv, advantages=adv.advantages[mine], rewards=adv.rewards[mine])
     finish = [c.finish_reason for c in completions]
     keep = [not (mask_truncated and f == "length") for f in finish]
-    metrics = {**metrics, **result.metrics(), **_completion_metrics(completions)}
+    metrics = {"frac_reward_zero_std": adv.frac_reward_zero_std, **metrics, **result.metrics(),
+               **_completion_metrics(completions)}
     metrics["reward"] = float(torch.nanmean(adv.rewards))
     metrics["reward_std"] = float(adv.group_std.mean()) if adv.group_std.numel() else 0.0
     return RolloutBatch(

@@ -19,6 +19,7 @@ from cohort.config import CohortConfig
 from cohort.data import drop_overlap, load_prompt_dataset, reasoning_gym_eval_set, train_eval_split
 from cohort.errors import ConfigError
 from cohort.model import load_policy
+from cohort.model import resolve_dtype as model_dtype
 from cohort.optim import build_optimizer, build_scheduler
 from cohort.rewards import RewardRunner, get_reward_function
 from cohort.types import RolloutEngine, SamplingParams
@@ -77,13 +78,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' is bfloat16 on a GPU (weights read in place by the engine) and float32 on the CPU."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-             "float16": torch.float16, "fp16": torch.float16}
-    if name not in table:
-        raise ConfigError(f"model.dtype={name!r} is not known; use auto, bfloat16 or float32.")
-    return table[name]
+    return model_dtype(name)
 
 
 def sampling_params_for(cfg: CohortConfig, tokenizer, *, n: int, seed: int | None) -> SamplingParams:
