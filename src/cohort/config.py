@@ -88,6 +88,7 @@ class RewardConfig:
     on_error: str = "raise"  # raise | skip (the sample's reward becomes None and is counted)
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more
     max_resample_tries: int = 3
+    max_oversample: int = 4  # a resampling try draws at most this many times the missing prompts
 
 
 @dataclass

@@ -10,6 +10,7 @@ nothing of the loss.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,11 +80,16 @@ def collect_rollouts(
     trainer_state,
     dynamic_sampling: bool = False,
     max_resample_tries: int = 3,
+    max_oversample: int = 4,
     mask_truncated_completions: bool = False,
     gather_rewards: Callable[[torch.Tensor], torch.Tensor] | None = None,
     rank: int = 0,
 ) -> RolloutBatch:
-    """gather_rewards / rank (data parallelism): advantages are computed on every rank's rewards together
+    """With dynamic_sampling, each try draws the missing prompts divided by the informative-group rate seen
+    so far (at most max_oversample times the missing count) and keeps informative groups up to the step size;
+    the last try fills the step with all-equal groups if it must.
+
+    gather_rewards / rank (data parallelism): advantages are computed on every rank's rewards together
     (rank order) and this rank keeps its own rows, so batch-level scaling sees the whole step."""
     g = params.n
     if not dynamic_sampling:
@@ -95,22 +101,29 @@ def collect_rollouts(
     kept: list[tuple[PromptBatch, list[Completion], list[Any], Any]] = []
     have, tries, zero_std_groups, seen_groups = 0, 0, 0, 0
     while have < num_prompts:
-        batch = next_prompts(num_prompts - have)
+        need = num_prompts - have
+        # Over-sample by the informative rate seen so far (as verl's DAPO recipe draws whole generation
+        # batches): asking only for the missing prompts converges slowly when most groups are all-equal.
+        rate = (seen_groups - zero_std_groups) / seen_groups if seen_groups else 1.0
+        draw = min(max_oversample * need, max(need, math.ceil(need / max(rate, 1e-9))))
+        batch = next_prompts(draw)
         completions, texts, result = _generate_and_score(engine, tokenizer, batch, params, reward_runner,
                                                          trainer_state)
         zero = compute_advantages(result.rewards, g, **advantage_kwargs).is_std_zero.view(-1, g)[:, 0]
         seen_groups += len(batch.prompt_ids)
         zero_std_groups += int(zero.sum())
         tries += 1
-        if tries < max_resample_tries:  # the last try keeps every group: a full step
-            keep = (~zero).nonzero().flatten().tolist()
-            batch, completions, texts, result = _select_groups(batch, completions, texts, result, keep, g)
+        keep = (~zero).nonzero().flatten().tolist()[:need]
+        if tries >= max_resample_tries:  # the last try fills the step, all-equal groups included
+            keep = sorted(keep + zero.nonzero().flatten().tolist()[:need - len(keep)])
+        batch, completions, texts, result = _select_groups(batch, completions, texts, result, keep, g)
         kept.append((batch, completions, texts, result))
         have += len(batch.prompt_ids)
     # counted over every group sampled, dropped ones included: how much sampling the filter cost
     return _assemble(kept, g, advantage_kwargs, mask_truncated_completions,
                      {"frac_reward_zero_std": zero_std_groups / max(1, seen_groups),
-                      "sampling/tries": float(tries)}, gather_rewards, rank)
+                      "sampling/tries": float(tries), "sampling/groups_drawn": float(seen_groups)},
+                     gather_rewards, rank)
 
 
 def _select_groups(batch: PromptBatch, completions, texts, result, keep: list[int], g: int):

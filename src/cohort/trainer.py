@@ -202,6 +202,7 @@ def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, 
             params, comp.reward_runner, advantage_kwargs=comp.advantage_kwargs,
             trainer_state=TrainerState(global_step=step, max_steps=cfg.train.max_steps),
             dynamic_sampling=cfg.reward.dynamic_sampling, max_resample_tries=cfg.reward.max_resample_tries,
+            max_oversample=cfg.reward.max_oversample,
             mask_truncated_completions=cfg.generation.mask_truncated_completions,
             gather_rewards=distributed.all_gather_rows if info.enabled else None, rank=info.rank)
     metrics: dict[str, Any] = distributed.reduce_metrics(dict(batch.metrics))

@@ -56,15 +56,31 @@ def test_plain_step_keeps_every_group_and_counts_zero_std():
 
 def test_dynamic_sampling_refills_with_informative_groups():
     batch = run(dynamic_sampling=True, max_resample_tries=5)
-    # each draw asks only for the missing prompts: 0-3 keeps 1, 3; 4-5 keeps 5; 6 keeps none; 7 fills the step
+    # 0-3 keeps 1, 3 (half informative), so the second try draws 2 / 0.5 = 4 prompts: 4-7 keeps 5, 7
     assert [p[0] for p in batch.prompt_ids[::3]] == [1, 3, 5, 7]
-    assert batch.metrics["sampling/tries"] == 4.0
+    assert batch.metrics["sampling/tries"] == 2.0 and batch.metrics["sampling/groups_drawn"] == 8.0
+    assert batch.metrics["frac_reward_zero_std"] == 0.5
     assert (batch.rewards.view(4, 3).std(dim=1) > 0).all()
+
+
+def test_dynamic_sampling_oversampling_is_capped_and_keeps_only_the_step():
+    # only prompt 1 of 0-3 is informative when the reward is 1 for even prompts and prompts > 1
+    def mostly_equal(prompts, completion_ids, **kwargs):
+        return [float(ids[1]) if ids[0] == 1 else 1.0 for ids in completion_ids]
+
+    batch = collect_rollouts(ScriptedEngine(), Tok(), feeder(), 4, SamplingParams(n=3), RewardRunner([mostly_equal]),
+                             advantage_kwargs={"scale_rewards": "group"}, trainer_state={},
+                             dynamic_sampling=True, max_resample_tries=2, max_oversample=2)
+    # try 1 draws 0-3 and keeps 1; rate 1/4 asks 12 prompts, the cap allows 2 x 3 = 6 (4-9), none informative;
+    # the last try fills the three missing groups with all-equal ones, in draw order
+    assert [p[0] for p in batch.prompt_ids[::3]] == [1, 4, 5, 6]
+    assert batch.metrics["sampling/groups_drawn"] == 10.0 and len(batch) == 12
 
 
 def test_dynamic_sampling_fills_the_step_on_its_last_try():
     batch = run(dynamic_sampling=True, max_resample_tries=1)
     assert len(batch) == 12  # one try: every group is kept
+    assert [p[0] for p in batch.prompt_ids[::3]] == [0, 1, 2, 3]
 
 
 def test_truncated_completions_can_be_masked():
