@@ -27,14 +27,16 @@ Runners: `trl` (GRPOTrainer, its defaults: HF generate, gradient checkpointing, 
 8 completions per micro-batch, so 32 accumulation steps); `cohort` (fast: no checkpointing, fp32 master
 weights and AdamW, packed micro-batches of `--token-budget` tokens, KV pool sized to the workload, decoder
 layers compiled with cohort.packing.compile_decoder_layers on CUDA, retried eager if that fails);
-`cohort-lowmem` (gradient checkpointing, bf16 AdamW states as TRL, 2048-token micro-batches, 256-token
-logprob chunks (--lowmem-token-budget, --lowmem-chunk-tokens), KV pool = what is left of TRL's measured peak after the memory estimate).
+`cohort-lowmem` (plain config fields: model.gradient_checkpointing, train.master_weights=false (bf16 AdamW
+moments as TRL, LM-head gradient summed in bf16), train.logprob_chunk_tokens=256, generation.fuse_projections=
+false, generation.release_kv_during_update=true; under TRL's measured peak, the largest token budget whose
+update fits by cohort's memory estimate and the KV pool the generation phase leaves, at most the workload's).
+Every cohort row also reports the peak allocated memory of its generate and update phases.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import subprocess
@@ -58,6 +60,7 @@ FAST_TOKEN_BUDGET = {"tiny": 256, "0.5b": 16384, "1.5b": 8192}
 PEAK_FLOPS = 989e12  # H100 SXM, dense bf16
 QWEN_EOS = 151643
 RUNNERS = ("trl", "cohort", "cohort-lowmem")
+ENGINE_OVERHEAD_GIB = 0.35  # engine beside its KV pool: graph pool (logits of 256 rows), prefill transients
 ENGINE_MAX_MODEL_LEN = 4096  # CohortEngine default for these configs (min(max_position_embeddings, 4096))
 
 
@@ -156,14 +159,10 @@ class TimedRewards:
         return getattr(self.runner, name)
 
 
-def _bf16_adamw(model, *, lr, weight_decay, betas):
-    """TRL's optimizer state precision (AdamW moments in the bf16 parameters' dtype, no fp32 master)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    fused = params[0].is_cuda
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, fused=fused)
-
-
-def _cohort_config(args, lowmem: bool, kv_fraction: float):
+def _cohort_config(args, lowmem: bool, kv_fraction: float, token_budget: int):
+    """The trainer's config for a row. Low memory (all plain config fields): gradient checkpointing, Adam
+    moments in bf16 without fp32 masters (TRL's precision; the LM-head gradient summed in bf16 too), small
+    logprob chunks, no fused QKV/gate-up copies in the engine, and the KV pool released during the update."""
     from cohort.config import CohortConfig
 
     cfg = CohortConfig()
@@ -175,38 +174,62 @@ def _cohort_config(args, lowmem: bool, kv_fraction: float):
     t = cfg.train
     t.prompts_per_step, t.mini_batches, t.num_iterations = args.prompts, 1, 1
     t.max_steps, t.seed = args.warmup + args.steps, 0
-    t.token_budget = args.lowmem_token_budget if lowmem else (args.token_budget or FAST_TOKEN_BUDGET[args.size])
+    t.token_budget = token_budget
+    if lowmem:
+        t.master_weights, t.logprob_chunk_tokens = False, args.lowmem_chunk_tokens
+        g.fuse_projections, g.release_kv_during_update = False, args.lowmem_release_kv
+    elif args.chunk_tokens:
+        t.logprob_chunk_tokens = args.chunk_tokens
     cfg.loss.beta = 0.0
     cfg.run.output_dir = tempfile.mkdtemp(prefix="grpo_step_")
     cfg.run.overwrite, cfg.run.report_to = True, ["jsonl"]
     return cfg
 
 
-def _kv_plan(args, model, device, lowmem: bool) -> tuple[float, dict]:
-    """kv_cache_fraction for the engine: the workload's KV (x1.25), or for lowmem what the cap leaves."""
+def _lowmem_estimate(args, model, token_budget: int):
     from cohort.memory import estimate_memory
 
+    return estimate_memory(model.config, dtype="bf16", master_weights_fp32=False, lm_head_grad_fp32=False,
+                           token_budget=token_budget, gradient_checkpointing=True,
+                           chunk_tokens=args.lowmem_chunk_tokens)
+
+
+def _kv_plan(args, model, device, lowmem: bool) -> tuple[float, int, dict]:
+    """(kv_cache_fraction, token budget, notes). Fast row: the workload's KV x1.25. Low-memory row under a
+    cap (TRL's measured peak): the largest token budget whose update fits 93% of the cap by cohort's memory
+    estimate, and a KV pool of what the generation phase leaves (released during the update, so the two
+    phases do not add up), at most the workload's."""
     per_token = kv_bytes_per_token(model)
     need = args.prompts * args.generations * (args.prompt_len + args.completion_len) * per_token
     free = torch.cuda.mem_get_info()[0] if device.type == "cuda" else 4 << 30
     info = {"kv_need_gib": need / 2**30}
-    kv = 1.25 * need
+    kv, budget = 1.25 * need, (args.token_budget or FAST_TOKEN_BUDGET[args.size])
+    if lowmem:
+        budget = args.lowmem_token_budget or 2048
     if lowmem and args.mem_cap:
-        est = estimate_memory(model.config, dtype="bf16", master_weights_fp32=False,
-                              token_budget=args.lowmem_token_budget, gradient_checkpointing=True,
-                              chunk_tokens=args.lowmem_chunk_tokens)
-        left = 0.95 * args.mem_cap - est.total
+        cap = args.mem_cap
+        if not args.lowmem_token_budget:
+            fits = [b for b in (16384, 8192, 4096, 2048, 1024)
+                    if _update_bytes(_lowmem_estimate(args, model, b)) <= 0.93 * cap]
+            budget = fits[0] if fits else 1024
+        est = _lowmem_estimate(args, model, budget)
+        update = _update_bytes(est)
+        generation = est.weights + est.optimizer + ENGINE_OVERHEAD_GIB * 2**30
+        left = 0.95 * cap - generation if args.lowmem_release_kv else 0.95 * cap - update
         kv = max(0.25 * need, min(1.05 * need, left))
-        info.update(estimate_wo_kv_gib=est.total / 2**30, cap_gib=args.mem_cap / 2**30)
+        info.update(update_estimate_gib=update / 2**30, generation_estimate_wo_kv_gib=generation / 2**30,
+                    cap_gib=cap / 2**30)
     kv = max(kv, 1.1 * ENGINE_MAX_MODEL_LEN * per_token)  # the engine insists on one max-length sequence
     info["kv_planned_gib"] = kv / 2**30
-    return min(1.0, kv / free), info
+    return min(1.0, kv / free), budget, info
+
+
+def _update_bytes(est) -> int:
+    """The update phase of the estimate: everything but the KV pool."""
+    return est.total - est.kv_cache
 
 
 def run_cohort(args, lowmem: bool) -> dict:
-    import cohort.engine
-    import cohort.packing
-    import cohort.setup
     import cohort.trainer
 
     device = torch.device(args.device)
@@ -214,14 +237,6 @@ def run_cohort(args, lowmem: bool) -> dict:
     tok = build_tokenizer(model.config.vocab_size)
     with ExitStack() as stack:
         stack.enter_context(mock.patch.object(cohort.trainer, "_save", lambda *a, **k: None))  # no checkpoint
-        if lowmem:  # settings the config does not expose yet
-            stack.enter_context(mock.patch.object(cohort.setup, "build_optimizer", _bf16_adamw))
-            stack.enter_context(mock.patch.dict(cohort.packing.packed_forward_logprobs.__kwdefaults__,
-                                                {"chunk_tokens": args.lowmem_chunk_tokens}))
-            # no fused QKV / gate-up weight copies in the engine (they cost ~0.5 GB on 0.5B, ~1.7 GB on 1.5B)
-            stack.enter_context(mock.patch.object(cohort.engine, "CohortEngine",
-                                                  functools.partial(cohort.engine.CohortEngine,
-                                                                    fuse_projections=False)))
         return _train_cohort(args, lowmem, model, tok, device)
 
 
@@ -230,8 +245,8 @@ def _train_cohort(args, lowmem: bool, model, tok, device) -> dict:
     from cohort.data.dataset import PromptDataset
     from cohort.rewards import RewardRunner
 
-    kv_fraction, info = _kv_plan(args, model, device, lowmem)
-    cfg = _cohort_config(args, lowmem, kv_fraction)
+    kv_fraction, budget, info = _kv_plan(args, model, device, lowmem)
+    cfg = _cohort_config(args, lowmem, kv_fraction, budget)
     rows = [{"prompt": p} for p in make_prompts(args.prompts * cfg.train.max_steps, args.prompt_len,
                                                  model.config.vocab_size)]
     data = PromptDataset(rows, "bench").encode(tok, args.prompt_len)
@@ -240,14 +255,19 @@ def _train_cohort(args, lowmem: bool, model, tok, device) -> dict:
                                            train_data=data, echo=lambda *a: None)
     info["engine"] = comp.engine.engine_name() if hasattr(comp.engine, "engine_name") else type(comp.engine).__name__
     info.update(optimizer=type(comp.optimizer).__name__, token_budget=cfg.train.token_budget,
-                gradient_checkpointing=lowmem, compiled_layers=0)
+                logprob_chunk_tokens=cfg.train.logprob_chunk_tokens, gradient_checkpointing=lowmem,
+                release_kv_during_update=cfg.generation.release_kv_during_update, compiled_layers=0)
     if args.compile_layers:  # cohort.packing.compile_decoder_layers: fused elementwise work in training
         from cohort.packing import compile_decoder_layers
 
         info["compiled_layers"] = compile_decoder_layers(model)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    result = cohort.trainer.train(cfg, comp, echo=lambda *a: None)
+    phase_peaks = _PhasePeaks(device)
+    with phase_peaks.watching(comp):
+        result = cohort.trainer.train(cfg, comp, echo=lambda *a: None)
+    info["phase_peak_alloc_gib"] = phase_peaks.peaks
+    info["graph_recaptures"] = getattr(getattr(comp.engine, "runner", None), "graph_recaptures", None)
     steps = []
     for m, score in zip(result.history, rewards.seconds):
         gen = m["time/generate"] - score
@@ -256,7 +276,50 @@ def _train_cohort(args, lowmem: bool, model, tok, device) -> dict:
         steps.append({**phases, "step": m["step_time"], "other": m["step_time"] - sum(phases.values()),
                       "completion_len": m["completions/mean_length"]})
     return {"steps": steps, "num_params": sum(p.numel() for p in model.parameters()), **info,
-            **peak_memory(device)}
+            **phase_peaks.overall()}
+
+
+class _PhasePeaks:
+    """Peak allocated GiB of the generate and update phases (max over steps), from torch's peak counter
+    reset at each phase's start: tells which phase sets the row's peak."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peaks = device, {"generate": 0.0, "update": 0.0}
+
+    def _wrap(self, name: str, fn):
+        def wrapped(*a, **k):
+            if self.device.type != "cuda":
+                return fn(*a, **k)
+            self.note_overall()
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.peaks[name] = max(self.peaks[name], torch.cuda.max_memory_allocated() / 2**30)
+                self.note_overall()
+        return wrapped
+
+    def note_overall(self) -> None:
+        """Fold the counters since the last reset into the run's overall peaks (resets would lose them)."""
+        if self.device.type == "cuda":
+            self.alloc = max(getattr(self, "alloc", 0.0), torch.cuda.max_memory_allocated() / 2**30)
+            self.reserved = max(getattr(self, "reserved", 0.0), torch.cuda.max_memory_reserved() / 2**30)
+
+    def overall(self) -> dict[str, float]:
+        if self.device.type != "cuda":
+            return peak_memory(self.device)
+        self.note_overall()
+        return {"peak_alloc_gib": self.alloc, "peak_reserved_gib": self.reserved}
+
+    def watching(self, comp):
+        import cohort.trainer
+
+        stack = ExitStack()
+        stack.enter_context(mock.patch.object(comp.engine, "generate", self._wrap("generate", comp.engine.generate)))
+        original = cohort.trainer.PolicyUpdater.update
+        stack.enter_context(mock.patch.object(cohort.trainer.PolicyUpdater, "update",
+                                              lambda updater, *a, **k: self._wrap("update", original)(updater, *a, **k)))
+        return stack
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -284,10 +347,12 @@ def run_child(args, runner: str, size: str, mem_cap: int | None, timeout: float,
            "--prompt-len", str(args.prompt_len), "--completion-len", str(args.completion_len)]
     if mem_cap:
         cmd += ["--mem-cap", str(mem_cap)]
-    cmd += ["--lowmem-token-budget", str(args.lowmem_token_budget),
-            "--lowmem-chunk-tokens", str(args.lowmem_chunk_tokens)]
-    if args.token_budget:
-        cmd += ["--token-budget", str(args.token_budget)]
+    cmd += ["--lowmem-chunk-tokens", str(args.lowmem_chunk_tokens),
+            "--lowmem-release-kv" if args.lowmem_release_kv else "--no-lowmem-release-kv"]
+    for flag, value in (("--lowmem-token-budget", args.lowmem_token_budget), ("--token-budget", args.token_budget),
+                        ("--chunk-tokens", args.chunk_tokens)):
+        if value:
+            cmd += [flag, str(value)]
     cmd += ["--compile-layers" if compile_layers else "--no-compile-layers"]
     start = time.perf_counter()
     try:
@@ -307,7 +372,10 @@ def run_child(args, runner: str, size: str, mem_cap: int | None, timeout: float,
         result = json.load(fh)
     result["wall_s"] = wall
     result["summary"] = summarise(args, result)
-    print(f"[{size} {runner}] {wall:.0f} s wall: " + json.dumps(result["summary"]), flush=True)
+    notes = {k: result[k] for k in ("token_budget", "logprob_chunk_tokens", "kv_planned_gib", "update_estimate_gib",
+                                    "phase_peak_alloc_gib", "graph_recaptures", "compiled_layers") if k in result}
+    print(f"[{size} {runner}] {wall:.0f} s wall: " + json.dumps(result["summary"]) + " " + json.dumps(notes),
+          flush=True)
     return result
 
 
@@ -377,8 +445,12 @@ def main(argv=None) -> None:
     p.add_argument("--completion-len", type=int, default=256)
     p.add_argument("--token-budget", type=int, default=None, help="cohort fast row (default per size)")
     p.add_argument("--budget-s", type=float, default=86400.0, help="stop starting children after this long")
-    p.add_argument("--lowmem-token-budget", type=int, default=2048)
+    p.add_argument("--chunk-tokens", type=int, default=None, help="cohort fast row: logprob chunk (default 4096)")
+    p.add_argument("--lowmem-token-budget", type=int, default=None,
+                   help="low-memory row (default: the largest that fits the cap by cohort's estimate)")
     p.add_argument("--lowmem-chunk-tokens", type=int, default=256)
+    p.add_argument("--lowmem-release-kv", action=argparse.BooleanOptionalAction, default=True,
+                   help="low-memory row: generation.release_kv_during_update")
     p.add_argument("--mem-cap-gib", type=float, default=None,
                    help="low-memory row's target peak when no TRL row ran in this run (else TRL's peak)")
     p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction,

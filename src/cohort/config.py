@@ -77,6 +77,10 @@ class GenerationConfig:
     ignore_eos: bool = False  # sample through EOS to max_completion_length (benchmarks, fixed-length runs)
     engine: str = "auto"  # auto: cohort's engine when the architecture is supported, else hf
     kv_cache_fraction: float = 0.3
+    # free the engine's KV pool while the policy updates (TRL's vllm_enable_sleep_mode): the update can use
+    # that memory; the next generate re-allocates it (same address in steady state, so no graph recapture)
+    release_kv_during_update: bool = False
+    fuse_projections: bool | None = None  # engine's fused QKV/gate-up weight copies; None: on for CUDA
     generation_batch_size: int | None = None  # hf engine only: prompts per generate call
 
 
@@ -134,6 +138,10 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.99
     max_grad_norm: float = 1.0
+    # bf16/fp16 weights: keep fp32 master weights and fp32 Adam moments (default), or Adam moments in the
+    # weights' dtype as TRL does (6 bytes/param less; the LM-head gradient is then also summed in bf16)
+    master_weights: bool = True
+    logprob_chunk_tokens: int = 4096  # tokens per chunk of the logprob kernel: its [chunk, vocab] buffers
     lr_scheduler_type: str = "constant"  # constant | cosine
     warmup_steps: int = 0
     seed: int = 42
@@ -191,6 +199,8 @@ class CohortConfig:
         _require(g.temperature >= 0, "generation.temperature", g.temperature, "use 0 (greedy) or more")
         _require(0 < g.top_p <= 1, "generation.top_p", g.top_p, "use a value in (0, 1]")
         _require(t.token_budget >= 1, "train.token_budget", t.token_budget, "use a positive token count")
+        _require(t.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens", t.logprob_chunk_tokens,
+                 "use a positive token count (e.g. 1024; smaller saves memory, larger launches fewer kernels)")
         _require(self.data.truncation in ("left", "drop"), "data.truncation", self.data.truncation,
                  "use 'left' or 'drop'")
         _require(g.engine in ("auto", "cohort", "hf"), "generation.engine", g.engine,

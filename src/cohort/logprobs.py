@@ -112,7 +112,7 @@ class _SelectiveLogprobs(torch.autograd.Function):
     """Chunked logprob + entropy whose backward recomputes logits chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, chunk_tokens, compute_entropy):
+    def forward(ctx, hidden, weight, labels, temperature, chunk_tokens, compute_entropy, grad_w_fp32):
         n, device, inv_t = hidden.shape[0], hidden.device, 1.0 / temperature
         logprobs = torch.empty(n, dtype=torch.float32, device=device)
         lse = torch.empty(n, dtype=torch.float32, device=device)
@@ -126,7 +126,7 @@ class _SelectiveLogprobs(torch.autograd.Function):
             if compute_entropy:
                 entropy[start:end] = chunk_ent
         ctx.save_for_backward(hidden, weight, labels, lse, entropy)
-        ctx.inv_t, ctx.chunk_tokens = inv_t, chunk_tokens
+        ctx.inv_t, ctx.chunk_tokens, ctx.grad_w_fp32 = inv_t, chunk_tokens, grad_w_fp32
         if not compute_entropy:
             # autograd.Function outputs must be tensors: an empty placeholder that carries no gradient.
             ctx.mark_non_differentiable(entropy)
@@ -143,8 +143,13 @@ class _SelectiveLogprobs(torch.autograd.Function):
         ent = entropy if use_entropy else zeros
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
-        # The weight gradient sums over every token: accumulate it in fp32, cast once at the end.
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_w else None
+        # The weight gradient sums over every token: accumulate it in fp32 and cast once at the end, or
+        # (grad_w_fp32=False, the low-memory setting) add each chunk's product in place into a buffer of the
+        # weight's dtype: each matmul still accumulates in fp32 inside, only the sum over chunks rounds.
+        fp32_sum = need_w and (ctx.grad_w_fp32 or weight.dtype == torch.float32)
+        grad_w = None
+        if need_w:
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32 if fp32_sum else weight.dtype, device=device)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             h = hidden[start:end]
@@ -152,13 +157,15 @@ class _SelectiveLogprobs(torch.autograd.Function):
                       gl[start:end], ge[start:end], ctx.inv_t)
             if need_h:
                 grad_h[start:end] = (g @ weight).to(hidden.dtype)
-            if need_w:
+            if fp32_sum:
                 # Matmul in the weights' dtype (bf16 tensor cores), sum over chunks in fp32.
                 grad_w.add_(g.t() @ h)
+            elif need_w:
+                grad_w.addmm_(g.t(), h)  # no [vocab, hidden] temporary
             del g
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def selective_logprobs_and_entropy(
@@ -169,13 +176,15 @@ def selective_logprobs_and_entropy(
     temperature: float = 1.0,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     compute_entropy: bool = True,
+    lm_head_grad_fp32: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of each label under `log_softmax(hidden @ W^T / temperature)`, and the entropy.
 
     hidden_states: [N, d] (or [..., d], flattened), lm_head_weight: [V, d], labels: [N] long.
     Returns (logprobs [N] fp32, entropy [N] fp32 or None when compute_entropy is False). Both are
     differentiable with respect to hidden_states and lm_head_weight; the backward recomputes the logits
-    chunk by chunk instead of storing them.
+    chunk by chunk instead of storing them. lm_head_grad_fp32=False sums the weight gradient over chunks in
+    the weight's dtype (no fp32 [vocab, hidden] buffer; the low-memory setting).
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0 (greedy rollouts use logprob temperature 1.0)")
@@ -187,7 +196,8 @@ def selective_logprobs_and_entropy(
     if hidden.shape[0] != flat_labels.shape[0]:
         raise ValueError(f"hidden_states has {hidden.shape[0]} tokens but labels has {flat_labels.shape[0]}")
     logprobs, entropy = _SelectiveLogprobs.apply(
-        hidden, lm_head_weight, flat_labels, float(temperature), int(chunk_tokens), compute_entropy
+        hidden, lm_head_weight, flat_labels, float(temperature), int(chunk_tokens), compute_entropy,
+        bool(lm_head_grad_fp32)
     )
     if not compute_entropy:
         return logprobs.reshape(shape), None

@@ -18,6 +18,7 @@ Terms (P parameters, b bytes per weight element, T = token_budget tokens per for
   [vocab, hidden] buffer next to one chunk's product in the weight dtype (4 + b bytes per element). It does
   not shrink with the token budget or chunk size: 0.76 GiB for Qwen2.5-0.5B in bf16, 1.30 GiB for 1.5B
   (bench/grpo_step.py's low-memory run peaked about 1 GiB above the estimate before this term existed);
+  with lm_head_grad_fp32=False (train.master_weights=false) the sum is kept in the weight dtype: V*H*b;
 - KV cache: what the rollout engine reserves (given); reference model: P*b more when beta > 0.
 """
 
@@ -134,6 +135,7 @@ def estimate_memory(
     kv_cache_bytes: int = 0,
     reference_model: bool = False,
     chunk_tokens: int = 1024,
+    lm_head_grad_fp32: bool = True,
 ) -> MemoryEstimate:
     """Bytes needed to train (see the module docstring for every term). Pass an HF config (or a dict of its
     fields) for activations and logits; a bare parameter count gives weights and optimizer terms only."""
@@ -148,7 +150,8 @@ def estimate_memory(
     opt = {"adamw": 2 * state_bytes * p, "adamw_8bit": 2 * p, "sgd": 0}[optimizer]
     activations = _activation_bytes(s, b, token_budget, gradient_checkpointing) if known else 0
     logits = min(chunk_tokens, token_budget) * s["V"] * (b + 3 * 4) if known else 0
-    lm_head_grad = s["V"] * s["H"] * (4 + b) if known else 0
+    # fp32 sum plus one chunk's product; or (lm_head_grad_fp32=False) one buffer in the weight dtype
+    lm_head_grad = (s["V"] * s["H"] * ((4 + b) if lm_head_grad_fp32 or b == 4 else b)) if known else 0
     return MemoryEstimate(
         weights=p * b, grads=p * b, master_weights=master, optimizer=opt, activations=activations,
         logits_chunk=logits, lm_head_grad=lm_head_grad, kv_cache=int(kv_cache_bytes),

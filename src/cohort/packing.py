@@ -221,6 +221,7 @@ def packed_forward_logprobs(
     compute_entropy: bool = True,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     attn: str = "varlen",
+    lm_head_grad_fp32: bool = True,
 ) -> PackedLogprobs:
     """Logprobs (and entropy) of each completion token, all sequences in one padding-free row.
 
@@ -248,7 +249,8 @@ def packed_forward_logprobs(
     hidden = out.last_hidden_state[0].index_select(0, hidden_idx)
     weight = model.get_output_embeddings().weight
     logprobs, entropy = selective_logprobs_and_entropy(
-        hidden, weight, labels, temperature=temperature, chunk_tokens=chunk_tokens, compute_entropy=compute_entropy
+        hidden, weight, labels, temperature=temperature, chunk_tokens=chunk_tokens, compute_entropy=compute_entropy,
+        lm_head_grad_fp32=lm_head_grad_fp32,
     )
     return PackedLogprobs(logprobs, entropy, offsets)
 

@@ -108,7 +108,7 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
         if ok:
             return CohortEngine(policy, tokenizer, eos_token_ids=_eos_ids(tokenizer),
                                 kv_cache_fraction=kv_cache_fraction or cfg.generation.kv_cache_fraction,
-                                device=device)
+                                fuse_projections=cfg.generation.fuse_projections, device=device)
         echo(f"cohort engine does not support this model ({why}); falling back to Hugging Face generate")
     return HFGenerateEngine(policy, tokenizer, eos_token_ids=_eos_ids(tokenizer),
                             batch_size=cfg.generation.generation_batch_size)
@@ -175,8 +175,10 @@ def _check_memory(cfg: CohortConfig, policy, device: torch.device, with_referenc
     fraction = cfg.generation.kv_cache_fraction
     try:
         est = estimate_memory(policy.config, dtype=next(policy.parameters()).dtype,
-                              token_budget=cfg.train.token_budget,
-                              gradient_checkpointing=cfg.model.gradient_checkpointing, reference_model=with_reference)
+                              token_budget=cfg.train.token_budget, master_weights_fp32=cfg.train.master_weights,
+                              gradient_checkpointing=cfg.model.gradient_checkpointing, reference_model=with_reference,
+                              chunk_tokens=cfg.train.logprob_chunk_tokens,
+                              lm_head_grad_fp32=cfg.train.master_weights)
     except (KeyError, TypeError, ValueError, AttributeError):  # an architecture the estimator cannot read
         return fraction
     echo(est.table())
@@ -187,6 +189,9 @@ def _check_memory(cfg: CohortConfig, policy, device: torch.device, with_referenc
     # already on the device: weights, the reference copy, the optimiser's fp32 masters (made with it);
     # allocated later: gradients, Adam moments (first step), activations, logprob chunks
     pending = est.total - est.weights - est.reference - est.master_weights
+    if cfg.generation.release_kv_during_update:
+        # the pool is freed while the update runs: generation only shares memory with the Adam moments
+        pending = est.optimizer
     room = 0.9 * free - pending
     if room < 0.02 * free:
         raise ConfigError(f"generation.kv_cache_fraction={fraction}: after the update's estimated "
@@ -228,7 +233,7 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
         reference = frozen_copy(policy)
     t = cfg.train
     optimizer = build_optimizer(policy, lr=t.learning_rate, weight_decay=t.weight_decay,
-                                betas=(t.adam_beta1, t.adam_beta2))
+                                betas=(t.adam_beta1, t.adam_beta2), master_weights=t.master_weights)
     total_updates = t.max_steps * t.mini_batches * t.num_iterations
     scheduler = build_scheduler(optimizer, kind=t.lr_scheduler_type, warmup_steps=t.warmup_steps,
                                 total_steps=total_updates)

@@ -115,7 +115,8 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo) -> Train
             mini_batches=t.mini_batches, num_iterations=t.num_iterations, token_budget=t.token_budget,
             temperature=cfg.generation.temperature or 1.0, max_grad_norm=t.max_grad_norm,
             max_completion_length=cfg.generation.max_completion_length,
-            num_generations=cfg.generation.num_generations))
+            num_generations=cfg.generation.num_generations, chunk_tokens=t.logprob_chunk_tokens,
+            lm_head_grad_fp32=t.master_weights))
     result, started = TrainResult(run_dir=run_dir), time.monotonic()
     start_step = _resume(cfg, comp, run_dir, sampler, result, echo) if cfg.run.resume else 0
     logger = MetricLogger(run_dir, total_steps=t.max_steps, report_to=cfg.run.report_to,
@@ -206,6 +207,8 @@ def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, 
             mask_truncated_completions=cfg.generation.mask_truncated_completions,
             gather_rewards=distributed.all_gather_rows if info.enabled else None, rank=info.rank)
     metrics: dict[str, Any] = distributed.reduce_metrics(dict(batch.metrics))
+    if cfg.generation.release_kv_during_update and hasattr(comp.engine, "release_kv_cache"):
+        comp.engine.release_kv_cache()  # its next generate takes it back
     metrics.update(updater.update(batch, timer))
     with timer("sync_weights"):
         comp.engine.sync_weights()

@@ -33,6 +33,8 @@ class UpdateSettings:
     max_grad_norm: float
     max_completion_length: int
     num_generations: int
+    chunk_tokens: int = 4096  # logprob kernel chunk (train.logprob_chunk_tokens)
+    lm_head_grad_fp32: bool = True  # False with train.master_weights=false: the low-memory setting
 
 
 def pad_rows(rows: Sequence[torch.Tensor], width: int, value: float = 0.0) -> torch.Tensor:
@@ -57,7 +59,7 @@ class PolicyUpdater:
             idx = [rows[i] for i in micro]
             packed = packed_forward_logprobs(
                 model, [(batch.prompt_ids[r], batch.completion_ids[r]) for r in idx],
-                temperature=self.s.temperature, compute_entropy=False)
+                temperature=self.s.temperature, compute_entropy=False, chunk_tokens=self.s.chunk_tokens)
             out.update({r: lp.float() for r, (lp, _) in zip(idx, packed.split())})
         return out
 
@@ -81,7 +83,8 @@ class PolicyUpdater:
             mask, sampling = self._host_tensors(batch, idx, width)
             packed = packed_forward_logprobs(
                 self.policy, [(batch.prompt_ids[r], batch.completion_ids[r]) for r in idx],
-                temperature=self.s.temperature, compute_entropy=True)
+                temperature=self.s.temperature, compute_entropy=True, chunk_tokens=self.s.chunk_tokens,
+                lm_head_grad_fp32=self.s.lm_head_grad_fp32)
             inputs = LossInputs(
                 logprobs=packed.padded("logprobs"),
                 old_logprobs=None if old is None else pad_rows([old[r] for r in idx], width),

@@ -89,3 +89,19 @@ def test_graph_sampled_logprobs_match_recompute_float32():
         for c in group:
             ref = recomputed_logprobs(model, prompt, c.token_ids, 0.8)
             assert c.logprobs == pytest.approx(ref, abs=1e-4)
+
+
+def test_released_kv_pool_keeps_cuda_graphs_valid():
+    """After release and a training-sized allocation in between, generate gives the same tokens: either the
+    pool came back at its address (graphs valid) or the graphs were recaptured."""
+    model = tiny_model("qwen2").cuda()
+    engine = CohortEngine(model, eos_token_ids=[EOS], block_size=16, max_model_len=128, max_num_seqs=16)
+    prompts = random_prompts([37, 15])
+    params = SamplingParams(n=4, max_tokens=24, seed=3, ignore_eos=True)
+    first = engine.generate(prompts, params)
+    engine.release_kv_cache()
+    scratch = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # the update's activations, say
+    del scratch
+    again = engine.generate(prompts, params)
+    assert [[c.token_ids for c in g] for g in first] == [[c.token_ids for c in g] for g in again]
+    assert engine.runner.graph_recaptures in (0, 1)

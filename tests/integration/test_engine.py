@@ -117,6 +117,21 @@ def test_same_seed_reproduces_and_other_seed_differs():
     assert tokens != [[x.token_ids for x in g] for g in c]
 
 
+def test_released_kv_cache_comes_back_for_the_next_generate():
+    """generation.release_kv_during_update: the pool is freed between calls and re-allocated by generate."""
+    model = tiny_model("qwen2")
+    prompts = random_prompts([5, 8])
+    params = SamplingParams(n=2, max_tokens=12, seed=7, ignore_eos=True)
+    engine = make_engine(model)
+    first = engine.generate(prompts, params)
+    engine.release_kv_cache()
+    assert engine.runner.kv_cache is None
+    again = engine.generate(prompts, params)
+    assert engine.runner.kv_cache is not None
+    assert [[c.token_ids for c in g] for g in first] == [[c.token_ids for c in g] for g in again]
+    assert [[c.logprobs for c in g] for g in first] == [[c.logprobs for c in g] for g in again]
+
+
 def test_top_k_one_equals_greedy():
     model = tiny_model("qwen3")
     prompts = random_prompts(MIXED)

@@ -55,15 +55,17 @@ def test_summary_rates(bench):
 def test_cohort_child_runs_exact_lengths_on_cpu(bench, runner):
     args = argparse.Namespace(size="tiny", device="cpu", warmup=1, steps=1, prompts=2, generations=2,
                               prompt_len=8, completion_len=12, token_budget=None, mem_cap=None,
-                              compile_layers=False, lowmem_token_budget=64, lowmem_chunk_tokens=8)
+                              compile_layers=False, lowmem_token_budget=64, lowmem_chunk_tokens=8,
+                              lowmem_release_kv=True, chunk_tokens=None)
     result = bench.run_cohort(args, lowmem=runner == "cohort-lowmem")
     assert len(result["steps"]) == 2
     assert all(s["completion_len"] == 12.0 for s in result["steps"])  # ignore_eos: never shorter
     assert all(s["update"] > 0 and s["generate"] > 0 for s in result["steps"])
     assert result["gradient_checkpointing"] is (runner == "cohort-lowmem")
     assert result["optimizer"] == "AdamW"  # fp32 CPU weights: plain AdamW in both settings
-    import cohort.packing
+    assert result["release_kv_during_update"] is (runner == "cohort-lowmem")
+    assert result["logprob_chunk_tokens"] == (8 if runner == "cohort-lowmem" else 4096)
     import cohort.trainer
     # the bench's patches are scoped to the run
-    assert cohort.packing.packed_forward_logprobs.__kwdefaults__["chunk_tokens"] == 4096
     assert cohort.trainer._save.__name__ == "_save"
+    assert cohort.trainer.PolicyUpdater.update.__name__ == "update"

@@ -94,3 +94,27 @@ def test_saves_no_logits_for_backward():
         selective_logprobs_and_entropy(h * 1.0, w, labels, chunk_tokens=16)
     assert sum(saved) <= h.numel() + w.numel() + labels.numel() + h.numel()
     assert max(saved) < 64 * 500
+
+
+def test_lm_head_grad_summed_in_weight_dtype():
+    """lm_head_grad_fp32=False (low-memory setting): fp32 weights give the identical gradient; bf16 weights
+    a gradient within bf16 rounding of the fp32-summed one."""
+    h, w, labels = _inputs(n=40, d=16, v=48, dtype=torch.float32)
+    grads = []
+    for fp32_sum in (True, False):
+        h.grad = w.grad = None
+        lp, _ = selective_logprobs_and_entropy(h, w, labels, chunk_tokens=7, lm_head_grad_fp32=fp32_sum)
+        lp.sum().backward()
+        grads.append(w.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+    hb, wb = h.detach().bfloat16().requires_grad_(), w.detach().bfloat16().requires_grad_()
+    grads = []
+    for fp32_sum in (True, False):
+        wb.grad = None
+        lp, _ = selective_logprobs_and_entropy(hb, wb, labels, chunk_tokens=7, lm_head_grad_fp32=fp32_sum)
+        lp.sum().backward()
+        assert wb.grad.dtype == torch.bfloat16
+        grads.append(wb.grad.float())
+    scale = grads[0].abs().max()
+    assert (grads[0] - grads[1]).abs().max() <= 0.05 * scale  # six chunk sums rounded to bf16
+    assert (grads[0] - grads[1]).abs().max() > 0  # ...and it really took the other path

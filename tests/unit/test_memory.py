@@ -46,6 +46,8 @@ def test_checkpointing_bf16_optimizer_fp32_and_param_count_only():
                           gradient_checkpointing=True)
     assert est.master_weights == 0 and est.optimizer == 4 * P  # two bf16 moments
     assert est.activations == 10 * (2 * 2 * 64 + 2624 + 256)
+    low = estimate_memory(CFG, dtype="bf16", master_weights_fp32=False, lm_head_grad_fp32=False)
+    assert low.lm_head_grad == 100 * 64 * 2  # summed in place in one bf16 buffer
     fp32 = estimate_memory(CFG, dtype=torch.float32, optimizer="sgd", token_budget=10)
     assert fp32.master_weights == 0 and fp32.optimizer == 0 and fp32.weights == 4 * P
     bare = estimate_memory(1_000_000, dtype="bf16", optimizer="adamw_8bit")

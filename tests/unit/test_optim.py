@@ -59,3 +59,15 @@ def test_warmup_then_cosine_by_hand():
     # warmup: (0+1)/2, (1+1)/2; then 0.5 * (1 + cos(pi * k / 4)) for k = 0, 1, 2, 3
     expected = [0.5, 1.0] + [0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(4)]
     assert all(math.isclose(a, b, abs_tol=1e-9) for a, b in zip(lrs, expected)), lrs
+
+
+def test_no_master_weights_keeps_adam_state_in_the_weight_dtype():
+    low = torch.nn.Linear(8, 8, bias=False).to(torch.bfloat16)
+    opt = build_optimizer(low, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), master_weights=False)
+    assert type(opt) is torch.optim.AdamW
+    before = low.weight.detach().clone()
+    low.weight.grad = torch.ones_like(low.weight)
+    opt.step()
+    state = opt.state[low.weight]
+    assert state["exp_avg"].dtype == torch.bfloat16 and state["exp_avg_sq"].dtype == torch.bfloat16
+    torch.testing.assert_close(low.weight.float(), before.float() - 1e-2, rtol=0, atol=4e-3)  # Adam's first step

@@ -99,6 +99,7 @@ class CohortEngine:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts; pass one or one each.")
+        self.runner.ensure_kv_cache()
         try:
             groups = [self._add(i, list(prompt), p) for i, (prompt, p) in enumerate(zip(prompts, per_prompt))]
             # The device context matters with one engine per rank: Triton and graph capture use the current one.
@@ -119,6 +120,12 @@ class CohortEngine:
             self.blocks.free(seq)
         self.scheduler.running.clear()
         self.scheduler.waiting.clear()
+
+    def release_kv_cache(self) -> None:
+        """Free the KV pool until the next generate (generation.release_kv_during_update)."""
+        if self.scheduler.has_work():
+            raise RuntimeError("release_kv_cache() while sequences are in flight; call it between generate calls")
+        self.runner.release_kv_cache()
 
     def sync_weights(self) -> None:
         """Called after each optimizer step. In-place weights: nothing to do; fused copies are re-copied."""

@@ -37,10 +37,12 @@ class ModelRunner:
         self.net = DecoderForward(model, self.attention, config.max_model_len, config.fuse_projections)
         self.num_blocks = self._num_blocks()
         self.scratch_block = self.num_blocks
-        shape = (2, self.net.num_layers, self.num_blocks + 1, config.block_size, self.net.num_kv_heads,
-                 self.net.head_dim)
-        with torch.inference_mode():
-            self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self._kv_shape = (2, self.net.num_layers, self.num_blocks + 1, config.block_size, self.net.num_kv_heads,
+                          self.net.head_dim)
+        self.kv_cache: torch.Tensor | None = None
+        self._kv_ptr: int | None = None
+        self.graph_recaptures = 0
+        self.ensure_kv_cache()
         width = config.max_blocks_per_seq
         pin = device.type == "cuda"
         self._tables_host = torch.full((config.max_num_seqs, width), self.scratch_block, dtype=torch.int32,
@@ -81,6 +83,30 @@ class ModelRunner:
                 self._capture_graphs()
 
     # ---- memory ------------------------------------------------------------------------------------
+    def release_kv_cache(self) -> None:
+        """Free the KV pool between generate calls (no sequence holds a block then), so a training update can
+        use the memory; `ensure_kv_cache` takes it back. The memory stays in PyTorch's caching allocator, so
+        the pool normally returns at the same address and the captured graphs stay valid."""
+        self.kv_cache = None
+
+    def ensure_kv_cache(self) -> None:
+        """Allocate the KV pool if it was released; recapture the decode graphs if it moved in memory
+        (they read the pool by address)."""
+        if self.kv_cache is not None:
+            return
+        dtype = self.net.dtype
+        with torch.inference_mode():
+            # zeros, not empty: CUDA-graph padding rows read the scratch block
+            self.kv_cache = torch.zeros(self._kv_shape, dtype=dtype, device=self.device)
+        pointer = self.kv_cache.data_ptr()
+        moved = self._kv_ptr is not None and pointer != self._kv_ptr
+        self._kv_ptr = pointer
+        if moved and self.graphs:
+            self.graphs.clear()
+            self.graph_recaptures += 1
+            with torch.cuda.device(self.device):
+                self._capture_graphs()
+
     def bytes_per_block(self) -> int:
         net = self.net
         return 2 * net.num_layers * self.config.block_size * net.num_kv_heads * net.head_dim * net.dtype.itemsize
