@@ -173,7 +173,8 @@ def _cohort_config(args, lowmem: bool, kv_fraction: float, token_budget: int):
     cfg.data.max_prompt_length = args.prompt_len
     t = cfg.train
     t.prompts_per_step, t.mini_batches, t.num_iterations = args.prompts, 1, 1
-    t.max_steps, t.seed = args.warmup + args.steps, 0
+    # --profile-update: one extra step, profiled and left out of the means
+    t.max_steps, t.seed = args.warmup + args.steps + int(bool(args.profile_update)), 0
     t.token_budget = token_budget
     if lowmem:
         t.master_weights, t.logprob_chunk_tokens = False, args.lowmem_chunk_tokens
@@ -264,9 +265,13 @@ def _train_cohort(args, lowmem: bool, model, tok, device) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     phase_peaks = _PhasePeaks(device)
-    with phase_peaks.watching(comp):
+    with ExitStack() as stack:
+        stack.enter_context(phase_peaks.watching(comp))
+        if args.profile_update:
+            stack.enter_context(_profile_last_update(cfg.train.max_steps))
         result = cohort.trainer.train(cfg, comp, echo=lambda *a: None)
     info["phase_peak_alloc_gib"] = phase_peaks.peaks
+    info["profiled_last"] = bool(args.profile_update)
     info["graph_recaptures"] = getattr(getattr(comp.engine, "runner", None), "graph_recaptures", None)
     steps = []
     for m, score in zip(result.history, rewards.seconds):
@@ -277,6 +282,30 @@ def _train_cohort(args, lowmem: bool, model, tok, device) -> dict:
                       "completion_len": m["completions/mean_length"]})
     return {"steps": steps, "num_params": sum(p.numel() for p in model.parameters()), **info,
             **phase_peaks.overall()}
+
+
+def _profile_last_update(last_step: int):
+    """torch.profiler over the last step's update; prints the top kernels (where the update's time goes)."""
+    import contextlib
+
+    import cohort.trainer
+
+    original, calls = cohort.trainer.PolicyUpdater.update, {"n": 0}
+
+    def update(updater, *a, **k):
+        calls["n"] += 1
+        if calls["n"] < last_step:
+            return original(updater, *a, **k)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            out = original(updater, *a, **k)
+            sync(next(updater.policy.parameters()).device)
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+        print("PROFILE-BEGIN\n" + table + "\nPROFILE-END", flush=True)
+        return out
+
+    return mock.patch.object(cohort.trainer.PolicyUpdater, "update", update) if last_step else contextlib.nullcontext()
 
 
 class _PhasePeaks:
@@ -328,7 +357,8 @@ class _PhasePeaks:
 
 def summarise(args, result: dict) -> dict:
     """Steady-state means (steps after warmup) and the derived rates."""
-    steady = result["steps"][args.warmup:] or result["steps"]
+    steps = result["steps"][:-1] if result.get("profiled_last") else result["steps"]
+    steady = steps[args.warmup:] or steps
     mean = {k: sum(s[k] for s in steady) / len(steady)
             for k in ("step", "generate", "score", "logprobs", "update", "other")}
     n = args.prompts * args.generations
@@ -354,6 +384,8 @@ def run_child(args, runner: str, size: str, mem_cap: int | None, timeout: float,
         if value:
             cmd += [flag, str(value)]
     cmd += ["--compile-layers" if compile_layers else "--no-compile-layers"]
+    if args.profile_update:
+        cmd += ["--profile-update"]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -364,6 +396,9 @@ def run_child(args, runner: str, size: str, mem_cap: int | None, timeout: float,
     if args.log:
         with open(args.log, "a") as fh:
             fh.write(f"\n===== {size} {runner} ({wall:.0f} s) =====\n{log}")
+    if "PROFILE-BEGIN" in log:
+        print(f"[{size} {runner}] update profile:\n" + log.split("PROFILE-BEGIN", 1)[1].split("PROFILE-END")[0],
+              flush=True)
     if not ok:
         tail = "\n".join(log.strip().splitlines()[-15:])
         print(f"[{size} {runner}] FAILED after {wall:.0f} s:\n{tail}", flush=True)
@@ -455,6 +490,7 @@ def main(argv=None) -> None:
                    help="low-memory row's target peak when no TRL row ran in this run (else TRL's peak)")
     p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction,
                    default=torch.cuda.is_available(), help="cohort rows: torch.compile each decoder layer")
+    p.add_argument("--profile-update", action="store_true", help="cohort rows: print the last update's top kernels")
     p.add_argument("--child-timeout-s", type=float, default=240.0, help="kill a run after this long")
     p.add_argument("--out", default=None, help="JSON with every step of every run")
     p.add_argument("--log", default=None, help="append every child's output here")
