@@ -36,11 +36,17 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        for p, m in zip(self.params, self.masters):
-            m.grad = None if p.grad is None else p.grad.float()
+        # multi-tensor copies (one launch per few dozen tensors, casting on the way) instead of one per parameter
+        pairs = [(p, m) for p, m in zip(self.params, self.masters) if p.grad is not None]
+        for m in self.masters:
+            m.grad = None
+        if pairs:
+            grads = [torch.empty_like(m) for _, m in pairs]
+            torch._foreach_copy_(grads, [p.grad for p, _ in pairs])
+            for (_, m), g in zip(pairs, grads):
+                m.grad = g
         self.inner.step()
-        for p, m in zip(self.params, self.masters):
-            p.copy_(m)
+        torch._foreach_copy_(self.params, self.masters)
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
