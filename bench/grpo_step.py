@@ -25,13 +25,15 @@ and peak 989e12 (H100 SXM dense bf16); recomputation under gradient checkpointin
 
 Runners: `trl` (GRPOTrainer, its defaults: HF generate, gradient checkpointing, bf16 AdamW states,
 8 completions per micro-batch, so 32 accumulation steps); `cohort` (fast: no checkpointing, fp32 master
-weights and AdamW, packed micro-batches of `--token-budget` tokens, KV pool sized to the workload, decoder
-layers compiled with cohort.packing.compile_decoder_layers on CUDA, retried eager if that fails);
+weights and AdamW, packed micro-batches of `--token-budget` tokens (32768 on 0.5B, 8192 on 1.5B), logprob
+chunks of 8192 tokens on 0.5B, KV pool sized to the workload, decoder layers compiled with
+cohort.packing.compile_decoder_layers on CUDA, retried eager if that fails);
 `cohort-lowmem` (plain config fields: model.gradient_checkpointing, train.master_weights=false (bf16 AdamW
 moments as TRL, LM-head gradient summed in bf16), train.logprob_chunk_tokens=256, generation.fuse_projections=
-false, generation.release_kv_during_update=true; under TRL's measured peak, the largest token budget whose
-update fits by cohort's memory estimate and the KV pool the generation phase leaves, at most the workload's).
-Every cohort row also reports the peak allocated memory of its generate and update phases.
+false, generation.release_kv_during_update=true, eager layers; under TRL's measured peak, the largest token
+budget whose update fits 95% of it by cohort's memory estimate, and the KV pool the generation phase leaves,
+at most the workload's). Every cohort row also reports the peak allocated memory of its generate and update
+phases.
 """
 
 from __future__ import annotations
@@ -56,11 +58,13 @@ SIZES = {
     "1.5b": {"hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
              "intermediate_size": 8960, "vocab_size": 151936},
 }
-FAST_TOKEN_BUDGET = {"tiny": 256, "0.5b": 16384, "1.5b": 8192}
+FAST_TOKEN_BUDGET = {"tiny": 256, "0.5b": 32768, "1.5b": 8192}
+FAST_CHUNK_TOKENS = {"0.5b": 8192}  # logprob chunk of the fast row (else the trainer's default, 4096)
 PEAK_FLOPS = 989e12  # H100 SXM, dense bf16
 QWEN_EOS = 151643
 RUNNERS = ("trl", "cohort", "cohort-lowmem")
-ENGINE_OVERHEAD_GIB = 0.35  # engine beside its KV pool: graph pool (logits of 256 rows), prefill transients
+ENGINE_OVERHEAD_GIB = 0.35  # engine beside its KV pool: graph logits (256 rows), prefill transients
+ENGINE_PERSISTENT_GIB = 0.1  # of which stays allocated while the pool is released
 ENGINE_MAX_MODEL_LEN = 4096  # CohortEngine default for these configs (min(max_position_embeddings, 4096))
 
 
@@ -179,8 +183,8 @@ def _cohort_config(args, lowmem: bool, kv_fraction: float, token_budget: int):
     if lowmem:
         t.master_weights, t.logprob_chunk_tokens = False, args.lowmem_chunk_tokens
         g.fuse_projections, g.release_kv_during_update = False, args.lowmem_release_kv
-    elif args.chunk_tokens:
-        t.logprob_chunk_tokens = args.chunk_tokens
+    elif args.chunk_tokens or args.size in FAST_CHUNK_TOKENS:
+        t.logprob_chunk_tokens = args.chunk_tokens or FAST_CHUNK_TOKENS[args.size]
     cfg.loss.beta = 0.0
     cfg.run.output_dir = tempfile.mkdtemp(prefix="grpo_step_")
     cfg.run.overwrite, cfg.run.report_to = True, ["jsonl"]
@@ -192,7 +196,7 @@ def _lowmem_estimate(args, model, token_budget: int):
 
     return estimate_memory(model.config, dtype="bf16", master_weights_fp32=False, lm_head_grad_fp32=False,
                            token_budget=token_budget, gradient_checkpointing=True,
-                           chunk_tokens=args.lowmem_chunk_tokens)
+                           chunk_tokens=args.lowmem_chunk_tokens, fused_logprob_kernels=args.device == "cuda")
 
 
 def _kv_plan(args, model, device, lowmem: bool) -> tuple[float, int, dict]:
@@ -210,8 +214,9 @@ def _kv_plan(args, model, device, lowmem: bool) -> tuple[float, int, dict]:
     if lowmem and args.mem_cap:
         cap = args.mem_cap
         if not args.lowmem_token_budget:
+            persistent = ENGINE_PERSISTENT_GIB * 2**30  # the engine's buffers stay through the update
             fits = [b for b in (16384, 8192, 4096, 2048, 1024)
-                    if _update_bytes(_lowmem_estimate(args, model, b)) <= 0.93 * cap]
+                    if _update_bytes(_lowmem_estimate(args, model, b)) + persistent <= 0.95 * cap]
             budget = fits[0] if fits else 1024
         est = _lowmem_estimate(args, model, budget)
         update = _update_bytes(est)
@@ -454,7 +459,9 @@ def parent(args) -> None:
             peak = trl.get("peak_alloc_gib", float("nan"))
             peak = peak if peak == peak else args.mem_cap_gib  # NaN on the CPU or without a TRL row
             cap = int(peak * 2**30) if runner == "cohort-lowmem" and peak else None
-            compiled = args.compile_layers and runner != "trl"
+            # compiled layers under gradient checkpointing cost ~2.7 ms of host time per layer backward
+            # (measured): the low-memory row runs eager layers
+            compiled = args.compile_layers and runner == "cohort"
             res = run_child(args, runner, size, cap, min(left, args.child_timeout_s), compiled)
             left = deadline - time.monotonic()
             if "summary" not in res and compiled and left > 60:  # one retry with eager layers

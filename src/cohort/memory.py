@@ -13,7 +13,8 @@ Terms (P parameters, b bytes per weight element, T = token_budget tokens per for
   elements of RMSNorm internals; H hidden, K = kv heads x head dim, I intermediate. With gradient
   checkpointing only each layer's input is kept (H*b per layer) plus one layer being recomputed;
 - logits chunk: one chunk of the chunked logprob kernel, chunk_tokens x vocab in the weight dtype plus
-  three fp32 copies (logits, softmax, gradient) in the backward;
+  three fp32 copies (logits, softmax, gradient) in the eager backward; with the fused CUDA kernels
+  (fused_logprob_kernels) two copies in the weight dtype;
 - LM-head gradient: the same kernel's backward sums the LM-head weight gradient over chunks in an fp32
   [vocab, hidden] buffer next to one chunk's product in the weight dtype (4 + b bytes per element). It does
   not shrink with the token budget or chunk size: 0.76 GiB for Qwen2.5-0.5B in bf16, 1.30 GiB for 1.5B
@@ -35,11 +36,11 @@ _BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16
 _OPTIMIZERS = ("adamw", "adamw_8bit", "sgd")
 # What to lower when a term is the biggest one, in the words of the config a user edits.
 _ADVICE = {
-    "activations": "lower the token budget per forward/backward or turn gradient_checkpointing on",
-    "optimizer": "use a bf16 optimizer state (master_weights_fp32=False) or an 8-bit AdamW",
-    "master_weights": "drop fp32 master weights (master_weights_fp32=False)",
-    "kv_cache": "give the rollout engine a smaller KV cache",
-    "logits_chunk": "lower chunk_tokens of the logprob kernel",
+    "activations": "lower train.token_budget or set model.gradient_checkpointing=true",
+    "optimizer": "keep Adam moments in bf16 (train.master_weights=false)",
+    "master_weights": "drop fp32 master weights (train.master_weights=false)",
+    "kv_cache": "give the rollout engine a smaller KV cache (generation.kv_cache_fraction)",
+    "logits_chunk": "lower train.logprob_chunk_tokens",
     "lm_head_grad": "use a smaller model (this term is vocabulary x hidden size, fixed)",
     "reference": "set beta=0 (no reference model) or use a smaller model",
     "weights": "use a smaller model or bf16 weights",
@@ -136,6 +137,7 @@ def estimate_memory(
     reference_model: bool = False,
     chunk_tokens: int = 1024,
     lm_head_grad_fp32: bool = True,
+    fused_logprob_kernels: bool = False,
 ) -> MemoryEstimate:
     """Bytes needed to train (see the module docstring for every term). Pass an HF config (or a dict of its
     fields) for activations and logits; a bare parameter count gives weights and optimizer terms only."""
@@ -149,7 +151,9 @@ def estimate_memory(
     state_bytes = 4 if (master_weights_fp32 or b == 4) else b
     opt = {"adamw": 2 * state_bytes * p, "adamw_8bit": 2 * p, "sgd": 0}[optimizer]
     activations = _activation_bytes(s, b, token_budget, gradient_checkpointing) if known else 0
-    logits = min(chunk_tokens, token_budget) * s["V"] * (b + 3 * 4) if known else 0
+    # fused (compiled, CUDA) kernels keep two [chunk, vocab] tensors in the weight dtype (logits, gradient)
+    per_element = 2 * b if fused_logprob_kernels else b + 3 * 4
+    logits = min(chunk_tokens, token_budget) * s["V"] * per_element if known else 0
     # fp32 sum plus one chunk's product; or (lm_head_grad_fp32=False) one buffer in the weight dtype
     lm_head_grad = (s["V"] * s["H"] * ((4 + b) if lm_head_grad_fp32 or b == 4 else b)) if known else 0
     return MemoryEstimate(

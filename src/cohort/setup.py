@@ -140,15 +140,18 @@ def _data(cfg: CohortConfig, tokenizer, echo):
     train = load_prompt_dataset(d.source, split=d.split, **common, **d.options)
     if d.eval_source:
         evald = load_prompt_dataset(d.eval_source, **common, **d.eval_options)
-        evald, overlap = drop_overlap(evald, train)  # never score on a prompt that is trained on
+        # never train on a prompt that is scored; the eval set stays whole (it is the benchmark)
+        train, overlap = drop_overlap(train, evald)
         if overlap:
-            echo(f"data: removed {overlap} eval prompts that also occur in training")
+            echo(f"data: removed {overlap} training prompts that also occur in the eval set")
     elif d.eval_size and str(d.source).startswith("reasoning_gym:"):
         # reasoning-gym seeds item i with seed + i: a fresh generator past the training items, not a split
         task = str(d.source).split(":", 1)[1]
         settings = {k: v for k, v in d.options.items() if k not in ("size", "seed")}
-        evald, overlap = reasoning_gym_eval_set(task, d.eval_size, train, train_seed=d.options.get("seed", 0),
-                                                **common, **settings)
+        evald, train, overlap = reasoning_gym_eval_set(task, d.eval_size, train,
+                                                       train_seed=d.options.get("seed", 0), **common, **settings)
+        if overlap:
+            echo(f"data: removed {overlap} training problems equal to a held-out one")
     elif d.eval_size:
         train, evald = train_eval_split(train, d.eval_size, seed=cfg.train.seed)
     else:
@@ -178,7 +181,8 @@ def _check_memory(cfg: CohortConfig, policy, device: torch.device, with_referenc
                               token_budget=cfg.train.token_budget, master_weights_fp32=cfg.train.master_weights,
                               gradient_checkpointing=cfg.model.gradient_checkpointing, reference_model=with_reference,
                               chunk_tokens=cfg.train.logprob_chunk_tokens,
-                              lm_head_grad_fp32=cfg.train.master_weights)
+                              lm_head_grad_fp32=cfg.train.master_weights,
+                              fused_logprob_kernels=device.type == "cuda")
     except (KeyError, TypeError, ValueError, AttributeError):  # an architecture the estimator cannot read
         return fraction
     echo(est.table())

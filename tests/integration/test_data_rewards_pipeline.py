@@ -17,7 +17,7 @@ def test_reasoning_gym_prompts_to_rewards():
         "reasoning_gym:chain_sum", size=24, seed=1, conversational=True,
         instruction="Give the final answer in <answer></answer> tags.", **settings,
     )
-    held, _ = reasoning_gym_eval_set(
+    held, train, _ = reasoning_gym_eval_set(
         "chain_sum", 12, train, train_seed=1, conversational=True,
         instruction="Give the final answer in <answer></answer> tags.", **settings,
     )

@@ -106,3 +106,21 @@ def test_decode_inputs_pad_rows_into_the_scratch_block():
     assert host[3, :5].tolist() == [6, 9, 1, 1, 1]  # padded rows attend to one slot
     assert host[2, 2:5].tolist() == [scratch * 4] * 3 and tables[2:5, 0].tolist() == [scratch] * 3
     assert tables[1, :3].tolist() == seqs[1].block_table
+
+
+def test_logits_into_a_shared_buffer_equal_the_lm_head():
+    """CUDA graphs write logits into one shared buffer (out=); the values are the LM head's."""
+    import torch
+    from tests.integration.engine_models import tiny_model
+
+    from cohort.engine.attention import AttentionOps
+    from cohort.engine.models.decoder import DecoderForward
+
+    model = tiny_model("qwen2")
+    net = DecoderForward(model, AttentionOps(torch.device("cpu"), torch.float32, 16, 16), 128, False)
+    hidden = torch.randn(3, model.config.hidden_size)
+    buffer = torch.empty(5, model.config.vocab_size)
+    with torch.inference_mode():  # as in graph capture
+        out = net.logits(hidden, out=buffer[:3])
+        assert out.data_ptr() == buffer.data_ptr()
+        torch.testing.assert_close(out, model.lm_head(hidden))

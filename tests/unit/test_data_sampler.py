@@ -82,14 +82,16 @@ def test_reasoning_gym_nearby_seeds_overlap_and_drop_overlap_catches_it():
     held, removed = drop_overlap(nearby, train)
     assert removed == 19 and len(held) == 1
     assert held[0]["prompt"] not in {r["prompt"] for r in train}
-    with pytest.raises(ConfigError, match=r"nothing is held out.*reasoning_gym_eval_set"):
+    with pytest.raises(ConfigError, match=r"nothing would be left.*reasoning_gym_eval_set"):
         drop_overlap(train.select(range(5)), train)
 
 
 def test_reasoning_gym_eval_set_is_disjoint_from_train():
     settings = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}  # 1-digit: value collisions
     train = load_prompt_dataset("reasoning_gym:chain_sum", size=80, seed=1, **settings)
-    held, removed = reasoning_gym_eval_set("chain_sum", 80, train, train_seed=1, **settings)
-    assert removed > 0 and len(held) == 80 - removed  # collisions by value were dropped
-    train_texts = {r["prompt"] for r in train}
-    assert len(held) > 10 and all(r["prompt"] not in train_texts for r in held)
+    held, kept, removed = reasoning_gym_eval_set("chain_sum", 80, train, train_seed=1, **settings)
+    # the held-out draw stays whole (unbiased); training problems equal to one of it by value are removed
+    assert len(held) == 80 and removed > 0 and len(kept) == 80 - removed
+    held_texts = {r["prompt"] for r in held}
+    assert all(r["prompt"] not in held_texts for r in kept)
+    assert sum(r["prompt"] in held_texts for r in train) == removed

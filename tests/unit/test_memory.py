@@ -61,7 +61,7 @@ def test_check_fits_names_what_to_lower():
     check_fits(est, device_free_bytes=2 * GIB)
     with pytest.raises(ConfigError, match="activations") as info:
         check_fits(est, device_free_bytes=est.total)  # 90% headroom -> does not fit
-    assert "gradient_checkpointing" in str(info.value) and "token budget" in str(info.value)
+    assert "gradient_checkpointing" in str(info.value) and "train.token_budget" in str(info.value)
 
 
 def test_bad_names():

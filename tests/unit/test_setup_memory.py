@@ -32,7 +32,8 @@ def test_plenty_of_memory_keeps_the_configured_fraction(monkeypatch):
 def test_tight_memory_lowers_the_fraction(monkeypatch):
     from cohort.memory import estimate_memory
 
-    need = estimate_memory(tiny_llama(0).config, dtype=torch.float32, token_budget=4096).total
+    need = estimate_memory(tiny_llama(0).config, dtype=torch.float32, token_budget=4096, chunk_tokens=4096,
+                           fused_logprob_kernels=True).total
     free = int(need / 0.8)  # the update leaves about a tenth of free memory, less than the 0.3 asked for
     frac, lines = _run(monkeypatch, free)
     assert 0.02 < frac < 0.3 and any("lowered" in line for line in lines)
@@ -41,6 +42,7 @@ def test_tight_memory_lowers_the_fraction(monkeypatch):
 def test_no_room_for_the_kv_cache_is_a_clear_error(monkeypatch):
     from cohort.memory import estimate_memory
 
-    need = estimate_memory(tiny_llama(0).config, dtype=torch.float32, token_budget=4096).total
+    need = estimate_memory(tiny_llama(0).config, dtype=torch.float32, token_budget=4096, chunk_tokens=4096,
+                           fused_logprob_kernels=True).total
     with pytest.raises(ConfigError, match=r"token_budget"):
         _run(monkeypatch, int(need / 0.89))

@@ -101,14 +101,13 @@ def train_eval_split(dataset: PromptDataset, eval_size: int | float, seed: int =
 def drop_overlap(dataset: PromptDataset, reference: PromptDataset) -> tuple[PromptDataset, int]:
     """`dataset` without the rows whose prompt also occurs in `reference`, and how many were removed.
 
-    Use it on an eval set generated separately (e.g. reasoning-gym with another seed) so it holds only
-    problems never trained on: `eval_ds, n = drop_overlap(eval_ds, train_ds)`.
+    Use it to keep a held-out set's problems out of training: `train_ds, n = drop_overlap(train_ds, eval_ds)`.
     """
     seen = {prompt_key(r["prompt"]) for r in reference.rows}
     keep = [i for i, r in enumerate(dataset.rows) if prompt_key(r["prompt"]) not in seen]
     if not keep:
         raise ConfigError(
-            f"Every prompt of {dataset.source!r} also occurs in {reference.source!r}; nothing is held out. "
+            f"Every prompt of {dataset.source!r} also occurs in {reference.source!r}; nothing would be left. "
             "Generate the eval set with harder settings or a seed far from the training one: reasoning-gym "
             "item i of seed s is item i + 1 of seed s - 1, so use reasoning_gym_eval_set()."
         )
@@ -117,12 +116,15 @@ def drop_overlap(dataset: PromptDataset, reference: PromptDataset) -> tuple[Prom
 
 def reasoning_gym_eval_set(
     task: str, size: int, train: PromptDataset, *, train_seed: int, **settings: Any
-) -> tuple[PromptDataset, int]:
-    """Held-out reasoning-gym problems never seen in `train`, and how many collisions were removed.
+) -> tuple[PromptDataset, PromptDataset, int]:
+    """(held-out problems, the training set without them, how many training rows were removed).
 
     reasoning-gym seeds item i with `seed + i`, so datasets from nearby seeds share almost every item
     (seed 2's item 0 is seed 1's item 1). The eval seed therefore starts right after the last training
-    item's seed, and problems that still coincide by value (small problem spaces) are dropped.
+    item's seed. The held-out draw is kept whole, an unbiased sample of the task, and training rows that
+    coincide with a held-out problem by value are removed from training. (Dropping them from the held-out
+    set instead would keep only the problems training happened to miss: in a small problem space, the
+    rarer and harder ones, which biases the held-out accuracy down.)
     `settings` are the task's config and the same prompt options as `load_prompt_dataset`.
     """
     from cohort.data.sources import load_prompt_dataset
@@ -130,4 +132,5 @@ def reasoning_gym_eval_set(
     last = max((r.get("metadata") or {}).get("source_index", -1) for r in train.rows)
     seed = train_seed + max(last + 1, len(train))
     held = load_prompt_dataset(f"reasoning_gym:{task}", size=size, seed=seed, **settings)
-    return drop_overlap(held, train)
+    train, removed = drop_overlap(train, held)
+    return held, train, removed

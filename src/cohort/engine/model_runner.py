@@ -244,6 +244,11 @@ class ModelRunner:
         self._static_rows[3] = 1
         self._static_tables = torch.full((top, width), self.scratch_block, dtype=torch.int32, device=self.device)
         self._static_ctx_lens = torch.ones(top, dtype=torch.int32, device=self.device)
+        # One logits buffer for every batch size: a graph's outputs stay allocated for as long as the graph
+        # lives, so separate outputs would hold sum(batch sizes) x vocab logits (0.6 GB on Qwen2.5-0.5B).
+        vocab = self.net.hf.lm_head.out_features if hasattr(self.net.hf.lm_head, "out_features") else None
+        self._graph_logits = (torch.empty((top, vocab), dtype=self.net.dtype, device=self.device)
+                              if vocab else None)
         pool = None
         for bs in reversed(self.graph_batch_sizes()):
             ctx = AttnContext(is_prefill=False, slot_mapping=self._static_rows[2, :bs],
@@ -252,7 +257,8 @@ class ModelRunner:
 
             def run(ctx=ctx, ids=ids, pos=pos, bs=bs):
                 self._static_ctx_lens.copy_(self._static_rows[3].to(torch.int32))
-                logits = self.net.logits(self.net.forward(ids, pos, ctx, self.kv_cache))
+                out = None if self._graph_logits is None else self._graph_logits[:bs]
+                logits = self.net.logits(self.net.forward(ids, pos, ctx, self.kv_cache), out=out)
                 if not self.sample_in_graph:
                     return logits, None, None
                 from cohort.engine.triton_ops import fused_sample

@@ -188,5 +188,11 @@ class DecoderForward:
             return mlp(h)
         return mlp.down_proj(self.ops.silu_mul(gate, up))
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.hf.lm_head(hidden)
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """LM-head logits; `out` (a [rows, vocab] buffer) lets every captured graph share one logits buffer."""
+        head = self.hf.lm_head
+        if out is None:
+            return head(hidden)
+        if type(head) is torch.nn.Linear and head.bias is None:
+            return torch.matmul(hidden, head.weight.t(), out=out)
+        return out.copy_(head(hidden))  # adapters or other heads: a transient inside the graph's pool
