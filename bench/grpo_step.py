@@ -30,7 +30,8 @@ chunks of 8192 tokens on 0.5B, KV pool sized to the workload, decoder layers com
 cohort.packing.compile_decoder_layers on CUDA, retried eager if that fails);
 `cohort-lowmem` (plain config fields: model.gradient_checkpointing, train.master_weights=false (bf16 AdamW
 moments as TRL, LM-head gradient summed in bf16), train.logprob_chunk_tokens=256, generation.fuse_projections=
-false, generation.release_kv_during_update=true, eager layers; under TRL's measured peak, the largest token
+false, generation.release_kv_during_update=true, train.optimizer_offload=true (Adam moments in host memory,
+streamed per bucket in the step), eager layers; under TRL's measured peak, the largest token
 budget whose update fits 95% of it by cohort's memory estimate, and the KV pool the generation phase leaves,
 at most the workload's). Every cohort row also reports the peak allocated memory of its generate and update
 phases.
@@ -182,6 +183,7 @@ def _cohort_config(args, lowmem: bool, kv_fraction: float, token_budget: int):
     t.token_budget = token_budget
     if lowmem:
         t.master_weights, t.logprob_chunk_tokens = False, args.lowmem_chunk_tokens
+        t.optimizer_offload = args.lowmem_offload
         g.fuse_projections, g.release_kv_during_update = False, args.lowmem_release_kv
     elif args.chunk_tokens or args.size in FAST_CHUNK_TOKENS:
         t.logprob_chunk_tokens = args.chunk_tokens or FAST_CHUNK_TOKENS[args.size]
@@ -196,7 +198,8 @@ def _lowmem_estimate(args, model, token_budget: int):
 
     return estimate_memory(model.config, dtype="bf16", master_weights_fp32=False, lm_head_grad_fp32=False,
                            token_budget=token_budget, gradient_checkpointing=True,
-                           chunk_tokens=args.lowmem_chunk_tokens, fused_logprob_kernels=args.device == "cuda")
+                           chunk_tokens=args.lowmem_chunk_tokens, fused_logprob_kernels=args.device == "cuda",
+                           optimizer_offload=args.lowmem_offload)
 
 
 def _kv_plan(args, model, device, lowmem: bool) -> tuple[float, int, dict]:
@@ -383,7 +386,8 @@ def run_child(args, runner: str, size: str, mem_cap: int | None, timeout: float,
     if mem_cap:
         cmd += ["--mem-cap", str(mem_cap)]
     cmd += ["--lowmem-chunk-tokens", str(args.lowmem_chunk_tokens),
-            "--lowmem-release-kv" if args.lowmem_release_kv else "--no-lowmem-release-kv"]
+            "--lowmem-release-kv" if args.lowmem_release_kv else "--no-lowmem-release-kv",
+            "--lowmem-offload" if args.lowmem_offload else "--no-lowmem-offload"]
     for flag, value in (("--lowmem-token-budget", args.lowmem_token_budget), ("--token-budget", args.token_budget),
                         ("--chunk-tokens", args.chunk_tokens)):
         if value:
@@ -493,6 +497,8 @@ def main(argv=None) -> None:
     p.add_argument("--lowmem-chunk-tokens", type=int, default=256)
     p.add_argument("--lowmem-release-kv", action=argparse.BooleanOptionalAction, default=True,
                    help="low-memory row: generation.release_kv_during_update")
+    p.add_argument("--lowmem-offload", action=argparse.BooleanOptionalAction, default=True,
+                   help="low-memory row: train.optimizer_offload (Adam moments in host memory)")
     p.add_argument("--mem-cap-gib", type=float, default=None,
                    help="low-memory row's target peak when no TRL row ran in this run (else TRL's peak)")
     p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction,

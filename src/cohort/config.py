@@ -142,6 +142,7 @@ class TrainConfig:
     # weights' dtype as TRL does (6 bytes/param less; the LM-head gradient is then also summed in bf16)
     master_weights: bool = True
     logprob_chunk_tokens: int = 4096  # tokens per chunk of the logprob kernel: its [chunk, vocab] buffers
+    optimizer_offload: bool = False  # Adam moments in host memory, streamed per bucket in the step
     lr_scheduler_type: str = "constant"  # constant | cosine
     warmup_steps: int = 0
     seed: int = 42
@@ -199,6 +200,8 @@ class CohortConfig:
         _require(g.temperature >= 0, "generation.temperature", g.temperature, "use 0 (greedy) or more")
         _require(0 < g.top_p <= 1, "generation.top_p", g.top_p, "use a value in (0, 1]")
         _require(t.token_budget >= 1, "train.token_budget", t.token_budget, "use a positive token count")
+        _require(not (t.optimizer_offload and t.master_weights), "train.optimizer_offload", t.optimizer_offload,
+                 "offloaded Adam moments are kept in the weights' dtype; set train.master_weights=false with it")
         _require(t.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens", t.logprob_chunk_tokens,
                  "use a positive token count (e.g. 1024; smaller saves memory, larger launches fewer kernels)")
         _require(self.data.truncation in ("left", "drop"), "data.truncation", self.data.truncation,

@@ -6,7 +6,8 @@ message that says which setting to lower, instead of an out-of-memory error twen
 Terms (P parameters, b bytes per weight element, T = token_budget tokens per forward/backward):
 - weights P*b; gradients P*b; fp32 master weights 4P when the weights are not already fp32;
 - optimizer: AdamW keeps two moments per parameter, fp32 (8P) with master weights, else in the weight
-  dtype (2bP); "adamw_8bit" 2P; "sgd" nothing;
+  dtype (2bP); "adamw_8bit" 2P; "sgd" nothing; with optimizer_offload the moments live on the host and
+  the device holds one bucket's during the step (the biggest: vocab x hidden);
 - activations: per token and decoder layer, the tensors autograd keeps for a Llama/Qwen-style block with
   varlen/flash attention (no [T, T] scores): 7H + 3K + 4I elements in the weight dtype (norm inputs and
   outputs, q/k/v before and after RoPE, attention output, gate/up/act/product of the MLP) plus 2H fp32
@@ -37,7 +38,7 @@ _OPTIMIZERS = ("adamw", "adamw_8bit", "sgd")
 # What to lower when a term is the biggest one, in the words of the config a user edits.
 _ADVICE = {
     "activations": "lower train.token_budget or set model.gradient_checkpointing=true",
-    "optimizer": "keep Adam moments in bf16 (train.master_weights=false)",
+    "optimizer": "keep Adam moments in bf16 (train.master_weights=false) or on the host (train.optimizer_offload=true)",
     "master_weights": "drop fp32 master weights (train.master_weights=false)",
     "kv_cache": "give the rollout engine a smaller KV cache (generation.kv_cache_fraction)",
     "logits_chunk": "lower train.logprob_chunk_tokens",
@@ -138,6 +139,7 @@ def estimate_memory(
     chunk_tokens: int = 1024,
     lm_head_grad_fp32: bool = True,
     fused_logprob_kernels: bool = False,
+    optimizer_offload: bool = False,
 ) -> MemoryEstimate:
     """Bytes needed to train (see the module docstring for every term). Pass an HF config (or a dict of its
     fields) for activations and logits; a bare parameter count gives weights and optimizer terms only."""
@@ -150,6 +152,10 @@ def estimate_memory(
     master = 4 * p if master_weights_fp32 and b != 4 else 0
     state_bytes = 4 if (master_weights_fp32 or b == 4) else b
     opt = {"adamw": 2 * state_bytes * p, "adamw_8bit": 2 * p, "sgd": 0}[optimizer]
+    if optimizer_offload and optimizer == "adamw":
+        # moments on the host; the step brings one bucket's in (the biggest holds the embedding matrix)
+        biggest = max(s["V"] * s["H"], 32 * 2**20) if known else 32 * 2**20
+        opt = 2 * state_bytes * min(p, biggest)
     activations = _activation_bytes(s, b, token_budget, gradient_checkpointing) if known else 0
     # fused (compiled, CUDA) kernels keep two [chunk, vocab] tensors in the weight dtype (logits, gradient)
     per_element = 2 * b if fused_logprob_kernels else b + 3 * 4

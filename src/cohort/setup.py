@@ -182,6 +182,7 @@ def _check_memory(cfg: CohortConfig, policy, device: torch.device, with_referenc
                               gradient_checkpointing=cfg.model.gradient_checkpointing, reference_model=with_reference,
                               chunk_tokens=cfg.train.logprob_chunk_tokens,
                               lm_head_grad_fp32=cfg.train.master_weights,
+                              optimizer_offload=cfg.train.optimizer_offload,
                               fused_logprob_kernels=device.type == "cuda")
     except (KeyError, TypeError, ValueError, AttributeError):  # an architecture the estimator cannot read
         return fraction
@@ -237,7 +238,8 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
         reference = frozen_copy(policy)
     t = cfg.train
     optimizer = build_optimizer(policy, lr=t.learning_rate, weight_decay=t.weight_decay,
-                                betas=(t.adam_beta1, t.adam_beta2), master_weights=t.master_weights)
+                                betas=(t.adam_beta1, t.adam_beta2), master_weights=t.master_weights,
+                                offload=t.optimizer_offload)
     total_updates = t.max_steps * t.mini_batches * t.num_iterations
     scheduler = build_scheduler(optimizer, kind=t.lr_scheduler_type, warmup_steps=t.warmup_steps,
                                 total_steps=total_updates)

@@ -22,3 +22,24 @@ def test_learns_on_cuda_with_the_engine(tmp_path):
 
 def test_resume_is_exact_on_cuda(tmp_path):
     resume_case.test_resume_equals_uninterrupted(tmp_path)
+
+
+def test_host_offloaded_adamw_on_cuda_matches_adamw():
+    from cohort.optim import HostOffloadAdamW
+
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(64, 64).cuda().bfloat16()
+    off = torch.nn.Linear(64, 64).cuda().bfloat16()
+    off.load_state_dict(ref.state_dict())
+    kw = {"lr": 1e-3, "weight_decay": 0.0, "betas": (0.9, 0.99), "fused": True}
+    opt_ref = torch.optim.AdamW(ref.parameters(), **kw)
+    opt_off = HostOffloadAdamW(off.parameters(), bucket_elements=64, **kw)
+    x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        for model, opt in ((ref, opt_ref), (off, opt_off)):
+            opt.zero_grad()
+            model(x).float().pow(2).sum().backward()
+            opt.step()
+    for a, b in zip(ref.parameters(), off.parameters()):
+        assert torch.equal(a, b)
+    assert all(st["exp_avg"].is_pinned() for st in opt_off.state.values())

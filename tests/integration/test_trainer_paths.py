@@ -23,6 +23,7 @@ SETTINGS = {
     "hf generate backend": ["generation.engine=hf"],
     "entropy bonus + top entropy": ["loss.entropy_coef=0.01", "loss.top_entropy_quantile=0.5"],
     "low memory": ["train.master_weights=false", "train.logprob_chunk_tokens=8", "model.gradient_checkpointing=true",
+                   "train.optimizer_offload=true",
                    "generation.release_kv_during_update=true", "generation.fuse_projections=false"],
 }
 

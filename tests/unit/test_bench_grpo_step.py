@@ -56,13 +56,15 @@ def test_cohort_child_runs_exact_lengths_on_cpu(bench, runner):
     args = argparse.Namespace(size="tiny", device="cpu", warmup=1, steps=1, prompts=2, generations=2,
                               prompt_len=8, completion_len=12, token_budget=None, mem_cap=None,
                               compile_layers=False, lowmem_token_budget=64, lowmem_chunk_tokens=8,
-                              lowmem_release_kv=True, chunk_tokens=None, profile_update=False)
+                              lowmem_release_kv=True, chunk_tokens=None, profile_update=False,
+                              lowmem_offload=True)
     result = bench.run_cohort(args, lowmem=runner == "cohort-lowmem")
     assert len(result["steps"]) == 2
     assert all(s["completion_len"] == 12.0 for s in result["steps"])  # ignore_eos: never shorter
     assert all(s["update"] > 0 and s["generate"] > 0 for s in result["steps"])
     assert result["gradient_checkpointing"] is (runner == "cohort-lowmem")
-    assert result["optimizer"] == "AdamW"  # fp32 CPU weights: plain AdamW in both settings
+    # fp32 CPU weights: plain AdamW, or the host-offloaded one in the low-memory setting
+    assert result["optimizer"] == ("HostOffloadAdamW" if runner == "cohort-lowmem" else "AdamW")
     assert result["release_kv_during_update"] is (runner == "cohort-lowmem")
     assert result["logprob_chunk_tokens"] == (8 if runner == "cohort-lowmem" else 4096)
     import cohort.trainer
