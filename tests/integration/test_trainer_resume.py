@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from tests.integration.test_trainer_learns import toy_components, toy_config
 
+from cohort.config import apply_overrides
 from cohort.logging import read_jsonl
 from cohort.trainer import train
 
@@ -16,14 +18,19 @@ def _rows(run_dir):
     return {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl")}
 
 
-def test_resume_equals_uninterrupted(tmp_path):
+# the low-memory setting's optimiser (moments in host memory, bucketed) must resume exactly too
+LOW_MEMORY = ["train.master_weights=false", "train.optimizer_offload=true", "generation.release_kv_during_update=true"]
+
+
+@pytest.mark.parametrize("overrides", [[], LOW_MEMORY], ids=["default", "low-memory"])
+def test_resume_equals_uninterrupted(tmp_path, overrides):
     n, k = 5, 2
-    straight = toy_config(tmp_path / "a", steps=n)
+    straight = apply_overrides(toy_config(tmp_path / "a", steps=n), overrides)
     train(straight, toy_components(straight))
 
-    first = toy_config(tmp_path / "b", steps=k)
+    first = apply_overrides(toy_config(tmp_path / "b", steps=k), overrides)
     train(first, toy_components(first))
-    resumed = toy_config(tmp_path / "b", steps=n)
+    resumed = apply_overrides(toy_config(tmp_path / "b", steps=n), overrides)
     resumed.run.resume = True
     train(resumed, toy_components(resumed))  # a fresh process would rebuild everything, then load
 
