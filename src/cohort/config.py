@@ -200,6 +200,10 @@ class CohortConfig:
         _require(g.temperature >= 0, "generation.temperature", g.temperature, "use 0 (greedy) or more")
         _require(0 < g.top_p <= 1, "generation.top_p", g.top_p, "use a value in (0, 1]")
         _require(t.token_budget >= 1, "train.token_budget", t.token_budget, "use a positive token count")
+        _require(self.reward.max_oversample >= 1, "reward.max_oversample", self.reward.max_oversample,
+                 "use 1 (draw only the missing prompts) or more")
+        _require(self.reward.max_resample_tries >= 1, "reward.max_resample_tries", self.reward.max_resample_tries,
+                 "use 1 or more")
         _require(not (t.optimizer_offload and t.master_weights), "train.optimizer_offload", t.optimizer_offload,
                  "offloaded Adam moments are kept in the weights' dtype; set train.master_weights=false with it")
         _require(t.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens", t.logprob_chunk_tokens,

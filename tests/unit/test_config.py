@@ -44,3 +44,9 @@ def test_dump_round_trips(tmp_path):
     recipe.write_text(dump_config(cfg))
     again = load_config(recipe)
     assert again.to_dict() == cfg.to_dict()
+
+
+@pytest.mark.parametrize("key", ["reward.max_oversample=0", "reward.max_resample_tries=0"])
+def test_resampling_bounds_are_checked(key):
+    with pytest.raises(ConfigError, match=key.split("=")[0].replace(".", r"\.")):
+        apply_overrides(CohortConfig(), [key]).validate()
