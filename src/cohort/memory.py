@@ -42,7 +42,7 @@ _ADVICE = {
     "master_weights": "drop fp32 master weights (train.master_weights=false)",
     "kv_cache": "give the rollout engine a smaller KV cache (generation.kv_cache_fraction)",
     "logits_chunk": "lower train.logprob_chunk_tokens",
-    "lm_head_grad": "use a smaller model (this term is vocabulary x hidden size, fixed)",
+    "lm_head_grad": "sum it in bf16 (train.master_weights=false) or use a smaller model (vocabulary x hidden size)",
     "reference": "set beta=0 (no reference model) or use a smaller model",
     "weights": "use a smaller model or bf16 weights",
     "grads": "use a smaller model or bf16 weights",
