@@ -322,6 +322,7 @@ class _PhasePeaks:
 
     def __init__(self, device: torch.device):
         self.device, self.peaks = device, {"generate": 0.0, "update": 0.0}
+        self.alloc = self.reserved = 0.0  # the run's overall peaks, folded in before each reset
 
     def _wrap(self, name: str, fn):
         def wrapped(*a, **k):
@@ -339,8 +340,8 @@ class _PhasePeaks:
     def note_overall(self) -> None:
         """Fold the counters since the last reset into the run's overall peaks (resets would lose them)."""
         if self.device.type == "cuda":
-            self.alloc = max(getattr(self, "alloc", 0.0), torch.cuda.max_memory_allocated() / 2**30)
-            self.reserved = max(getattr(self, "reserved", 0.0), torch.cuda.max_memory_reserved() / 2**30)
+            self.alloc = max(self.alloc, torch.cuda.max_memory_allocated() / 2**30)
+            self.reserved = max(self.reserved, torch.cuda.max_memory_reserved() / 2**30)
 
     def overall(self) -> dict[str, float]:
         if self.device.type != "cuda":

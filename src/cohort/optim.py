@@ -107,16 +107,21 @@ class HostOffloadAdamW(torch.optim.Optimizer):
             live = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
             if not live:
                 continue
+            host = {}
             for p in live:
                 st = opt.state.get(p)
                 if st:  # moments come in from the host; "step" stays where AdamW keeps it
                     for key in ("exp_avg", "exp_avg_sq"):
+                        host[p, key] = st[key]
                         st[key] = st[key].to(p.device, non_blocking=True)
             opt.step()
             for p in live:
                 st = opt.state[p]
                 for key in ("exp_avg", "exp_avg_sq"):
-                    st[key] = self._to_host(st[key])
+                    if (p, key) in host:  # back into the same host buffer (stream-ordered after its upload)
+                        st[key] = host[p, key].copy_(st[key], non_blocking=True)
+                    else:  # first step: AdamW made the moments on the device
+                        st[key] = self._to_host(st[key])
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -19,43 +19,28 @@ from cohort.engine.sequence import Sequence
 _MASK32 = 0xFFFFFFFF
 
 
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 hash on int64 tensors holding uint32 values (multipliers < 2**31 so nothing overflows)."""
+def mix32(x):
+    """lowbias32 hash of uint32 values held in a Python int, an int64 numpy array or an int64 tensor (the
+    multipliers are below 2**31, so nothing overflows int64); the same bits as the Triton kernel's."""
     x = x ^ (x >> 16)
     x = (x * 0x21F0AAAD) & _MASK32
     x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & _MASK32
-    return x ^ (x >> 15)
-
-
-def _mix32_int(x: int) -> int:
-    x ^= x >> 16
-    x = (x * 0x21F0AAAD) & _MASK32
-    x ^= x >> 15
     x = (x * 0x735A2D97) & _MASK32
     return x ^ (x >> 15)
 
 
 def row_key(seed: int, position: int) -> int:
     """32-bit noise key of the token at `position` of a request with `seed` (any non-negative int)."""
-    key = _mix32_int((seed >> 32) & _MASK32)
-    key = _mix32_int(key ^ (seed & _MASK32))
-    return _mix32_int(key ^ (position & _MASK32))
-
-
-def _mix32_np(x: np.ndarray) -> np.ndarray:
-    x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & _MASK32
-    return x ^ (x >> 15)
+    key = mix32((seed >> 32) & _MASK32)
+    key = mix32(key ^ (seed & _MASK32))
+    return mix32(key ^ (position & _MASK32))
 
 
 def row_keys(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """Vectorised `row_key` over int64 arrays (seeds below 2**63)."""
-    key = _mix32_np((seeds >> 32) & _MASK32)
-    key = _mix32_np(key ^ (seeds & _MASK32))
-    return _mix32_np(key ^ (positions & _MASK32))
+    key = mix32((seeds >> 32) & _MASK32)
+    key = mix32(key ^ (seeds & _MASK32))
+    return mix32(key ^ (positions & _MASK32))
 
 
 def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
