@@ -162,6 +162,9 @@ class RunConfig:
     eval_steps: int = 0  # 0: evaluate only before and after training
     eval_num_samples: int = 1  # n completions per eval prompt (pass@n); greedy when 1
     eval_max_prompts: int | None = None
+    # the held-out eval's completion cap (None: generation.max_completion_length); lets a run train with a
+    # short cap and still score before and after on the same, more generous one (verl's val_kwargs idea)
+    eval_max_completion_length: int | None = None
     time_limit_s: float | None = None  # stop at a step boundary after this long, with a checkpoint; --resume
 
 
@@ -197,6 +200,9 @@ class CohortConfig:
         _require(t.max_steps >= 1, "train.max_steps", t.max_steps, "use 1 or more")
         _require(g.max_completion_length >= 1, "generation.max_completion_length", g.max_completion_length,
                  "use 1 or more")
+        _require(self.run.eval_max_completion_length is None or self.run.eval_max_completion_length >= 1,
+                 "run.eval_max_completion_length", self.run.eval_max_completion_length,
+                 "use 1 or more, or leave it unset to use generation.max_completion_length")
         _require(g.temperature >= 0, "generation.temperature", g.temperature, "use 0 (greedy) or more")
         _require(0 < g.top_p <= 1, "generation.top_p", g.top_p, "use a value in (0, 1]")
         _require(t.token_budget >= 1, "train.token_budget", t.token_budget, "use a positive token count")

@@ -5,6 +5,7 @@ Accuracy is read off the first reward function (by convention the correctness re
 `correct_threshold` (1.0 by default, i.e. a fully correct answer). With `run.eval_num_samples = 1` decoding
 is greedy; with k > 1 it samples k completions at the training temperature and also reports pass@k (the
 share of prompts with at least one correct completion) next to the mean accuracy over all samples.
+Completions are capped at `run.eval_max_completion_length` (default: the training cap).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from cohort.types import TrainerState
 def evaluate(comp, cfg: CohortConfig, *, batch_prompts: int = 64, correct_threshold: float = 1.0
              ) -> dict[str, float]:
     k = max(1, cfg.run.eval_num_samples)
-    params = dataclasses.replace(comp.sampling_params, n=k, seed=cfg.train.seed,
+    max_tokens = cfg.run.eval_max_completion_length or comp.sampling_params.max_tokens
+    params = dataclasses.replace(comp.sampling_params, n=k, seed=cfg.train.seed, max_tokens=max_tokens,
                                  temperature=0.0 if k == 1 else comp.sampling_params.temperature)
     was_training = comp.policy.training
     comp.policy.eval()
