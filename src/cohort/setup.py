@@ -224,7 +224,9 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
         policy.to(device)  # a model object handed in (facade, tests) trains where the config says
     policy = _with_lora(cfg, policy)
     if cfg.model.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
+        # transformers >= 5.2x renamed it (the old name warns); older releases have only the old one
+        enable = getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
+        enable()
     if cfg.model.compile_layers and device.type == "cuda":
         from cohort.packing import compile_decoder_layers
 

@@ -63,7 +63,7 @@ def test_packed_equals_padded(arch, attn, monkeypatch):
     model = _tiny(arch)
     if attn.endswith("checkpointing"):
         # Recomputation in backward must use the same (packed) attention as the forward did.
-        model.gradient_checkpointing_enable()
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
         model.train()
     seqs = _sequences()
     temperature = 0.8
