@@ -466,7 +466,7 @@ def parent(args) -> None:
             cap = int(peak * 2**30) if runner == "cohort-lowmem" and peak else None
             # compiled layers under gradient checkpointing still cost ~2.7 ms of host time per layer backward,
             # but eager ones cost more (measured: low-memory 0.5B update 1.43 s compiled vs 2.15 s eager)
-            compiled = args.compile_layers and (runner == "cohort" or args.lowmem_compile)
+            compiled = args.compile_layers and (runner == "cohort" or (runner == "cohort-lowmem" and args.lowmem_compile))
             res = run_child(args, runner, size, cap, min(left, args.child_timeout_s), compiled)
             left = deadline - time.monotonic()
             if "summary" not in res and compiled and left > 60:  # one retry with eager layers
