@@ -140,6 +140,8 @@ class HostOffloadAdamW(torch.optim.Optimizer):
         pass
 
     def state_dict(self):  # type: ignore[override]
+        if self._pin:  # the last step's moment copies into host memory are asynchronous: let them land first
+            torch.cuda.synchronize()
         return {"buckets": [opt.state_dict() for opt in self.inner]}
 
     def load_state_dict(self, state):  # type: ignore[override]
