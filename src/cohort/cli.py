@@ -12,6 +12,7 @@ status 2; it never prints a traceback or leaves a half-written run directory.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 
@@ -60,8 +61,13 @@ def _eval(args: argparse.Namespace) -> int:
         cfg.data.eval_size = 100
     cfg.train.prompts_per_step = 1  # evaluation draws no training batches: any training set size will do
     comp = build_components(cfg)
-    for k, v in evaluate(comp, cfg).items():
+    samples: list[dict] | None = [] if args.samples else None
+    for k, v in evaluate(comp, cfg, samples=samples).items():
         print(f"{k}: {v:.4f}")
+    if args.samples:  # one JSON line per completion, to read what the model answered
+        with open(args.samples, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in samples)
+        print(f"samples: {args.samples} ({len(samples)} completions)")
     return 0
 
 
@@ -121,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="evaluate a model on a recipe's held-out prompts")
     e.add_argument("recipe", nargs="?")
     e.add_argument("overrides", nargs="*")
+    e.add_argument("--samples", metavar="FILE.jsonl", help="also write every prompt, completion and reward here")
     e.set_defaults(func=_eval)
     g = sub.add_parser("generate", help="sample completions for prompts")
     g.add_argument("model")

@@ -20,8 +20,10 @@ from cohort.types import TrainerState
 
 
 @torch.no_grad()
-def evaluate(comp, cfg: CohortConfig, *, batch_prompts: int = 64, correct_threshold: float = 1.0
-             ) -> dict[str, float]:
+def evaluate(comp, cfg: CohortConfig, *, batch_prompts: int = 64, correct_threshold: float = 1.0,
+             samples: list[dict] | None = None) -> dict[str, float]:
+    """Greedy accuracy (or mean accuracy and pass@k with k samples) and mean total reward on comp.eval_data.
+    When `samples` is a list, one row per completion is appended to it: prompt, completion, reward, correct."""
     k = max(1, cfg.run.eval_num_samples)
     max_tokens = cfg.run.eval_max_completion_length or comp.sampling_params.max_tokens
     params = dataclasses.replace(comp.sampling_params, n=k, seed=cfg.train.seed, max_tokens=max_tokens,
@@ -48,6 +50,10 @@ def evaluate(comp, cfg: CohortConfig, *, batch_prompts: int = 64, correct_thresh
         correct.append(ok.float())
         rewards.append(torch.nan_to_num(result.total, nan=0.0))
         passed.append(ok.view(-1, k).any(dim=1).float())
+        if samples is not None:
+            samples.extend({"prompt": batch.prompts[i], "completion": text, "reward": float(total),
+                            "correct": bool(good)}
+                           for i, text, total, good in zip(rep, texts, result.total.tolist(), ok.tolist()))
     if was_training:
         comp.policy.train()
     out = {"accuracy": float(torch.cat(correct).mean()), "reward": float(torch.cat(rewards).mean())}

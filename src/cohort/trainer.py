@@ -146,6 +146,9 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo) -> Train
                      "continue with --resume")
                 result.stopped_at = step
                 return result
+        if step < t.max_steps:  # the loop ended on train.max_train_time_s, not on max_steps
+            echo(f"train.max_train_time_s={cfg.train.max_train_time_s} of training reached after step {step} "
+                 f"({comp.train_time_s:.0f} s of step time): final checkpoint saved")
         if comp.eval_data is not None and main:
             result.eval_after = evaluate(comp, cfg)
             logger.log(step, {f"eval/{k}": v for k, v in result.eval_after.items()})

@@ -85,3 +85,13 @@ def test_unsupported_architecture_falls_back_to_generate_with_a_reason():
     engine = build_engine(CohortConfig(), model, tok, torch.device("cpu"), said.append)
     assert isinstance(engine, HFGenerateEngine)
     assert said and "falling back to Hugging Face generate" in said[0]
+
+
+def test_train_time_budget_ends_training_normally(tmp_path):
+    """train.max_train_time_s ends the loop like max_steps would: final checkpoint, a line saying why."""
+    cfg = apply_overrides(toy_config(tmp_path, steps=5), ["train.max_train_time_s=1e-9"]).validate()
+    lines: list[str] = []
+    result = train(cfg, toy_components(cfg), echo=lines.append)
+    assert len(result.history) == 1 and result.stopped_at is None
+    assert any(line.startswith("train.max_train_time_s=1e-09 of training reached after step 1") for line in lines)
+    assert (tmp_path / "run" / "checkpoints" / "step-000001").is_dir()

@@ -92,3 +92,11 @@ def test_eval_completion_cap_must_be_positive():
     cfg.run.eval_max_completion_length = 0
     with pytest.raises(ConfigError, match=r"run\.eval_max_completion_length"):
         cfg.validate()
+
+
+def test_samples_lists_every_completion_with_its_reward():
+    comp = _components([0, 1])
+    rows: list[dict] = []
+    evaluate(comp, CohortConfig(), samples=rows)
+    assert rows == [{"prompt": "q0", "completion": "0 0", "reward": 1.5, "correct": True},
+                    {"prompt": "q1", "completion": "1 0", "reward": 0.5, "correct": False}]
