@@ -15,8 +15,9 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from cohort.errors import CohortError
+from cohort.errors import CohortError, ConfigError
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -57,6 +58,8 @@ def _eval(args: argparse.Namespace) -> int:
     from cohort.setup import build_components
 
     cfg = load_config(args.recipe, args.overrides)
+    if args.samples and not Path(args.samples).resolve().parent.is_dir():  # fail before the evaluation runs
+        raise ConfigError(f"--samples={args.samples!r}: its folder does not exist; create it or pass another path")
     if not (cfg.data.eval_source or cfg.data.eval_size):
         cfg.data.eval_size = 100
     cfg.train.prompts_per_step = 1  # evaluation draws no training batches: any training set size will do

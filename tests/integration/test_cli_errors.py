@@ -74,9 +74,15 @@ def test_generate_eval_and_plot_commands(capsys, workspace, tmp_path):
                  "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert out.count("--- [") == 2
-    assert main(["eval", f"model.name_or_path={model_dir}", f"data.source={toy}", "data.eval_size=10",
-                 "reward.funcs=[tests.helpers.toy_task:digit_share]", "generation.max_completion_length=4"]) == 0
+    eval_args = ["eval", f"model.name_or_path={model_dir}", f"data.source={toy}", "data.eval_size=10",
+                 "reward.funcs=[tests.helpers.toy_task:digit_share]", "generation.max_completion_length=4"]
+    samples = tmp_path / "answers.jsonl"
+    assert main([*eval_args, "--samples", str(samples)]) == 0
     assert "accuracy:" in capsys.readouterr().out
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert len(rows) == 10 and {"prompt", "completion", "reward", "correct"} <= set(rows[0])
+    assert main([*eval_args, "--samples", str(tmp_path / "no" / "such" / "a.jsonl")]) == 2
+    assert "--samples=" in capsys.readouterr().err
     code, err, run = run_cli(capsys, workspace, tmp_path)
     assert code == 0, err
     assert main(["plot", str(run)]) == 0
