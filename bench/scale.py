@@ -78,17 +78,14 @@ CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
 def _init_dist(device_kind: str) -> tuple[torch.device, int, int]:
-    """Join torchrun's process group (also with one rank, which FSDP needs); returns (device, rank, world)."""
-    import torch.distributed as dist
-
+    """Join torchrun's process group as the CLI does (cohort.distributed.init_from_env: none with one rank;
+    train.sharding=fsdp then makes a world of one itself); returns (device, rank, world)."""
     from cohort import distributed
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local) if device_kind == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     info = distributed.init_from_env()
     return device, info.rank, info.world_size
 
@@ -136,6 +133,7 @@ def _row_config(args, model, device, world: int):
     cfg.train.prompts_per_step = args.prompts * world
     cfg.run.output_dir = args.run_dir
     cfg.model.compile_layers = args.compile_layers
+    cfg.generation.release_kv_during_update = args.release_kv
     _set_sharding(cfg, args.sharding)
     info.update(kv_cache_fraction=kv_fraction, token_budget=budget,
                 logprob_chunk_tokens=cfg.train.logprob_chunk_tokens)
@@ -256,6 +254,8 @@ def row_command(args, row: dict, json_dir: str) -> list[str]:
     chunk = args.big_chunk_tokens if big else args.chunk_tokens
     if chunk:
         cmd += ["--chunk-tokens", str(chunk)]
+    if big and args.big_release_kv:
+        cmd += ["--release-kv"]
     return cmd + (["--big"] if big else [])
 
 
@@ -294,8 +294,12 @@ _ERROR_LINE = re.compile(r"(\w+(Error|Exception|Exit)\b|out of memory|Traceback|
 
 
 def error_line(log: str) -> str:
-    """The most telling line of a failed launch's log: its last exception, not torchrun's summary."""
+    """The most telling line of a failed launch's log: the first rank's `cohort: rank R of W failed during
+    <phase>` line, else the last exception, never torchrun's summary."""
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    ranks = [ln for ln in lines if re.match(r"cohort: rank \d+ of \d+ failed", ln)]
+    if ranks:
+        return ranks[0][:200]
     skip = ("ChildFailedError", "torch.distributed.elastic", "Traceback", "raise ", "File \"", "error_file",
             "traceback :", "To enable traceback")
     hits = [ln for ln in lines if _ERROR_LINE.search(ln) and not any(s in ln for s in skip)]
@@ -365,7 +369,7 @@ def run_row(args, row: dict, timeout: float, work: str) -> dict:
         return res
     if row["kind"] == "trl":  # what accelerate actually did (on the CPU it runs DDP, not FSDP)
         version = rank0.get("fsdp_version")
-        res["sharding"] = f"fsdp{version} (accelerate)" if version else f"{rank0.get('distributed_type')} (no FSDP)"
+        res["sharding"] = f"fsdp{version} (accelerate)" if version else f"{str(rank0.get('distributed_type')).split('.')[-1]} (no FSDP)"
     res["steps"] = steps_of(rank0, row, args)
     res["history"] = rank0.get("history")
     res["num_params"] = rank0["num_params"]
@@ -423,7 +427,8 @@ def table(results: list[dict]) -> str:
             "tokens/s per GPU | scaling eff. | update MFU | peak alloc GiB/GPU |\n"
             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     rank = {"cohort": 0, "big": 1, "trl": 2}
-    ordered = sorted(results, key=lambda r: (rank[r["kind"]], r["size"], r["sharding"], r["gpus"]))
+    shard = {"none": 0, "fsdp": 1}
+    ordered = sorted(results, key=lambda r: (rank[r["kind"]], r["size"], shard.get(r["sharding"], 2), r["gpus"]))
     lines = []
     for res in ordered:
         base = None
@@ -483,6 +488,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--big-prompts", type=int, default=None, help="7B row: prompts per GPU (default --prompts)")
     p.add_argument("--big-token-budget", type=int, default=2048, help="7B row: train.token_budget")
     p.add_argument("--big-chunk-tokens", type=int, default=None, help="7B row: train.logprob_chunk_tokens")
+    p.add_argument("--big-release-kv", action=argparse.BooleanOptionalAction, default=False,
+                   help="7B row: generation.release_kv_during_update (frees the KV pool during the update)")
     p.add_argument("--trl", action=argparse.BooleanOptionalAction, default=True,
                    help="the TRL + FSDP2 row on the largest of --gpus")
     p.add_argument("--trl-micro-batch", type=int, default=32, help="TRL per_device_train_batch_size")
@@ -507,6 +514,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json-dir", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     p.add_argument("--big", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--release-kv", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.big_gpus is None:
         args.big_gpus = 4 if args.device == "cuda" else 0
