@@ -6,7 +6,7 @@ Device command (from the repository root; one 10-minute call on 4 H100s with the
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false && python3 bench/scale.py --out $OUT/scale.json --log $OUT/scale.log
 
 (.whl/ holds trl 1.16.0, datasets 5.2.0, dill 0.4.1 and multiprocess 0.70.19, from `pip download --no-deps`;
-without them the TRL row says "TRL not installed" and the others run.)
+where trl or datasets does not import, the TRL row says "TRL not installed" and the others run.)
 
     python3 bench/scale.py --gpus 1,2 --shardings none --big-gpus 0 --no-trl --sizes tiny --device cpu \\
         --prompts 2 --generations 2 --prompt-len 8 --completion-len 8      # CPU smoke test (gloo, 2 ranks)
@@ -35,10 +35,15 @@ phases, the weight gather (FSDP: `time/weight_gather`, the all-gather into the e
 ((prompt + completion) tokens of the step over all ranks / step seconds / N), the scaling efficiency (tokens/s
 per GPU over the 1-GPU row of the same model and sharding), the update MFU (6 x N_params x update tokens per
 GPU / update seconds / 989e12, as grpo_step.py) and the peak allocated GiB per GPU (max over ranks, over the
-training steps). Children get NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (NVLink multicast
-off). Rows run most important first (1 GPU, most GPUs, 7B, TRL, the GPU counts between); a row is skipped
+training steps); generate includes scoring (cohort's `time/generate`), and for TRL it is `_generate` (tokenise +
+HF generate) while its update is the step less `_prepare_inputs`, as in grpo_step_trl.py. Children get
+NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (NVLink multicast off) and OMP_NUM_THREADS = host
+cores / the most GPUs of any row (unless set), the same host share per rank in every row. Rows run most important first (1 GPU, most GPUs, 7B, TRL, the GPU counts between); a row is skipped
 when its estimated time (the longest finished row of its kind, else a default) does not fit what is left of
---budget-s, and every child is killed at the budget, so the table always prints.
+--budget-s (540 s by default, so that the install and the table fit a 600 s call), and every child is killed
+at the budget, so the table always prints. Rows the budget left out can run in a second call, e.g.
+`--gpus 2 --big-gpus 0 --no-trl --baseline-from first.json` (a copy of the first call's --out JSON in the
+working tree): its 1-GPU rows are then the scaling baselines, marked with *.
 """
 
 from __future__ import annotations
@@ -68,7 +73,7 @@ BIG_SIZES = {  # untied embeddings (Qwen2.5-7B); "tiny" exercises the same code 
     "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
              "intermediate_size": 128, "vocab_size": 1024},
 }
-DEFAULT_ESTIMATE_S = {"cohort": 80.0, "big": 200.0, "trl": 160.0}  # on 4 H100s, until a row of the kind ran
+DEFAULT_ESTIMATE_S = {"cohort": 80.0, "big": 170.0, "trl": 150.0}  # on 4 H100s, until a row of the kind ran
 CPU_ESTIMATE_S = 20.0
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
@@ -405,7 +410,7 @@ def _label(row: dict) -> tuple[str, str]:
     return size, trainer
 
 
-def fmt_row(res: dict, base: dict | None) -> str:
+def fmt_row(res: dict, base: dict | None, mark: str = "") -> str:
     size, trainer = _label(res)
     head = f"| {size} | {trainer} | {res['gpus']} | {res['sharding']} |"
     s = res.get("summary")
@@ -418,25 +423,44 @@ def fmt_row(res: dict, base: dict | None) -> str:
         eff = s["tok_s_per_gpu"] / base["summary"]["tok_s_per_gpu"]
     mfu = None if s["mfu"] is None else 100 * s["mfu"]
     return (f"{head} {s['step']:.2f} | {s['generate']:.2f} | {s['update']:.2f} | {_fmt(s['weight_gather'], '.3f')} | "
-            f"{s['tok_s_per_gpu'] / 1e3:.1f}k | {_fmt(None if eff is None else 100 * eff, '.0f', '%')} | "
+            f"{s['tok_s_per_gpu'] / 1e3:.1f}k | {_fmt(None if eff is None else 100 * eff, '.0f', '%' + mark)} | "
             f"{_fmt(mfu, '.1f', '%')} | {_fmt(s['peak_alloc_gib'], '.2f')} |")
 
 
-def table(results: list[dict]) -> str:
+def _baseline(res: dict, results: list[dict], previous: list[dict]) -> tuple[dict | None, bool]:
+    """The 1-GPU row of the same model and sharding: from this run, else from --baseline-from's (flagged)."""
+    def find(rows):
+        return next((b for b in rows if b["kind"] == "cohort" and b["gpus"] == 1 and b.get("summary")
+                     and b["size"] == res["size"] and b["sharding"] == res["sharding"]), None)
+
+    if res["kind"] != "cohort":
+        return None, False
+    here = find(results)
+    return (here, False) if here else (find(previous), True)
+
+
+def table(results: list[dict], previous: list[dict] | None = None) -> str:
     head = ("| model | trainer | GPUs | sharding | s/step | generate | update | weight gather (s) | "
             "tokens/s per GPU | scaling eff. | update MFU | peak alloc GiB/GPU |\n"
             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     rank = {"cohort": 0, "big": 1, "trl": 2}
     shard = {"none": 0, "fsdp": 1}
     ordered = sorted(results, key=lambda r: (rank[r["kind"]], r["size"], shard.get(r["sharding"], 2), r["gpus"]))
-    lines = []
+    lines, flagged = [], False
     for res in ordered:
-        base = None
-        if res["kind"] == "cohort":
-            base = next((b for b in results if b["kind"] == "cohort" and b["gpus"] == 1
-                         and b["size"] == res["size"] and b["sharding"] == res["sharding"]), None)
-        lines.append(fmt_row(res, base))
-    return "\n".join([head, *lines])
+        base, old = _baseline(res, results, previous or [])
+        flag = old and base is not None and bool(res.get("summary"))
+        flagged = flagged or flag
+        lines.append(fmt_row(res, base, "*" if flag else ""))
+    note = ["", "* scaling efficiency against the 1-GPU row of --baseline-from (an earlier run)"] if flagged else []
+    return "\n".join([head, *lines, *note])
+
+
+def load_previous(path: str | None) -> list[dict]:
+    if not path:
+        return []
+    with open(path) as fh:
+        return [r for r in json.load(fh)["results"] if r.get("summary")]
 
 
 def parent(args) -> int:
@@ -467,7 +491,7 @@ def parent(args) -> int:
                 f"peak {_fmt(s['peak_alloc_gib'], '.2f')} GiB")
         else:
             say(f"fail  {row_name(row)} after {res['wall_s']:.0f} s: {res.get('error')}")
-    print("\n" + table(results), flush=True)
+    print("\n" + table(results, load_previous(args.baseline_from)), flush=True)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"args": vars(args), "elapsed_s": time.monotonic() - started, "results": results}, fh,
@@ -503,8 +527,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk-tokens", type=int, default=None, help="1.5B rows: train.logprob_chunk_tokens")
     p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=cuda,
                    help="cohort rows: model.compile_layers")
-    p.add_argument("--budget-s", type=float, default=555.0, help="start no row that would end after this long")
+    p.add_argument("--budget-s", type=float, default=540.0, help="start no row that would end after this long")
     p.add_argument("--child-timeout-s", type=float, default=240.0, help="kill a row's launch after this long")
+    p.add_argument("--baseline-from", default=None,
+                   help="an earlier --out JSON whose 1-GPU rows are the scaling baselines this run lacks "
+                        "(e.g. a second call with --gpus 2)")
     p.add_argument("--out", default=None, help="JSON with every step of every row")
     p.add_argument("--log", default=None, help="append every launch's output here")
     # worker side (set by the parent)

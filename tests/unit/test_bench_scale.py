@@ -147,3 +147,15 @@ def test_trl_steps_from_logs():
     steps = _steps(args, raw, logs, world=2)
     assert [s["tokens"] for s in steps] == [480.0, 480.0] and steps[0]["workload_tokens"] == 480
     assert steps[1]["update"] == pytest.approx(1.5) and steps[0]["weight_gather"] is None
+
+
+def test_baseline_from_an_earlier_run(scale, tmp_path):
+    def row(gpus, tok):
+        return {"kind": "cohort", "trainer": "cohort", "size": "1.5b", "gpus": gpus, "sharding": "none",
+                "summary": {"step": 1.0, "generate": 0.4, "update": 0.5, "weight_gather": 0.0,
+                            "tok_s_per_gpu": tok, "mfu": 0.4, "peak_alloc_gib": 30.0}}
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"results": [row(1, 10000.0), row(4, 9000.0)]}))
+    text = scale.table([row(2, 9500.0)], scale.load_previous(str(earlier)))
+    assert "| 95%* |" in text and "--baseline-from" in text.splitlines()[-1]
+    assert "*" not in scale.table([row(1, 10000.0), row(2, 9500.0)], scale.load_previous(str(earlier)))
