@@ -11,10 +11,17 @@ Layout of one checkpoint, `run_dir/checkpoints/step-000100/`:
     rng.pt                                Python `random`, NumPy, torch CPU and every CUDA generator
     trainer_state.json                    step plus whatever JSON the trainer passes (data position, ...)
 
+A policy sharded with FSDP2 (`fully_shard`, see `cohort.distributed.dcp`) is saved collectively, by every
+rank, and its folder differs in two ways: `dcp/` replaces optimizer.pt (model and optimizer shards written by
+torch.distributed.checkpoint, loadable on any number of ranks), and each rank r > 0 adds `rng-{r}.pt` beside
+rank 0's rng.pt (also written as rng-0.pt). The Hugging Face files are still there, gathered by rank 0.
+
 Atomicity: everything is written into a hidden sibling `.tmp-step-000100-<id>/`, fsynced, then renamed into
 place with `os.replace`, and only then is `checkpoints/latest` (a one-line file naming the directory)
 replaced atomically. A crash at any point leaves the previous checkpoint whole and `latest` pointing at it;
-hidden temporary directories are never picked up and are swept by the next save.
+hidden temporary directories are never picked up and are swept by the next save. A sharded save keeps the
+same guarantee across ranks: rank 0 names the temporary directory, every rank writes into it, and only once
+every rank reports success does rank 0 rename it into place and move `latest`.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from cohort.errors import CohortError, ConfigError
@@ -67,9 +75,15 @@ def save_checkpoint(
     trainer_state: Mapping[str, Any],
     keep_last: int | None = None,
 ) -> Path:
-    """Write the checkpoint of `step` atomically, point `latest` at it, prune to `keep_last`; return its path."""
+    """Write the checkpoint of `step` atomically, point `latest` at it, prune to `keep_last`; return its path.
+
+    For an FSDP2-sharded `model` this is collective: call it on every rank, with the same arguments (rank 0's
+    tokenizer, scheduler and trainer_state are the ones written).
+    """
     if keep_last is not None and keep_last < 1:
         raise ConfigError(f"keep_last={keep_last!r}: keep at least 1 checkpoint, or pass None to keep all")
+    if _sharded(model):
+        return _save_sharded(run_dir, step, model, tokenizer, optimizer, scheduler, trainer_state, keep_last)
     state_text = _trainer_state_json(step, trainer_state)  # fail on bad state before writing anything
     root = Path(run_dir) / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
@@ -90,6 +104,117 @@ def save_checkpoint(
     if keep_last is not None:
         _prune(root, keep_last, protect=final)
     return final
+
+
+def _sharded(model: Any) -> bool:
+    from cohort.distributed import dcp  # imported here: dcp imports this module
+
+    return dcp.is_sharded(model)
+
+
+def _save_sharded(run_dir: str | os.PathLike, step: int, model: Any, tokenizer: Any, optimizer: Any,
+                  scheduler: Any, trainer_state: Mapping[str, Any], keep_last: int | None) -> Path:
+    """The collective save of an FSDP2-sharded model; see the module docstring for what it writes.
+
+    Every rank runs the same collectives in the same order: a broadcast (the temporary directory), DCP's
+    save, the gathers of the Hugging Face export, an all-gather of each rank's outcome, a broadcast of rank
+    0's outcome. A step that fails raises on every rank, and nothing outside the hidden temporary directory
+    changes until every rank has written its part.
+    """
+    from cohort.distributed import dcp
+
+    rank = dist.get_rank()
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    final = checkpoint_path(run_dir, step)
+
+    # 1. Rank 0 checks the trainer state (before anything is written) and creates the temporary directory.
+    def start() -> tuple[str, str]:
+        text = _trainer_state_json(step, trainer_state)
+        root.mkdir(parents=True, exist_ok=True)
+        _sweep_temporaries(root)
+        tmp = root / f"{_TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        return tmp.name, text
+
+    tmp_name, state_text = _on_rank0(rank, f"checkpoint step {step}: starting the save", start)
+    tmp = root / tmp_name
+    # 2. Every rank writes its shards. DCP shares each rank's outcome before returning, so a failure on one
+    #    rank raises on all of them here, and no rank runs ahead into the next collective.
+    try:
+        dcp.save_sharded_state(tmp, model, optimizer)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    # 3. The export's gathers (collective), then the files one rank writes alone. Their failures are caught
+    #    so that every rank reaches the exchange of outcomes, which also serves as the barrier.
+    error = None
+    try:
+        dcp.export_hf(tmp, model)
+        _write_rank_files(tmp, rank, tokenizer, scheduler)
+    except BaseException as e:
+        error = e
+    outcomes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}")
+    failed = {r: msg for r, msg in enumerate(outcomes) if msg is not None}
+    if failed:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if error is not None:
+            raise error
+        raise CheckpointError(f"checkpoint step {step} was not saved: rank(s) failed writing it: {failed}")
+
+    # 4. Rank 0 completes the directory (trainer_state.json last: without it a directory is incomplete),
+    #    moves it into place, points `latest` at it and prunes; every rank waits for its outcome.
+    def finish() -> None:
+        try:
+            (tmp / TRAINER_STATE_FILE).write_text(state_text, encoding="utf-8")
+            _fsync_tree(tmp)
+            _move_into_place(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        atomic_write_text(root / LATEST_FILE, final.name + "\n")
+        if keep_last is not None:
+            _prune(root, keep_last, protect=final)
+
+    _on_rank0(rank, f"checkpoint step {step}: putting it in place", finish)
+    return final
+
+
+def _on_rank0(rank: int, what: str, fn: Any) -> Any:
+    """Run `fn` on rank 0 alone and broadcast its result; when it fails, raise on every rank (the original
+    exception on rank 0, a CheckpointError naming it elsewhere), so no rank is left waiting."""
+    shared: list[Any] = [None, None]  # [result, rank 0's error]
+    error = None
+    if rank == 0:
+        try:
+            shared[0] = fn()
+        except BaseException as e:
+            error, shared[1] = e, f"{type(e).__name__}: {e}"
+    dist.broadcast_object_list(shared, src=0)
+    if shared[1] is not None:
+        if error is not None:
+            raise error
+        raise CheckpointError(f"{what} failed on rank 0: {shared[1]}")
+    return shared[0]
+
+
+def _write_rank_files(tmp: Path, rank: int, tokenizer: Any, scheduler: Any) -> None:
+    """Each rank's RNG state; rank 0 also writes the tokenizer and the scheduler (the same on every rank)."""
+    rng_file = tmp / (RNG_FILE if rank == 0 else _rank_rng_file(rank))
+    torch.save(_rng_state(), rng_file)
+    _fsync_file(rng_file)  # rank 0 fsyncs the whole tree later; the other ranks flush their own file
+    if rank == 0:
+        shutil.copyfile(rng_file, tmp / _rank_rng_file(0))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if scheduler is not None:
+            torch.save(scheduler.state_dict(), tmp / SCHEDULER_FILE)
+
+
+def _rank_rng_file(rank: int) -> str:
+    return f"rng-{rank}.pt"
 
 
 def _trainer_state_json(step: int, trainer_state: Mapping[str, Any]) -> str:
@@ -137,9 +262,13 @@ def _unwrap(model: Any) -> Any:
 def _fsync_tree(directory: Path) -> None:
     for dirpath, _dirnames, filenames in os.walk(directory):
         for name in filenames:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                os.fsync(f.fileno())
+            _fsync_file(os.path.join(dirpath, name))
         fsync_dir(dirpath)
+
+
+def _fsync_file(file: str | os.PathLike) -> None:
+    with open(file, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def _move_into_place(tmp: Path, final: Path) -> None:
@@ -211,6 +340,10 @@ def load_checkpoint(
 
     The model's weights are copied from the safetensors file(s) into `model` (same architecture expected;
     dtype and device of `model` are kept). Optimizer and scheduler states are restored when given.
+
+    A checkpoint with `dcp/` (saved sharded) is read through torch.distributed.checkpoint: call this on every
+    rank; the number of ranks may differ from the saving run's, and the live model may be sharded or not.
+    An FSDP2-sharded model also loads an unsharded checkpoint's weights, but not its optimizer.pt.
     """
     path = Path(path)
     state_file = path / TRAINER_STATE_FILE
@@ -219,14 +352,48 @@ def load_checkpoint(
             f"{str(path)!r} is not a complete cohort checkpoint (no {TRAINER_STATE_FILE}); pass a "
             f"checkpoints/step-NNNNNN directory, or a run directory to `latest_checkpoint` first"
         )
-    _load_model_weights(path, _unwrap(model))
-    if optimizer is not None:
-        optimizer.load_state_dict(_torch_load(path / OPTIMIZER_FILE, map_location, "optimizer"))
+    from cohort.distributed import dcp
+
+    if dcp.has_sharded_state(path):
+        dcp.load_sharded_state(path, model, optimizer)
+    elif dcp.is_sharded(model):
+        if optimizer is not None:  # refuse before touching the model: no half-loaded state
+            _refuse_unsharded_optimizer(path)
+        dcp.load_full_weights(path, model, _read_full_weights)
+    else:
+        _load_model_weights(path, _unwrap(model))
+        if optimizer is not None:
+            optimizer.load_state_dict(_torch_load(path / OPTIMIZER_FILE, map_location, "optimizer"))
     if scheduler is not None:
         scheduler.load_state_dict(_torch_load(path / SCHEDULER_FILE, map_location, "scheduler"))
     if restore_rng:
-        _set_rng_state(_torch_load(path / RNG_FILE, "cpu", "RNG"))
+        _set_rng_state(_torch_load(_rng_file(path, dcp.rank()), "cpu", "RNG"))
     return json.loads(state_file.read_text(encoding="utf-8"))
+
+
+def _rng_file(path: Path, rank: int) -> Path:
+    """This rank's RNG file; rank 0's rng.pt where the checkpoint has none for it (saved on fewer ranks, or
+    unsharded)."""
+    own = path / _rank_rng_file(rank)
+    return own if own.is_file() else path / RNG_FILE
+
+
+def _refuse_unsharded_optimizer(path: Path) -> None:
+    if not (path / OPTIMIZER_FILE).is_file():
+        _torch_load(path / OPTIMIZER_FILE, "cpu", "optimizer")  # raises: saved without one
+    raise CheckpointError(
+        f"checkpoint {str(path)!r} was saved unsharded: its {OPTIMIZER_FILE} holds whole-tensor optimizer "
+        "states keyed by parameter position, which cannot be converted into this FSDP-sharded optimizer. "
+        "Either load the weights alone (load_checkpoint(..., optimizer=None): the optimizer starts afresh, "
+        "Adam's moments from zero), or resume this checkpoint without sharding (train.sharding unset) and "
+        "switch to sharding at a later run"
+    )
+
+
+def _read_full_weights(path: Path) -> dict[str, torch.Tensor]:
+    """An unsharded checkpoint's weights: the PEFT adapter (PEFT's key names) or the whole model."""
+    adapter = path / "adapter_model.safetensors"
+    return load_file(adapter) if adapter.is_file() else _read_safetensors(path)
 
 
 def _torch_load(file: Path, map_location: Any, what: str) -> Any:

@@ -1,0 +1,324 @@
+"""Sharded (FSDP2 + torch.distributed.checkpoint) checkpoints on CPU ranks (gloo).
+
+One module fixture trains a 2-layer tiny Llama and a LoRA model of it, each `fully_shard`-ed per decoder
+layer plus the root, on 2 ranks, saves them, and injects a failure into a third save. The tests then load
+the checkpoints on 1 rank and on 2 fresh ranks (and, marked slow, on 4) and check that weights, Adam states,
+scheduler, per-rank RNG and the next training step are exactly those of the uninterrupted run; that the
+folder is a Hugging Face model (or PEFT adapter) folder; and that the failed save changed nothing.
+
+Workers write what they observe to files and the test process compares, so a failure reads as an assertion.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import random
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from cohort.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+
+KINDS = ("llama", "lora")
+SAVE_WORLD = 2
+
+
+# --------------------------------------------------------------------------------------- models and steps
+def tiny_llama2(seed: int):
+    """tests/helpers/tiny_models.py's tiny Llama with 2 layers (so there are several FSDP units)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64)
+    return LlamaForCausalLM(config)
+
+
+def build(kind: str, seed: int, *, shard: bool = True):
+    """The policy (sharded per decoder layer + root, as train.sharding=fsdp does), AdamW and LambdaLR."""
+    model = tiny_llama2(0 if kind == "lora" else seed)  # LoRA: the same frozen base every time
+    if kind == "lora":
+        import peft
+
+        torch.manual_seed(seed)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                           init_lora_weights=False))
+    if shard:
+        from torch.distributed.fsdp import fully_shard
+
+        layers = model.base_model.model.model.layers if kind == "lora" else model.model.layers
+        for layer in layers:
+            fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+    return model, opt, sched
+
+
+def train_step(model, opt, sched, step: int, shares: list[int]) -> None:
+    """One optimiser step on the batches of the saving run's ranks in `shares`.
+
+    2 ranks each take their own batch and FSDP averages the gradients; 1 rank takes both batches with the
+    loss halved. Halving is exact in floating point, so both compute bit-identical gradients.
+    """
+    for share in shares:
+        g = torch.Generator().manual_seed(1000 * step + share)
+        ids = torch.randint(0, 64, (2, 8), generator=g)
+        (model(input_ids=ids, labels=ids).loss / len(shares)).backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor shard (a collective: every rank calls it in the same order)."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def snapshot(model, opt, sched) -> dict:
+    names = {p: n for n, p in model.named_parameters()}
+    return {
+        "params": {n: full(p) for n, p in model.named_parameters()},
+        "moments": {names[p]: {k: full(v) for k, v in s.items()} for p, s in opt.state.items()},
+        "lr": [g["lr"] for g in opt.param_groups],
+        "last_epoch": sched.last_epoch,
+    }
+
+
+def draw() -> list[float]:
+    return [random.random(), float(np.random.rand()), *torch.rand(2).tolist()]
+
+
+def tokenizer():
+    from tests.unit.test_checkpoint import tiny_tokenizer
+
+    return tiny_tokenizer()
+
+
+# ------------------------------------------------------------------------------------------------ workers
+def _init(rank: int, world: int, init_file: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+
+
+def _save_worker(rank: int, world: int, out: str, init_file: str) -> None:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    _init(rank, world, init_file)
+    try:
+        for kind in KINDS:
+            run = Path(out) / kind
+            model, opt, sched = build(kind, seed=1)
+            for step in (1, 2):
+                train_step(model, opt, sched, step, [rank])
+                random.seed(10 + rank), np.random.seed(20 + rank), torch.manual_seed(30 + rank)
+                save_checkpoint(run, step, model=model, tokenizer=tokenizer(), optimizer=opt, scheduler=sched,
+                                trainer_state={"data_position": 4 * step}, keep_last=1)
+            torch.save(draw(), run / f"draws-{rank}.pt")  # what the RNG gives right after the save
+            saved = snapshot(model, opt, sched)
+            train_step(model, opt, sched, 3, [rank])
+            saved["next"] = snapshot(model, opt, sched)["params"]
+            if rank == 0:
+                torch.save(saved, run / "saved.pt")
+            if kind == "llama":  # a save that fails on rank 1 while it writes its shards
+                def broken(self, plan, planner):
+                    raise OSError("injected: disk full on rank 1")
+
+                with mock.patch.object(FileSystemWriter, "write_data", broken) if rank == 1 else contextlib.nullcontext():
+                    try:
+                        save_checkpoint(run, 3, model=model, optimizer=opt, scheduler=sched,
+                                        trainer_state={"data_position": 12}, keep_last=1)
+                        outcome = "saved"
+                    except CheckpointError as e:
+                        outcome = f"{type(e).__name__}: {e}"
+                (run / f"failed-save-{rank}.txt").write_text(outcome)
+    finally:
+        dist.destroy_process_group()
+
+
+def _load_worker(rank: int, world: int, out: str, init_file: str) -> None:
+    _init(rank, world, init_file)
+    try:
+        for kind in KINDS:
+            run = Path(out) / kind
+            model, opt, sched = build(kind, seed=2)  # other weights; the optimizer has no state yet
+            state = load_checkpoint(latest_checkpoint(run), model=model, optimizer=opt, scheduler=sched)
+            loaded = snapshot(model, opt, sched)
+            loaded["state"], loaded["draws"] = state, draw()
+            # The next step: each rank its own batch when there are as many ranks as saved them; one rank
+            # takes both batches. More ranks than saved have no batches of the saving run to compare with.
+            if world <= SAVE_WORLD:
+                train_step(model, opt, sched, 3, [rank] if world == SAVE_WORLD else list(range(SAVE_WORLD)))
+                loaded["next"] = snapshot(model, opt, sched)["params"]
+            torch.save(loaded, run / f"loaded-{world}-{rank}.pt")
+        if world == 1:
+            _load_unsharded_into_sharded(Path(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def _load_unsharded_into_sharded(out: Path) -> None:
+    """An old unsharded checkpoint (saved by the test process) into a sharded model: weights yes, optimizer no."""
+    for kind in KINDS:
+        path = latest_checkpoint(out / f"unsharded-{kind}")
+        model, opt, _ = build(kind, seed=5)
+        try:
+            load_checkpoint(path, model=model, optimizer=opt, restore_rng=False)
+            refused = "loaded"
+        except CheckpointError as e:
+            refused = str(e)
+        load_checkpoint(path, model=model, restore_rng=False)
+        torch.save({"refused": refused, "params": {n: full(p) for n, p in model.named_parameters()}},
+                   out / f"unsharded-{kind}" / "into-sharded.pt")
+
+
+def spawn(worker, world: int, out: Path) -> None:
+    """Run `worker` on `world` fresh processes joined by a gloo group.
+
+    The processes are forked from a forkserver that imported torch, transformers' Llama and peft once: each
+    spawned process would spend ~4 s importing them and ~3 s tearing them down again on 2 cores, which is
+    most of this file's runtime. The forkserver itself never ran torch ops, so forking it is safe.
+    """
+    multiprocessing.set_forkserver_preload(["torch", "transformers.models.llama.modeling_llama", "peft",
+                                            __name__])  # ignored when the forkserver already runs
+    init = out / f"init-{worker.__name__}-{world}"
+    init.unlink(missing_ok=True)
+    mp.start_processes(worker, args=(world, str(out), str(init)), nprocs=world, join=True,
+                       start_method="forkserver")
+
+
+# ----------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def out(tmp_path_factory) -> Path:
+    pytest.importorskip("peft")
+    out = tmp_path_factory.mktemp("dcp")
+    for kind in KINDS:  # unsharded checkpoints, as a run without sharding writes them
+        model, opt, sched = build(kind, seed=3, shard=False)
+        train_step(model, opt, sched, 1, [0])
+        save_checkpoint(out / f"unsharded-{kind}", 1, model=model, optimizer=opt, trainer_state={})
+        torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out / f"unsharded-{kind}.pt")
+    spawn(_save_worker, SAVE_WORLD, out)
+    return out
+
+
+def saved(out: Path, kind: str) -> dict:
+    return torch.load(out / kind / "saved.pt")
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        if isinstance(a[name], dict):
+            assert_same(a[name], b[name])
+        else:
+            assert torch.equal(a[name], b[name]), name
+
+
+def assert_resumed(loaded: dict, expected: dict, *, next_step: bool = True) -> None:
+    assert_same(loaded["params"], expected["params"])
+    assert_same(loaded["moments"], expected["moments"])  # Adam's step, exp_avg, exp_avg_sq, exactly
+    assert loaded["lr"] == expected["lr"] and loaded["last_epoch"] == expected["last_epoch"] == 2
+    assert loaded["state"]["step"] == 2 and loaded["state"]["data_position"] == 8
+    if next_step:
+        assert_same(loaded["next"], expected["next"])
+
+
+# -------------------------------------------------------------------------------------------------- tests
+def test_sharded_save_layout(out):
+    for kind in KINDS:
+        root = out / kind / "checkpoints"
+        path = latest_checkpoint(out / kind)
+        assert path == root / "step-000002" and (root / "latest").read_text().strip() == "step-000002"
+        assert not (root / "step-000001").exists()  # pruned to keep_last=1
+        assert (path / "dcp" / ".metadata").is_file() and len(list((path / "dcp").glob("*.distcp"))) == 2
+        for name in ("rng.pt", "rng-0.pt", "rng-1.pt", "scheduler.pt", "trainer_state.json", "tokenizer.json"):
+            assert (path / name).is_file(), name
+        assert not (path / "optimizer.pt").exists()  # the optimizer state is in dcp/
+        hf = ("adapter_model.safetensors", "adapter_config.json") if kind == "lora" else ("model.safetensors",
+                                                                                          "config.json")
+        assert all((path / name).is_file() for name in hf)
+        if kind == "lora":
+            assert not (path / "model.safetensors").exists()  # only the adapter, as an unsharded save
+
+
+def test_failed_save_on_one_rank_raises_everywhere_and_keeps_the_previous_checkpoint(out):
+    root = out / "llama" / "checkpoints"
+    outcomes = [(out / "llama" / f"failed-save-{r}.txt").read_text() for r in range(SAVE_WORLD)]
+    assert all(o.startswith("CheckpointError") for o in outcomes), outcomes
+    assert "injected: disk full on rank 1" in outcomes[0]  # rank 0 hears of rank 1's failure
+    assert (root / "latest").read_text().strip() == "step-000002"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000002"]  # nothing half-written left
+    # ...and the previous checkpoint still loads: the load tests below read it after this failure.
+
+
+def test_hf_export_equals_the_gathered_weights(out):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(latest_checkpoint(out / "llama"))
+    assert_same({n: p.detach() for n, p in model.named_parameters()}, saved(out, "llama")["params"])
+
+
+def test_peft_adapter_export_loads_with_peft(out):
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(tiny_llama2(0), latest_checkpoint(out / "lora"))
+    assert_same({n: p.detach() for n, p in model.named_parameters()}, saved(out, "lora")["params"])
+
+
+def test_load_on_one_rank_reshards_exactly(out):
+    spawn(_load_worker, 1, out)
+    for kind in KINDS:
+        loaded = torch.load(out / kind / "loaded-1-0.pt")
+        assert_resumed(loaded, saved(out, kind))
+        assert loaded["draws"] == torch.load(out / kind / "draws-0.pt")
+    for kind in KINDS:  # an unsharded checkpoint: the weights load into the sharded model, the optimizer not
+        result = torch.load(out / f"unsharded-{kind}" / "into-sharded.pt")
+        assert "saved unsharded" in result["refused"] and "optimizer=None" in result["refused"]
+        assert_same(result["params"], torch.load(out / f"unsharded-{kind}.pt"))
+
+
+def test_load_on_two_fresh_ranks_continues_exactly(out):
+    spawn(_load_worker, 2, out)
+    for kind in KINDS:
+        for rank in range(2):
+            loaded = torch.load(out / kind / f"loaded-2-{rank}.pt")
+            assert_resumed(loaded, saved(out, kind))
+            assert loaded["draws"] == torch.load(out / kind / f"draws-{rank}.pt")  # each rank its own RNG
+
+
+def test_load_on_four_ranks(out):
+    spawn(_load_worker, 4, out)
+    for kind in KINDS:
+        for rank in range(4):
+            loaded = torch.load(out / kind / f"loaded-4-{rank}.pt")
+            assert_resumed(loaded, saved(out, kind), next_step=False)
+            # ranks the saving run did not have start from rank 0's RNG
+            assert loaded["draws"] == torch.load(out / kind / f"draws-{rank if rank < 2 else 0}.pt")
+
+
+def test_sharded_checkpoint_loads_into_an_unsharded_model_in_one_process(out):
+    assert not (dist.is_available() and dist.is_initialized())
+    for kind in KINDS:
+        model, opt, sched = build(kind, seed=4, shard=False)
+        state = load_checkpoint(latest_checkpoint(out / kind), model=model, optimizer=opt, scheduler=sched,
+                                restore_rng=False)
+        loaded = {**snapshot(model, opt, sched), "state": state}
+        train_step(model, opt, sched, 3, [0, 1])
+        # An unsharded step sums the two batches in another order than FSDP's reduction: close, not equal.
+        assert_resumed(loaded, saved(out, kind), next_step=False)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.detach(), saved(out, kind)["next"][name], rtol=1e-5, atol=1e-6)
+
+
+def test_is_sharded_and_canonical_names():
+    from cohort.distributed.dcp import canonical_name, is_sharded
+
+    assert not is_sharded(tiny_llama2(0))
+    assert canonical_name("model.layers.0._orig_mod.self_attn._checkpoint_wrapped_module.q_proj.weight") == \
+        "model.layers.0.self_attn.q_proj.weight"
