@@ -143,10 +143,16 @@ class TrainConfig:
     master_weights: bool = True
     logprob_chunk_tokens: int = 4096  # tokens per chunk of the logprob kernel: its [chunk, vocab] buffers
     optimizer_offload: bool = False  # Adam moments in host memory, streamed per bucket in the step
+    # none: every rank holds the whole model (data parallel); fsdp: FSDP2 shards weights, gradients and Adam
+    # state over the ranks (one unit per decoder layer + the root), the engine gets gathered bf16 weights
+    sharding: str = "none"
     lr_scheduler_type: str = "constant"  # constant | cosine
     warmup_steps: int = 0
     seed: int = 42
     device: str = "auto"
+    # several ranks (torchrun): the longest any collective may wait for a peer before the rank fails and the
+    # launch ends; keep it above the longest rank-0-only work the others wait through (evaluation, a save)
+    dist_timeout_s: float = 600
 
 
 @dataclass
@@ -198,6 +204,12 @@ class CohortConfig:
                  "optimiser update sees whole groups; choose a divisor")
         _require(t.num_iterations >= 1, "train.num_iterations", t.num_iterations, "use 1 or more")
         _require(t.max_steps >= 1, "train.max_steps", t.max_steps, "use 1 or more")
+        _require(t.max_train_time_s is None or t.max_train_time_s > 0, "train.max_train_time_s",
+                 t.max_train_time_s, "use a positive number of seconds, or leave it unset (null) for no limit")
+        _require(self.run.time_limit_s is None or self.run.time_limit_s > 0, "run.time_limit_s",
+                 self.run.time_limit_s, "use a positive number of seconds, or leave it unset (null) for no limit")
+        _require(t.dist_timeout_s > 0, "train.dist_timeout_s", t.dist_timeout_s,
+                 "use a positive number of seconds (default 600), longer than rank 0's evaluation or save")
         _require(g.max_completion_length >= 1, "generation.max_completion_length", g.max_completion_length,
                  "use 1 or more")
         _require(self.run.eval_max_completion_length is None or self.run.eval_max_completion_length >= 1,
@@ -212,6 +224,10 @@ class CohortConfig:
                  "use 1 or more")
         _require(not (t.optimizer_offload and t.master_weights), "train.optimizer_offload", t.optimizer_offload,
                  "offloaded Adam moments are kept in the weights' dtype; set train.master_weights=false with it")
+        _require(t.sharding in ("none", "fsdp"), "train.sharding", t.sharding,
+                 "use 'none' (data parallel, a whole model per rank) or 'fsdp' (FSDP2 sharding)")
+        _require(not (t.sharding == "fsdp" and t.optimizer_offload), "train.optimizer_offload", t.optimizer_offload,
+                 "with train.sharding=fsdp the Adam state is already split over the ranks; set it to false")
         _require(t.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens", t.logprob_chunk_tokens,
                  "use a positive token count (e.g. 1024; smaller saves memory, larger launches fewer kernels)")
         _require(self.data.truncation in ("left", "drop"), "data.truncation", self.data.truncation,

@@ -22,6 +22,10 @@ Terms (P parameters, b bytes per weight element, T = token_budget tokens per for
   (bench/grpo_step.py's low-memory run peaked about 1 GiB above the estimate before this term existed);
   with lm_head_grad_fp32=False (train.master_weights=false) the sum is kept in the weight dtype: V*H*b;
 - KV cache: what the rollout engine reserves (given); reference model: P*b more when beta > 0.
+- sharded (train.sharding=fsdp over N ranks, per rank): the training copy (fp32 masters, or the weights'
+  dtype without master weights), its gradients, the Adam moments and the reference are divided by N; the
+  engine keeps whole weights in the compute dtype (engine_weights, P*b); FSDP holds the root (embeddings,
+  LM head) and about two decoder layers gathered at a time (gathered).
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ _ADVICE = {
     "reference": "set beta=0 (no reference model) or use a smaller model",
     "weights": "use a smaller model or bf16 weights",
     "grads": "use a smaller model or bf16 weights",
+    "engine_weights": "the rollout engine keeps whole weights on every rank: train LoRA adapters (model.lora_r) "
+                      "or a smaller model",
+    "gathered": "use a smaller model (FSDP gathers the root and one layer at a time)",
 }
 
 
@@ -64,6 +71,8 @@ class MemoryEstimate:
     reference: int
     num_params: int
     activations_known: bool = True
+    engine_weights: int = 0
+    gathered: int = 0
 
     @property
     def terms(self) -> dict[str, int]:
@@ -77,6 +86,8 @@ class MemoryEstimate:
     def table(self) -> str:
         lines = [f"memory estimate ({self.num_params / 1e6:.1f}M parameters)"]
         for name, value in self.terms.items():
+            if name in ("engine_weights", "gathered") and not value:
+                continue  # terms of sharded runs only
             note = "  (unknown: pass a model config)" if name == "activations" and not self.activations_known else ""
             lines.append(f"  {name:<15} {value / GIB:9.3f} GiB{note}")
         lines.append(f"  {'total':<15} {self.total / GIB:9.3f} GiB")
@@ -140,9 +151,11 @@ def estimate_memory(
     lm_head_grad_fp32: bool = True,
     fused_logprob_kernels: bool = False,
     optimizer_offload: bool = False,
+    shards: int | None = None,
 ) -> MemoryEstimate:
     """Bytes needed to train (see the module docstring for every term). Pass an HF config (or a dict of its
-    fields) for activations and logits; a bare parameter count gives weights and optimizer terms only."""
+    fields) for activations and logits; a bare parameter count gives weights and optimizer terms only.
+    shards=N: the per-rank figure of a run sharded with FSDP over N ranks (N=1 is FSDP on one process)."""
     if optimizer not in _OPTIMIZERS:
         raise ConfigError(f"memory estimate optimizer={optimizer!r} is not known; use one of {list(_OPTIMIZERS)}")
     b = _dtype_bytes(dtype)
@@ -162,6 +175,17 @@ def estimate_memory(
     logits = min(chunk_tokens, token_budget) * s["V"] * per_element if known else 0
     # fp32 sum plus one chunk's product; or (lm_head_grad_fp32=False) one buffer in the weight dtype
     lm_head_grad = (s["V"] * s["H"] * ((4 + b) if lm_head_grad_fp32 or b == 4 else b)) if known else 0
+    if shards is not None:
+        train_bytes = 4 if master else b  # the masters are the sharded parameters themselves
+        root = (s["V"] * s["H"] * (1 if _get(model_config_or_num_params, "tie_word_embeddings", False) else 2)
+                if known else 0)
+        layer = (p - root) // max(1, s["L"]) if known else 0
+        return MemoryEstimate(
+            weights=p * train_bytes // shards, grads=p * train_bytes // shards, master_weights=0,
+            optimizer=opt // shards, activations=activations, logits_chunk=logits, lm_head_grad=lm_head_grad,
+            kv_cache=int(kv_cache_bytes), reference=p * b // shards if reference_model else 0, num_params=p,
+            activations_known=known, engine_weights=p * b, gathered=(root + 2 * layer) * b,
+        )
     return MemoryEstimate(
         weights=p * b, grads=p * b, master_weights=master, optimizer=opt, activations=activations,
         logits_chunk=logits, lm_head_grad=lm_head_grad, kv_cache=int(kv_cache_bytes),

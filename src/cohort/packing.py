@@ -21,6 +21,7 @@ through `cohort.logprobs.selective_logprobs_and_entropy`, so [tokens, vocab] log
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 import itertools
 from collections.abc import Sequence
@@ -236,6 +237,18 @@ def packed_forward_logprobs(
         raise ValueError("packed_forward_logprobs got no sequences")
     device = model.get_input_embeddings().weight.device
     input_ids, position_ids, cu, hidden_idx, labels, offsets = _pack(sequences, device)
+    # a sharded (FSDP) policy registers the pass as a forward method on its root, so that calling it gathers
+    # the root's parameters (embeddings, LM head) and hooks the backward as a root forward would
+    run = getattr(model, "cohort_packed_pass", None) or functools.partial(packed_pass, model)
+    logprobs, entropy = run(input_ids, position_ids, cu, hidden_idx, labels, temperature=temperature,
+                            compute_entropy=compute_entropy, chunk_tokens=chunk_tokens, attn=attn,
+                            lm_head_grad_fp32=lm_head_grad_fp32)
+    return PackedLogprobs(logprobs, entropy, offsets)
+
+
+def packed_pass(model, input_ids, position_ids, cu, hidden_idx, labels, *, temperature: float,
+                compute_entropy: bool, chunk_tokens: int, attn: str, lm_head_grad_fp32: bool):
+    """The decoder body over one packed row, then the chunked logprobs of the labels (model is the root)."""
     kwargs = {}
     if attn == "varlen":
         enable_packed_attention(model)
@@ -252,17 +265,19 @@ def packed_forward_logprobs(
         hidden, weight, labels, temperature=temperature, chunk_tokens=chunk_tokens, compute_entropy=compute_entropy,
         lm_head_grad_fp32=lm_head_grad_fp32,
     )
-    return PackedLogprobs(logprobs, entropy, offsets)
+    # fresh tensors, not views: FSDP hooks the outputs of a forward method for its backward pre-hook
+    return logprobs.clone(), None if entropy is None else entropy.clone()
 
 
-def compile_decoder_layers(model, *, dynamic: bool = True) -> int:
+def compile_decoder_layers(model, *, dynamic: bool = True, forward_only: bool = False) -> int:
     """torch.compile each decoder layer in place (idempotent); returns how many layers were compiled.
 
     HF's eager layers launch many small elementwise kernels (RMSNorm in fp32, RoPE, SiLU * up); fusing them
     took a packed forward+backward of Qwen2.5-0.5B on one H100 from 26% to about 40% model-FLOPs
     utilisation (8-17k tokens per micro-batch; the first call compiles for ~8 s). `dynamic=True` keeps
     one graph for every packed length. Meant for CUDA training; generate() through the same layers works
-    but recompiles for the KV-cache path.
+    but recompiles for the KV-cache path. forward_only=True compiles each layer's `forward` and leaves its
+    module hooks outside the graph (FSDP's unshard/reshard hooks run eagerly, as torchtitan keeps them).
     """
     layers = getattr(_decoder(model), "layers", None)
     if layers is None:
@@ -270,7 +285,10 @@ def compile_decoder_layers(model, *, dynamic: bool = True) -> int:
     count = 0
     for layer in layers:
         if not getattr(layer, "_cohort_compiled", False):
-            layer.compile(dynamic=dynamic)
+            if forward_only:
+                layer.forward = torch.compile(layer.forward, dynamic=dynamic)
+            else:
+                layer.compile(dynamic=dynamic)
             layer._cohort_compiled = True
             count += 1
     return count
@@ -306,6 +324,23 @@ def split_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[
     balanced = _balance(order, lengths, token_budget, len(ffd))
     bins = balanced if balanced is not None else ffd
     return sorted((sorted(b) for b in bins if b), key=lambda b: b[0])
+
+
+def spread_micro_batches(bins: list[list[int]], lengths: Sequence[int], count: int) -> list[list[int]]:
+    """`bins` re-cut into exactly `count` micro-batches (sharded training: every rank must run the same number
+    of forwards, since each one gathers parameters collectively). The micro-batch with the most tokens is
+    halved until there are enough; when there are fewer sequences than `count`, empty micro-batches pad the
+    list (the caller runs them as a zero-weight pass)."""
+    out = [list(b) for b in bins]
+    while len(out) < count:
+        splittable = [b for b in out if len(b) > 1]
+        if not splittable:
+            break
+        big = max(splittable, key=lambda b: (sum(lengths[i] for i in b), -b[0]))
+        out.remove(big)
+        out += [big[: len(big) // 2], big[len(big) // 2:]]
+    out.sort(key=lambda b: b[0])
+    return out + [[] for _ in range(count - len(out))]
 
 
 def _balance(order, lengths, budget, k):

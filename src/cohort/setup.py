@@ -169,7 +169,8 @@ def _data(cfg: CohortConfig, tokenizer, echo):
     return train, evald
 
 
-def _check_memory(cfg: CohortConfig, policy, device: torch.device, with_reference: bool, echo) -> float:
+def _check_memory(cfg: CohortConfig, policy, device: torch.device, with_reference: bool, echo, *,
+                  dtype: torch.dtype | None = None) -> float:
     """Print what training will need; on a GPU, stop before any work when it cannot fit, and return the
     share of free memory the engine may take for its KV cache *after* the trainer's needs (at most
     generation.kv_cache_fraction), so the engine's pool never starves the update into an out-of-memory."""
@@ -177,7 +178,9 @@ def _check_memory(cfg: CohortConfig, policy, device: torch.device, with_referenc
 
     fraction = cfg.generation.kv_cache_fraction
     try:
-        est = estimate_memory(policy.config, dtype=next(policy.parameters()).dtype,
+        sharded = cfg.train.sharding == "fsdp"
+        dtype = dtype or next(policy.parameters()).dtype  # the compute dtype (sharded masters are fp32)
+        est = estimate_memory(policy.config, dtype=dtype, shards=distributed.current().world_size if sharded else None,
                               token_budget=cfg.train.token_budget, master_weights_fp32=cfg.train.master_weights,
                               gradient_checkpointing=cfg.model.gradient_checkpointing, reference_model=with_reference,
                               chunk_tokens=cfg.train.logprob_chunk_tokens,
@@ -186,14 +189,14 @@ def _check_memory(cfg: CohortConfig, policy, device: torch.device, with_referenc
                               fused_logprob_kernels=device.type == "cuda")
     except (KeyError, TypeError, ValueError, AttributeError):  # an architecture the estimator cannot read
         return fraction
-    echo(est.table())
+    echo(est.table() + (f"\n  (per rank: FSDP over {distributed.current().world_size} rank(s))" if sharded else ""))
     if device.type != "cuda":
         return fraction
     free, _ = torch.cuda.mem_get_info(device)
     check_fits(est, free + torch.cuda.memory_allocated(device))  # as if our own weights were not loaded yet
     # already on the device: weights, the reference copy, the optimiser's fp32 masters (made with it);
     # allocated later: gradients, Adam moments (first step), activations, logprob chunks
-    pending = est.total - est.weights - est.reference - est.master_weights
+    pending = est.total - est.weights - est.reference - est.master_weights - est.engine_weights
     if cfg.generation.release_kv_during_update:
         # the pool is freed while the update runs: generation only shares memory with the Adam moments
         pending = est.optimizer
@@ -208,6 +211,21 @@ def _check_memory(cfg: CohortConfig, policy, device: torch.device, with_referenc
         fraction = room / free
     echo(f"kv cache: {fraction * free / 2**30:.1f} GiB for the rollout engine")
     return fraction
+
+
+def _shard(cfg: CohortConfig, policy, reference, device: torch.device):
+    """train.sharding=fsdp: shard the policy (and the reference) in place; returns (the engine's mirror of the
+    policy, the WeightGather that refreshes it after each optimizer step)."""
+    from cohort.distributed import fsdp
+
+    ok, why = fsdp.fsdp_available()
+    if not ok:
+        raise ConfigError(f"train.sharding=fsdp: {why}.")
+    mirror = fsdp.mirror_for_engine(policy)  # keeps the loaded bf16 storage: no extra memory
+    units = fsdp.shard_model(policy, device=device, master_weights=cfg.train.master_weights)
+    if reference is not None:
+        fsdp.shard_model(reference, device=device, master_weights=False, trainable=False)
+    return mirror, fsdp.WeightGather(policy, mirror, units)
 
 
 def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_runner=None,
@@ -227,10 +245,6 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
         # transformers >= 5.2x renamed it (the old name warns); older releases have only the old one
         enable = getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
         enable()
-    if cfg.model.compile_layers and device.type == "cuda":
-        from cohort.packing import compile_decoder_layers
-
-        compile_decoder_layers(policy)  # what bench/grpo_step.py's "cohort (fast)" row uses
     loss_fn = build_policy_loss(cfg.loss.loss_type, cfg.loss.loss_params())
     reward_runner = reward_runner or _rewards(cfg)
     if train_data is None:
@@ -238,6 +252,14 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
     reference = None
     if float(getattr(loss_fn, "beta", 0.0) or 0.0) != 0.0:
         reference = frozen_copy(policy)
+    compute_dtype = next(policy.parameters()).dtype
+    sharded = _shard(cfg, policy, reference, device) if cfg.train.sharding == "fsdp" else None
+    if cfg.model.compile_layers and device.type == "cuda":
+        from cohort.packing import compile_decoder_layers
+
+        compile_decoder_layers(policy, forward_only=sharded is not None)  # bench/grpo_step.py's fast row
+        if reference is not None:
+            compile_decoder_layers(reference, forward_only=sharded is not None)
     t = cfg.train
     optimizer = build_optimizer(policy, lr=t.learning_rate, weight_decay=t.weight_decay,
                                 betas=(t.adam_beta1, t.adam_beta2), master_weights=t.master_weights,
@@ -245,11 +267,18 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
     total_updates = t.max_steps * t.mini_batches * t.num_iterations
     scheduler = build_scheduler(optimizer, kind=t.lr_scheduler_type, warmup_steps=t.warmup_steps,
                                 total_steps=total_updates)
-    kv_fraction = _check_memory(cfg, policy, device, reference is not None, echo)
+    kv_fraction = _check_memory(cfg, policy, device, reference is not None, echo, dtype=compute_dtype)
+    if sharded is None:
+        engine = build_engine(cfg, policy, tokenizer, device, echo, kv_fraction)
+    else:
+        from cohort.distributed.fsdp import GatheredEngine
+
+        mirror, gather = sharded
+        engine = GatheredEngine(build_engine(cfg, mirror, tokenizer, device, echo, kv_fraction), gather)
     a = cfg.advantage
     return Components(
         policy=policy, tokenizer=tokenizer, reference=reference, loss_fn=loss_fn,
-        engine=build_engine(cfg, policy, tokenizer, device, echo, kv_fraction), train_data=train_data,
+        engine=engine, train_data=train_data,
         eval_data=eval_data,
         reward_runner=reward_runner, optimizer=optimizer, scheduler=scheduler,
         sampling_params=sampling_params_for(cfg, tokenizer, n=cfg.generation.num_generations, seed=None),

@@ -52,6 +52,11 @@ class PhaseTimer:
             key = self.prefix + name
             self._totals[key] = self._totals.get(key, 0.0) + self._clock() - start
 
+    def record(self, name: str, seconds: float) -> None:
+        """Add a duration measured elsewhere (e.g. inside a phase) under its own name."""
+        key = self.prefix + name
+        self._totals[key] = self._totals.get(key, 0.0) + seconds
+
     def peek(self) -> dict[str, float]:
         """The totals so far, without resetting them."""
         return dict(self._totals)

@@ -77,10 +77,11 @@ def train(cfg: CohortConfig, components: Components | None = None, *, echo=print
     cfg.validate()
     seed_everything(cfg.train.seed)
     info = distributed.current()
-    distributed.check_layout(cfg.train.prompts_per_step, cfg.train.mini_batches, cfg.reward.dynamic_sampling)
+    distributed.check_layout(cfg.train.prompts_per_step, cfg.train.mini_batches)
     if not info.is_main:  # rank 0 alone writes the run directory; the others train beside it
         echo = _silent
-    comp = components or build_components(cfg, echo=echo)
+    with distributed.phase("setup"):
+        comp = components or build_components(cfg, echo=echo)
     echo(describe_schedule(cfg))
     if not info.is_main:
         distributed.barrier()  # rank 0 has prepared the run directory (resume reads its checkpoints)
@@ -88,6 +89,15 @@ def train(cfg: CohortConfig, components: Components | None = None, *, echo=print
     with open_run_dir(cfg.run.output_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite) as run_dir:
         distributed.barrier()
         return _train_in(cfg, comp, run_dir, echo)
+
+
+def _grad_reducer(cfg: CohortConfig, comp: Components):
+    """Unsharded data parallel: a reducer that sums gradient buckets over ranks while backward runs."""
+    if not distributed.current().enabled or cfg.train.sharding == "fsdp":
+        return None
+    from cohort.distributed.grad_sync import GradientReducer
+
+    return GradientReducer([p for p in comp.policy.parameters() if p.requires_grad])
 
 
 def _silent(*args, **kwargs) -> None:
@@ -116,14 +126,16 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo) -> Train
             temperature=cfg.generation.temperature or 1.0, max_grad_norm=t.max_grad_norm,
             max_completion_length=cfg.generation.max_completion_length,
             num_generations=cfg.generation.num_generations, chunk_tokens=t.logprob_chunk_tokens,
-            lm_head_grad_fp32=t.master_weights))
+            lm_head_grad_fp32=t.master_weights, sharded=t.sharding == "fsdp"),
+        grad_reducer=_grad_reducer(cfg, comp))
     result, started = TrainResult(run_dir=run_dir), time.monotonic()
     start_step = _resume(cfg, comp, run_dir, sampler, result, echo) if cfg.run.resume else 0
     logger = MetricLogger(run_dir, total_steps=t.max_steps, report_to=cfg.run.report_to,
                           start_step=start_step) if main else _NoLogger()
     try:
         if start_step == 0 and comp.eval_data is not None and main:
-            result.eval_before = evaluate(comp, cfg)
+            with distributed.phase("eval", 0):
+                result.eval_before = evaluate(comp, cfg)
             echo("eval before training: " + _fmt(result.eval_before))
         step = start_step
         while step < t.max_steps and not _budget_spent(cfg, comp):
@@ -136,11 +148,15 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo) -> Train
                 # at step 1 (e.g. a broken reward function) leaves no run directory behind
                 logger.log(0, {f"eval/{k}": v for k, v in result.eval_before.items()})
             last = step == t.max_steps or _budget_spent(cfg, comp)
-            out_of_time = distributed.any_rank(
-                cfg.run.time_limit_s is not None and time.monotonic() - started > cfg.run.time_limit_s)
-            _record(cfg, comp, logger, step, metrics, last=last)
-            if main and ((cfg.run.save_steps and step % cfg.run.save_steps == 0) or last or out_of_time):
-                _save(cfg, comp, run_dir, step, sampler, result)
+            with distributed.phase("log", step):
+                out_of_time = distributed.any_rank(
+                    cfg.run.time_limit_s is not None and time.monotonic() - started > cfg.run.time_limit_s)
+                _record(cfg, comp, logger, step, metrics, last=last)
+            # a sharded checkpoint is written by every rank (each its shards); otherwise rank 0 alone
+            writer = main or t.sharding == "fsdp"
+            if writer and ((cfg.run.save_steps and step % cfg.run.save_steps == 0) or last or out_of_time):
+                with distributed.phase("save", step):
+                    _save(cfg, comp, run_dir, step, sampler, result)
             if out_of_time and not last:
                 echo(f"run.time_limit_s={cfg.run.time_limit_s} reached after step {step}: checkpoint saved; "
                      "continue with --resume")
@@ -150,7 +166,8 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo) -> Train
             echo(f"train.max_train_time_s={cfg.train.max_train_time_s} of training reached after step {step} "
                  f"({comp.train_time_s:.0f} s of step time): final checkpoint saved")
         if comp.eval_data is not None and main:
-            result.eval_after = evaluate(comp, cfg)
+            with distributed.phase("eval", step):
+                result.eval_after = evaluate(comp, cfg)
             logger.log(step, {f"eval/{k}": v for k, v in result.eval_after.items()})
             echo("eval after training:  " + _fmt(result.eval_after))
     finally:
@@ -177,7 +194,8 @@ def _record(cfg: CohortConfig, comp: Components, logger, step: int, metrics: dic
     """Periodic held-out evaluation (rank 0; the final one happens after the loop), metrics, sample rows."""
     due = cfg.run.eval_steps and step % cfg.run.eval_steps == 0 and not last
     if comp.eval_data is not None and due and distributed.current().is_main:
-        metrics.update({f"eval/{k}": v for k, v in evaluate(comp, cfg).items()})
+        with distributed.phase("eval", step):
+            metrics.update({f"eval/{k}": v for k, v in evaluate(comp, cfg).items()})
     logger.log(step, metrics)
     if cfg.run.log_completions:
         logger.log_samples(step, comp.last_samples)
@@ -200,7 +218,7 @@ def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, 
     local = cfg.train.prompts_per_step // info.world_size
     seed = (cfg.train.seed * 1_000_003 + step * 7_919) % 2**31 + info.rank * local * comp.sampling_params.n
     params = dataclasses.replace(comp.sampling_params, seed=seed)
-    with timer("generate"):
+    with distributed.phase("generate", step), timer("generate"):  # scoring too: collect_rollouts rewards
         batch = collect_rollouts(
             comp.engine, comp.tokenizer, _next_prompts(comp, sampler), local,
             params, comp.reward_runner, advantage_kwargs=comp.advantage_kwargs,
@@ -212,9 +230,13 @@ def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, 
     metrics: dict[str, Any] = distributed.reduce_metrics(dict(batch.metrics))
     if cfg.generation.release_kv_during_update and hasattr(comp.engine, "release_kv_cache"):
         comp.engine.release_kv_cache()  # its next generate takes it back
-    metrics.update(updater.update(batch, timer))
-    with timer("sync_weights"):
-        comp.engine.sync_weights()
+    with distributed.phase("update", step):
+        metrics.update(updater.update(batch, timer))
+        with timer("sync_weights"):
+            comp.engine.sync_weights()
+    gathered = getattr(comp.engine, "weights", None)  # FSDP: the all-gather into the engine's weights
+    if gathered is not None:
+        timer.record("weight_gather", gathered.seconds)
     metrics.update(distributed.reduce_metrics(timer.pop()))
     comp.num_tokens += int(distributed.all_sum(sum(len(p) + len(c) for p, c in zip(batch.prompt_ids,
                                                                                     batch.completion_ids))))

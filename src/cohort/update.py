@@ -20,7 +20,7 @@ import torch
 
 from cohort import distributed
 from cohort.algorithms import LossInputs, reduce_metrics
-from cohort.packing import packed_forward_logprobs, split_micro_batches
+from cohort.packing import packed_forward_logprobs, split_micro_batches, spread_micro_batches
 from cohort.rollout import RolloutBatch
 
 
@@ -35,6 +35,7 @@ class UpdateSettings:
     num_generations: int
     chunk_tokens: int = 4096  # logprob kernel chunk (train.logprob_chunk_tokens)
     lm_head_grad_fp32: bool = True  # False with train.master_weights=false: the low-memory setting
+    sharded: bool = False  # FSDP: gradients are reduced by FSDP, every rank runs the same number of passes
 
 
 def pad_rows(rows: Sequence[torch.Tensor], width: int, value: float = 0.0) -> torch.Tensor:
@@ -46,21 +47,33 @@ def pad_rows(rows: Sequence[torch.Tensor], width: int, value: float = 0.0) -> to
 
 class PolicyUpdater:
     def __init__(self, policy, optimizer, scheduler, loss_fn, settings: UpdateSettings, *, reference=None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", grad_reducer=None):
         self.policy, self.optimizer, self.scheduler = policy, optimizer, scheduler
         self.loss_fn, self.s, self.reference, self.device = loss_fn, settings, reference, torch.device(device)
+        # data parallel without sharding: sums gradients over ranks while the last backward runs
+        self.grad_reducer = grad_reducer
+        self.params = [p for p in policy.parameters() if p.requires_grad]
+
+    def _micro_batches(self, lengths: list[int]) -> list[list[int]]:
+        """Token-budget micro-batches; sharded, every rank runs as many as the rank that needs the most
+        (each forward gathers parameters collectively), an empty one being a zero-weight pass."""
+        micro = split_micro_batches(lengths, self.s.token_budget)
+        if not self.s.sharded:
+            return micro
+        return spread_micro_batches(micro, lengths, distributed.all_max(len(micro)))
 
     # -- logprobs of fixed models (no grad) ------------------------------------------------------------
     @torch.no_grad()
     def _logprobs_of(self, model, batch: RolloutBatch, rows: list[int]) -> dict[int, torch.Tensor]:
         out: dict[int, torch.Tensor] = {}
         lengths = [len(batch.prompt_ids[r]) + len(batch.completion_ids[r]) for r in rows]
-        for micro in split_micro_batches(lengths, self.s.token_budget):
-            idx = [rows[i] for i in micro]
+        for micro in self._micro_batches(lengths):
+            idx = [rows[i] for i in micro] or rows[:1]  # an empty micro-batch: a pass whose result is dropped
             packed = packed_forward_logprobs(
                 model, [(batch.prompt_ids[r], batch.completion_ids[r]) for r in idx],
                 temperature=self.s.temperature, compute_entropy=False, chunk_tokens=self.s.chunk_tokens)
-            out.update({r: lp.float() for r, (lp, _) in zip(idx, packed.split())})
+            if micro:
+                out.update({r: lp.float() for r, (lp, _) in zip(idx, packed.split())})
         return out
 
     # -- one optimiser update ------------------------------------------------------------------------------
@@ -77,8 +90,9 @@ class PolicyUpdater:
         lengths = [len(batch.prompt_ids[r]) + len(batch.completion_ids[r]) for r in rows]
         self.policy.train()
         parts: list[dict] = []
-        for micro in split_micro_batches(lengths, self.s.token_budget):
-            idx = [rows[i] for i in micro]
+        micro_batches = self._micro_batches(lengths)
+        for m, micro in enumerate(micro_batches):
+            idx = [rows[i] for i in micro] or rows[:1]  # empty (sharded padding): a zero-weight pass
             width = max(len(batch.completion_ids[r]) for r in idx)
             mask, sampling = self._host_tensors(batch, idx, width)
             packed = packed_forward_logprobs(
@@ -97,17 +111,30 @@ class PolicyUpdater:
                 max_completion_length=self.s.max_completion_length,
             )
             out = self.loss_fn(inputs)
-            out.loss.backward()
-            parts.append(out.metrics)
+            if self.grad_reducer is not None and m == len(micro_batches) - 1:
+                self.grad_reducer.arm()  # the last backward of this update: reduce buckets as they are ready
+            (out.loss if micro else out.loss * 0.0).backward()
+            if micro:
+                parts.append(out.metrics)
         local = reduce_metrics(parts)  # partial sums of this rank -> summed over ranks (min/max by min/max)
         for k, v in distributed.reduce_metrics(local, summed=tuple(local)).items():
             sums[k] += float(v)
-        distributed.sum_gradients(self.policy.parameters())
-        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.s.max_grad_norm)
-        sums["grad_norm"] += float(norm)
+        sums["grad_norm"] += self._reduce_and_clip()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _reduce_and_clip(self) -> float:
+        """Gradients summed over ranks (FSDP has reduce-scattered them already), then clipped; the norm."""
+        if self.s.sharded:
+            from cohort.distributed.fsdp import clip_grad_norm
+
+            return clip_grad_norm(self.params, self.s.max_grad_norm)
+        if self.grad_reducer is not None:
+            self.grad_reducer.finish()
+        else:
+            distributed.sum_gradients(self.params)
+        return float(torch.nn.utils.clip_grad_norm_(self.params, self.s.max_grad_norm))
 
     def _host_tensors(self, batch: RolloutBatch, idx: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, width] loss mask (0 on padding and on masked completions) and engine logprobs, on the device."""
@@ -121,9 +148,10 @@ class PolicyUpdater:
 
     def update(self, batch: RolloutBatch, timer) -> dict[str, float]:
         n, g = len(batch), self.s.num_generations
-        num_prompts = n // g
-        per_mb = num_prompts // self.s.mini_batches
-        groups = [list(range(i * per_mb * g, (i + 1) * per_mb * g)) for i in range(self.s.mini_batches)]
+        num_prompts, m = n // g, self.s.mini_batches
+        # prompt k goes to mini-batch k % m: a rank's contiguous slice of the step's prompts then holds an equal
+        # share of every mini-batch, so N data-parallel ranks run exactly the updates one rank runs
+        groups = [[p * g + i for p in range(j, num_prompts, m) for i in range(g)] for j in range(m)]
         off_policy = self.s.mini_batches > 1 or self.s.num_iterations > 1
         all_rows = list(range(n))
         old = ref = None

@@ -6,12 +6,22 @@ group (exact for group and batch scaling), the loss is normalised by token and s
 ranks, and gradients are summed (not averaged) across ranks before clipping, so N ranks compute exactly the
 update one rank would compute on the whole step. Only rank 0 writes the run directory: logs, checkpoints,
 evaluation. With one process every function here is a no-op.
+
+Failures end the whole launch: every collective has a timeout (`train.dist_timeout_s`, given to
+`init_from_env`), and the trainer wraps each stage in `phase(name, step)`, which prints
+`cohort: rank R of W failed during <phase> at step S: <ExcType>: <msg>` before re-raising. The rank exits
+non-zero and torchrun stops the others; a rank left waiting in a collective on a peer that is stuck (not
+dead) raises when the timeout expires and names its own phase the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -33,14 +43,44 @@ class DistInfo:
         return self.world_size > 1
 
 
-def init_from_env() -> DistInfo:
-    """Join the process group torchrun describes (WORLD_SIZE > 1); NCCL on GPUs, gloo on CPUs."""
+def init_from_env(timeout_s: float | None = None) -> DistInfo:
+    """Join the process group torchrun describes (WORLD_SIZE > 1); NCCL on GPUs, gloo on CPUs.
+
+    timeout_s (`train.dist_timeout_s`) bounds every collective: a rank waiting longer for a peer raises
+    (gloo) or is torn down by NCCL's watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING=1, set here unless the
+    environment already says otherwise) instead of hanging the launch. None: torch's default."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
+        kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
         if torch.cuda.is_available():
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", **kwargs)
     return current()
+
+
+@contextlib.contextmanager
+def phase(name: str, step: int | None = None) -> Iterator[None]:
+    """Name the stage a rank is in, so a failure of one rank of a launch says where it happened.
+
+    An exception inside prints one line to stderr, `cohort: rank R of W failed during <name> at step S:
+    <ExcType>: <msg>`, and is re-raised unchanged (the rank exits non-zero, torchrun stops the others).
+    Printed once, by the innermost phase, and only with several ranks (one process reports errors as
+    before). A collective that times out on a rank waiting for a stuck peer is reported the same way."""
+    try:
+        yield
+    except Exception as exc:
+        info = current()
+        if info.enabled and not getattr(exc, "_cohort_phase_reported", False):
+            at = "" if step is None else f" at step {step}"
+            msg = " ".join(str(exc).split())
+            if len(msg) > 500:
+                msg = msg[:497] + "..."
+            print(f"cohort: rank {info.rank} of {info.world_size} failed during {name}{at}: "
+                  f"{type(exc).__name__}: {msg}", file=sys.stderr, flush=True)
+            with contextlib.suppress(AttributeError, TypeError):
+                exc._cohort_phase_reported = True  # type: ignore[attr-defined]
+        raise
 
 
 def current() -> DistInfo:
@@ -56,7 +96,7 @@ def local_device(name: str) -> str:
     return name
 
 
-def check_layout(prompts_per_step: int, mini_batches: int, dynamic_sampling: bool) -> None:
+def check_layout(prompts_per_step: int, mini_batches: int) -> None:
     info = current()
     if not info.enabled:
         return
@@ -64,9 +104,6 @@ def check_layout(prompts_per_step: int, mini_batches: int, dynamic_sampling: boo
         raise ConfigError(f"train.prompts_per_step={prompts_per_step} must split into {info.world_size} ranks x "
                           f"train.mini_batches={mini_batches} whole groups; choose a multiple of "
                           f"{info.world_size * mini_batches}.")
-    if dynamic_sampling:
-        raise ConfigError("reward.dynamic_sampling=true is not supported with several ranks yet; set it to false "
-                          "or run on one process.")
 
 
 def rank_slice(items: list, info: DistInfo | None = None) -> list:
@@ -130,6 +167,15 @@ def reduce_metrics(metrics: dict[str, float], *, summed: tuple[str, ...] = ()) -
         scale = {k: 1.0 if k in summed else 1.0 / info.world_size for k in names}
         out.update({k: v * scale[k] for k, v in zip(names, t.tolist())})
     return out
+
+
+def all_max(value: int) -> int:
+    """The largest value over ranks (e.g. the micro-batch count every sharded rank must run)."""
+    if not current().enabled:
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def any_rank(flag: bool) -> bool:
