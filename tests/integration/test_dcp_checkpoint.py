@@ -22,8 +22,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 
 from cohort.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from cohort.distributed.dcp import canonical_name, is_sharded
 
 KINDS = ("llama", "lora")
 SAVE_WORLD = 2
@@ -31,17 +33,22 @@ SAVE_WORLD = 2
 
 # --------------------------------------------------------------------------------------- models and steps
 def tiny_llama2(seed: int):
-    """tests/helpers/tiny_models.py's tiny Llama with 2 layers (so there are several FSDP units)."""
+    """tests/helpers/tiny_models.py's tiny Llama with 2 layers (several FSDP units) and the LM head tied to
+    the embedding, as in SmolLM2."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=64)
+                         num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=True)
     return LlamaForCausalLM(config)
 
 
-def build(kind: str, seed: int, *, shard: bool = True):
-    """The policy (sharded per decoder layer + root, as train.sharding=fsdp does), AdamW and LambdaLR."""
+def build(kind: str, seed: int, *, shard: bool = True, wrap_layers: bool = False):
+    """The policy (sharded per decoder layer + root, as train.sharding=fsdp does), AdamW and LambdaLR.
+
+    `wrap_layers` puts each decoder layer in torch's activation-checkpoint wrapper, which adds
+    `_checkpoint_wrapped_module.` to parameter names: checkpoints must not depend on it.
+    """
     model = tiny_llama2(0 if kind == "lora" else seed)  # LoRA: the same frozen base every time
     if kind == "lora":
         import peft
@@ -49,10 +56,15 @@ def build(kind: str, seed: int, *, shard: bool = True):
         torch.manual_seed(seed)
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                            init_lora_weights=False))
+    layers = model.base_model.model.model.layers if kind == "lora" else model.model.layers
+    if wrap_layers:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, layer in enumerate(layers):
+            layers[i] = checkpoint_wrapper(layer)
     if shard:
         from torch.distributed.fsdp import fully_shard
 
-        layers = model.base_model.model.model.layers if kind == "lora" else model.model.layers
         for layer in layers:
             fully_shard(layer)
         fully_shard(model)
@@ -81,10 +93,14 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
+def unwrapped(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
 def snapshot(model, opt, sched) -> dict:
-    names = {p: n for n, p in model.named_parameters()}
+    names = {p: unwrapped(n) for n, p in model.named_parameters()}
     return {
-        "params": {n: full(p) for n, p in model.named_parameters()},
+        "params": {unwrapped(n): full(p) for n, p in model.named_parameters()},
         "moments": {names[p]: {k: full(v) for k, v in s.items()} for p, s in opt.state.items()},
         "lr": [g["lr"] for g in opt.param_groups],
         "last_epoch": sched.last_epoch,
@@ -108,7 +124,6 @@ def _init(rank: int, world: int, init_file: str) -> None:
 
 
 def _save_worker(rank: int, world: int, out: str, init_file: str) -> None:
-    from torch.distributed.checkpoint import FileSystemWriter
 
     _init(rank, world, init_file)
     try:
@@ -126,20 +141,35 @@ def _save_worker(rank: int, world: int, out: str, init_file: str) -> None:
             saved["next"] = snapshot(model, opt, sched)["params"]
             if rank == 0:
                 torch.save(saved, run / "saved.pt")
-            if kind == "llama":  # a save that fails on rank 1 while it writes its shards
-                def broken(self, plan, planner):
-                    raise OSError("injected: disk full on rank 1")
-
-                with mock.patch.object(FileSystemWriter, "write_data", broken) if rank == 1 else contextlib.nullcontext():
-                    try:
-                        save_checkpoint(run, 3, model=model, optimizer=opt, scheduler=sched,
-                                        trainer_state={"data_position": 12}, keep_last=1)
-                        outcome = "saved"
-                    except CheckpointError as e:
-                        outcome = f"{type(e).__name__}: {e}"
-                (run / f"failed-save-{rank}.txt").write_text(outcome)
+            if kind == "llama":
+                _failing_saves(run, rank, model, opt, sched)
     finally:
         dist.destroy_process_group()
+
+
+def _failing_saves(run: Path, rank: int, model, opt, sched) -> None:
+    """Saves of step 3 that fail on one rank at three points; each rank records what it raised."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from transformers import LlamaForCausalLM
+
+    def injected(*args, **kwargs):
+        raise OSError(f"injected: disk full on rank {rank}")
+
+    cases = {  # name: (what breaks, on which rank, trainer_state)
+        "dcp-write": (mock.patch.object(FileSystemWriter, "write_data", injected), 1, {}),
+        "hf-export": (mock.patch.object(LlamaForCausalLM, "save_pretrained", injected), 0, {}),
+        "trainer-state": (contextlib.nullcontext(), 0, {"not_json": object()}),
+    }
+    outcomes = {}
+    for name, (patch, on_rank, trainer_state) in cases.items():
+        with patch if rank == on_rank else contextlib.nullcontext():
+            try:
+                save_checkpoint(run, 3, model=model, optimizer=opt, scheduler=sched, trainer_state=trainer_state,
+                                keep_last=1)
+                outcomes[name] = "saved"
+            except Exception as e:
+                outcomes[name] = f"{type(e).__name__}: {e}"
+    torch.save(outcomes, run / f"failed-saves-{rank}.pt")
 
 
 def _load_worker(rank: int, world: int, out: str, init_file: str) -> None:
@@ -147,7 +177,8 @@ def _load_worker(rank: int, world: int, out: str, init_file: str) -> None:
     try:
         for kind in KINDS:
             run = Path(out) / kind
-            model, opt, sched = build(kind, seed=2)  # other weights; the optimizer has no state yet
+            # other weights, an optimizer without state yet; 2 fresh ranks also wrap their layers
+            model, opt, sched = build(kind, seed=2, wrap_layers=world == 2)
             state = load_checkpoint(latest_checkpoint(run), model=model, optimizer=opt, scheduler=sched)
             loaded = snapshot(model, opt, sched)
             loaded["state"], loaded["draws"] = state, draw()
@@ -159,6 +190,8 @@ def _load_worker(rank: int, world: int, out: str, init_file: str) -> None:
             torch.save(loaded, run / f"loaded-{world}-{rank}.pt")
         if world == 1:
             _load_unsharded_into_sharded(Path(out))
+            _load_into_the_wrong_model(Path(out))
+            _bf16_model_with_fp32_master_weights(Path(out))
     finally:
         dist.destroy_process_group()
 
@@ -176,6 +209,40 @@ def _load_unsharded_into_sharded(out: Path) -> None:
         load_checkpoint(path, model=model, restore_rng=False)
         torch.save({"refused": refused, "params": {n: full(p) for n, p in model.named_parameters()}},
                    out / f"unsharded-{kind}" / "into-sharded.pt")
+
+
+def _load_into_the_wrong_model(out: Path) -> None:
+    """The LoRA checkpoint into the plain model: refused with the keys that differ, on every rank."""
+    model, opt, _ = build("llama", seed=6)
+    try:
+        load_checkpoint(latest_checkpoint(out / "lora"), model=model, optimizer=opt)
+        outcome = "loaded"
+    except CheckpointError as e:
+        outcome = str(e)
+    (out / "wrong-model.txt").write_text(outcome)
+
+
+def _bf16_model_with_fp32_master_weights(out: Path) -> None:
+    """A bf16 model whose parameters sharding upcast to fp32 (train.master_weights): the export is bf16, as
+    an unsharded save writes it, and dcp/ keeps the fp32 master weights exactly."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_llama2(7).to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16  # what from_pretrained(dtype=torch.bfloat16) records
+    for param in model.parameters():
+        param.data = param.data.float()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    master = {n: full(p) for n, p in model.named_parameters()}
+    path = save_checkpoint(out / "bf16", 1, model=model, trainer_state={})
+    fresh = tiny_llama2(8)
+    for layer in fresh.model.layers:
+        fully_shard(layer)
+    fully_shard(fresh)
+    load_checkpoint(path, model=fresh)
+    torch.save({"master": master, "export": load_file(path / "model.safetensors"),
+                "reloaded": {n: full(p) for n, p in fresh.named_parameters()}}, out / "bf16" / "result.pt")
 
 
 def spawn(worker, world: int, out: Path) -> None:
@@ -245,16 +312,32 @@ def test_sharded_save_layout(out):
         assert all((path / name).is_file() for name in hf)
         if kind == "lora":
             assert not (path / "model.safetensors").exists()  # only the adapter, as an unsharded save
+            # dcp/ too holds only what trains: not the frozen base, nor the tied LM head's second name
+            from torch.distributed.checkpoint import FileSystemReader
+
+            keys = FileSystemReader(path / "dcp").read_metadata().state_dict_metadata
+            model_keys = [k for k in keys if k.startswith("model.")]
+            assert model_keys and all("lora_" in k for k in model_keys), model_keys
+        else:  # the tied LM head is not written twice (from_pretrained ties it again)
+            assert "lm_head.weight" not in load_file(path / "model.safetensors")
 
 
-def test_failed_save_on_one_rank_raises_everywhere_and_keeps_the_previous_checkpoint(out):
-    root = out / "llama" / "checkpoints"
-    outcomes = [(out / "llama" / f"failed-save-{r}.txt").read_text() for r in range(SAVE_WORLD)]
-    assert all(o.startswith("CheckpointError") for o in outcomes), outcomes
-    assert "injected: disk full on rank 1" in outcomes[0]  # rank 0 hears of rank 1's failure
+def test_a_save_failing_on_one_rank_raises_on_every_rank_and_changes_nothing(out):
+    run = out / "llama"
+    outcomes = [torch.load(run / f"failed-saves-{r}.pt") for r in range(SAVE_WORLD)]
+    # inside DCP's write on rank 1: DCP tells rank 0, both raise
+    assert all(o["dcp-write"].startswith("CheckpointError") for o in outcomes), outcomes
+    assert "rank 1: OSError: injected: disk full on rank 1" in outcomes[0]["dcp-write"]
+    # rank 0's Hugging Face export: rank 0 raises its error, rank 1 hears of it
+    assert outcomes[0]["hf-export"] == "OSError: injected: disk full on rank 0"
+    assert outcomes[1]["hf-export"].startswith("CheckpointError") and "injected" in outcomes[1]["hf-export"]
+    # a trainer_state that is not JSON: refused before anything is written, on every rank
+    assert outcomes[0]["trainer-state"].startswith("ConfigError")
+    assert outcomes[1]["trainer-state"].startswith("CheckpointError") and "not_json" in outcomes[1]["trainer-state"]
+    root = run / "checkpoints"
     assert (root / "latest").read_text().strip() == "step-000002"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000002"]  # nothing half-written left
-    # ...and the previous checkpoint still loads: the load tests below read it after this failure.
+    # ...and the previous checkpoint still loads: the load tests below read it after these failures.
 
 
 def test_hf_export_equals_the_gathered_weights(out):
@@ -281,6 +364,12 @@ def test_load_on_one_rank_reshards_exactly(out):
         result = torch.load(out / f"unsharded-{kind}" / "into-sharded.pt")
         assert "saved unsharded" in result["refused"] and "optimizer=None" in result["refused"]
         assert_same(result["params"], torch.load(out / f"unsharded-{kind}.pt"))
+    bf16 = torch.load(out / "bf16" / "result.pt")
+    assert all(t.dtype == torch.bfloat16 for t in bf16["export"].values())
+    assert_same(bf16["export"], {n: t.to(torch.bfloat16) for n, t in bf16["master"].items()})
+    assert_same(bf16["reloaded"], bf16["master"])  # fp32, exactly
+    wrong = (out / "wrong-model.txt").read_text()
+    assert "does not fit the model" in wrong and "lora_A" in wrong
 
 
 def test_load_on_two_fresh_ranks_continues_exactly(out):
@@ -310,15 +399,11 @@ def test_sharded_checkpoint_loads_into_an_unsharded_model_in_one_process(out):
                                 restore_rng=False)
         loaded = {**snapshot(model, opt, sched), "state": state}
         train_step(model, opt, sched, 3, [0, 1])
-        # An unsharded step sums the two batches in another order than FSDP's reduction: close, not equal.
-        assert_resumed(loaded, saved(out, kind), next_step=False)
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.detach(), saved(out, kind)["next"][name], rtol=1e-5, atol=1e-6)
+        loaded["next"] = {n: p.detach() for n, p in model.named_parameters()}
+        assert_resumed(loaded, saved(out, kind))
 
 
 def test_is_sharded_and_canonical_names():
-    from cohort.distributed.dcp import canonical_name, is_sharded
-
     assert not is_sharded(tiny_llama2(0))
     assert canonical_name("model.layers.0._orig_mod.self_attn._checkpoint_wrapped_module.q_proj.weight") == \
         "model.layers.0.self_attn.q_proj.weight"

@@ -76,6 +76,25 @@ def _options(model: Any, **kwargs: Any) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=is_peft(model), **kwargs)
 
 
+def _drop_frozen(model: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """Complete `ignore_frozen_params`: DCP drops frozen parameters by their first name only, so a frozen
+    tied LM head (a LoRA model of SmolLM2) would stay under its second name, a copy of the embedding."""
+    if is_peft(model):
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if not param.requires_grad:
+                state.pop(canonical_name(name), None)
+    return state
+
+
+def _live_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    """The state DCP saves and loads, sharded as the live model is: {"model": ..., "optim": ...}."""
+    options = _options(model)
+    if optimizer is None:
+        return {_MODEL_KEY: _drop_frozen(model, get_model_state_dict(model, options=options))}
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    return {_MODEL_KEY: _drop_frozen(model, model_state), _OPTIM_KEY: optim_state}
+
+
 # ------------------------------------------------------------------------------------------------ save
 def save_sharded_state(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Every rank writes its shards of the model (and optimizer) state into `directory/dcp/`.
@@ -83,12 +102,7 @@ def save_sharded_state(directory: Path, model: torch.nn.Module, optimizer: torch
     DCP gathers each rank's outcome before it returns, so a failure on any rank raises on every rank (as a
     CheckpointError naming the failed ranks) and no rank goes on to the next collective alone.
     """
-    options = _options(model)
-    if optimizer is not None:
-        model_state, optim_state = get_state_dict(model, optimizer, options=options)
-        state: dict[str, Any] = {_MODEL_KEY: model_state, _OPTIM_KEY: optim_state}
-    else:
-        state = {_MODEL_KEY: get_model_state_dict(model, options=options)}
+    state = _live_state(model, optimizer)
     try:
         dcp.save(state, checkpoint_id=directory / DCP_DIR)
     except CheckpointException as e:
@@ -106,14 +120,34 @@ def export_hf(directory: Path, model: torch.nn.Module) -> None:
     Collective (every rank takes part in the gathers); only rank 0 writes. A PEFT model gathers and writes its
     adapter only (adapter_model.safetensors + adapter_config.json, PEFT's key names), as an unsharded save does.
     """
-    full = get_model_state_dict(model, options=_options(model, full_state_dict=True, cpu_offload=True))
+    full = _drop_frozen(model, get_model_state_dict(model, options=_options(model, full_state_dict=True,
+                                                                            cpu_offload=True)))
     if rank() != 0:
         return
     # DCP's names are canonical already; stripping again guards against a wrapper it does not know.
     full = {canonical_name(k): v for k, v in full.items()}
+    # Tied weights arrive as separate copies, which save_pretrained would both write; drop the twins as an
+    # unsharded save does (lm_head.weight when it is the embedding), from_pretrained ties them again.
+    for name, first in _first_names(model).items():
+        if name != first and first in full:
+            full.pop(name, None)
+    if not is_peft(model):
+        full = _in_config_dtype(_unwrap(model), full)
     # PeftModel.save_pretrained passes `state_dict` through get_peft_model_state_dict (which keeps the adapter
     # and drops the adapter name from its keys); a transformers model writes the dict as given.
     _unwrap(model).save_pretrained(directory, state_dict=full, safe_serialization=True)
+
+
+def _in_config_dtype(model: Any, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights in the dtype the model declares (config.dtype), as an unsharded save writes them.
+
+    Sharding upcasts trainable parameters to float32 master weights (the unsharded path keeps those in the
+    optimizer instead), so a bf16 model would otherwise be exported at twice its size.
+    """
+    dtype = getattr(getattr(model, "config", None), "dtype", None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        return full
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
 
 
 # ------------------------------------------------------------------------------------------------ load
@@ -129,20 +163,15 @@ def load_sharded_state(path: Path, model: torch.nn.Module, optimizer: torch.opti
     e.g. to evaluate). Optimizer states (Adam's step, exp_avg, exp_avg_sq) are restored exactly.
     """
     directory = path / DCP_DIR
-    options = _options(model)
     saved = _saved_keys(directory)
     if optimizer is not None and not any(k.startswith(_OPTIM_KEY + ".") for k in saved):
         raise CheckpointError(
             f"checkpoint {str(path)!r} was saved without optimizer state, so it cannot be restored; "
             "pass optimizer=None to load_checkpoint to load the weights alone"
         )
-    if optimizer is not None:
-        # A fresh optimizer has no state yet; get_state_dict creates it (a zero-learning-rate step) so that
-        # DCP has tensors of the right shards to read into.
-        model_state, optim_state = get_state_dict(model, optimizer, options=options)
-        state: dict[str, Any] = {_MODEL_KEY: model_state, _OPTIM_KEY: optim_state}
-    else:
-        state = {_MODEL_KEY: get_model_state_dict(model, options=options)}
+    # A fresh optimizer has no state yet; get_state_dict creates it (a zero-learning-rate step) so that DCP
+    # has tensors of the right shards to read into.
+    state = _live_state(model, optimizer)
     _check_model_keys(path, model, set(state[_MODEL_KEY]), saved)
     try:
         dcp.load(state, checkpoint_id=directory)
@@ -188,7 +217,7 @@ def load_full_weights(path: Path, model: torch.nn.Module, read_full: Any) -> Non
     broadcast, so the other ranks never hold the whole model. A PEFT adapter's keys are mapped onto the live
     model's names first. Rank 0 checks the keys and tells every rank the verdict, so all raise or none does.
     """
-    live = get_model_state_dict(model, options=_options(model))
+    live = _drop_frozen(model, get_model_state_dict(model, options=_options(model)))
     full: dict[str, torch.Tensor] = {}
     verdict: list[str | None] = [None]
     error: Exception | None = None
@@ -238,13 +267,18 @@ def _check_full_keys(path: Path, model: torch.nn.Module, saved: set[str], live: 
         )
 
 
+def _first_names(model: torch.nn.Module) -> dict[str, str]:
+    """Each canonical parameter name -> the first name of the same parameter (itself unless tied)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        out[canonical_name(name)] = first.setdefault(id(param), canonical_name(name))
+    return out
+
+
 def _tied_names(model: torch.nn.Module, loaded: set[str]) -> set[str]:
     """Canonical names of parameters that are the same object as a loaded one (tied weights)."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(canonical_name(name))
-    tied = set()
-    for group in names.values():
-        if len(group) > 1 and any(n in loaded for n in group):
-            tied.update(n for n in group if n not in loaded)
-    return tied
+    groups: dict[str, set[str]] = {}
+    for name, first in _first_names(model).items():
+        groups.setdefault(first, set()).add(name)
+    return {n for group in groups.values() if group & loaded for n in group - loaded}
