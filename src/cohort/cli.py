@@ -26,15 +26,19 @@ def _train(args: argparse.Namespace) -> int:
     from cohort.trainer import train
 
     cfg = load_config(args.recipe, args.overrides)
-    distributed.init_from_env()  # torchrun: one process per GPU, data parallel
+    # torchrun: one process per GPU, data parallel; every collective times out after train.dist_timeout_s
+    info = distributed.init_from_env(timeout_s=cfg.train.dist_timeout_s)
     if args.resume:  # continuing a run never wipes it, whatever the recipe says about overwrite
         cfg.run.resume, cfg.run.overwrite = True, False
     if args.overwrite:
         cfg.run.overwrite = True
     if args.print_config:
-        print(dump_config(cfg))
+        if info.is_main:
+            print(dump_config(cfg))
         return 0
     result = train(cfg)
+    if not info.is_main:  # rank 0 alone reports and writes the run directory (curves included)
+        return 0
     if result.stopped_at is not None:
         print(f"stopped at step {result.stopped_at} (time limit); run directory: {result.run_dir}")
         return 0

@@ -3,8 +3,8 @@
 `collect_rollouts` samples G completions per prompt from a `RolloutEngine`, decodes them, scores them with
 the reward functions, and turns rewards into advantages. With DAPO's dynamic sampling it drops groups whose
 rewards are all equal (they carry no gradient) and samples more prompts until the step is full or the
-configured number of tries is spent. The result is a `RolloutBatch` of plain lists and tensors; it knows
-nothing of the loss.
+configured number of tries is spent (with several ranks too: `collect_rollouts` says how they agree).
+The result is a `RolloutBatch` of plain lists and tensors; it knows nothing of the loss.
 """
 
 from __future__ import annotations
@@ -89,8 +89,23 @@ def collect_rollouts(
     so far (at most max_oversample times the missing count) and keeps informative groups up to the step size;
     the last try fills the step with all-equal groups if it must.
 
-    gather_rewards / rank (data parallelism): advantages are computed on every rank's rewards together
-    (rank order) and this rank keeps its own rows, so batch-level scaling sees the whole step."""
+    gather_rewards / rank (data parallelism): `gather_rewards` concatenates a tensor's rows over the ranks in
+    rank order (`distributed.all_gather_rows`). Advantages are computed on every rank's rewards together and
+    this rank keeps its own rows, so batch-level scaling sees the whole step.
+
+    Dynamic sampling with several ranks: each rank filters and refills its own slice of the step
+    (num_prompts groups each), and the ranks agree on every try, so all of them make the same collective
+    calls. On each try every rank says how many prompts it wants (0 once it holds its share) and all draw
+    the largest count from the shared seeded sampler, which therefore advances identically everywhere; a
+    rank generates only the part of its slice it asked for. The ranks keep trying while any rank is short;
+    the tries are counted the same everywhere, so the last try fills every short rank with all-equal groups.
+    Every rank ends with exactly num_prompts groups, `sampling/tries` is the same on every rank, and
+    `frac_reward_zero_std` and `sampling/groups_drawn` count the groups of all ranks. A single controller
+    (verl's DAPO recipe) filters the whole step's groups as one pool instead and keeps the first
+    prompts_per_step informative ones (TRL's GRPOTrainer has no dynamic sampling): the steps hold the same
+    number of informative groups whenever every rank fills its share, but here one rank's surplus cannot
+    fill another rank's gap, so a rank may need another try, or take all-equal groups on the last try,
+    where a pooled filter would not have. With one rank this is exactly the single-process loop."""
     g = params.n
     if not dynamic_sampling:
         batch = next_prompts(num_prompts)
@@ -100,30 +115,46 @@ def collect_rollouts(
                          {"sampling/tries": 1.0}, gather_rewards, rank)
     kept: list[tuple[PromptBatch, list[Completion], list[Any], Any]] = []
     have, tries, zero_std_groups, seen_groups = 0, 0, 0, 0
-    while have < num_prompts:
+    while True:
         need = num_prompts - have
         # Over-sample by the informative rate seen so far (as verl's DAPO recipe draws whole generation
         # batches): asking only for the missing prompts converges slowly when most groups are all-equal.
         rate = (seen_groups - zero_std_groups) / seen_groups if seen_groups else 1.0
-        draw = min(max_oversample * need, max(need, math.ceil(need / max(rate, 1e-9))))
+        want = min(max_oversample * need, max(need, math.ceil(need / max(rate, 1e-9)))) if need else 0
+        # several ranks: all draw the largest count any rank wants, and stop together when none wants more
+        draw = want if gather_rewards is None else int(gather_rewards(torch.tensor([want])).max())
+        if draw == 0:
+            break
         batch = next_prompts(draw)
+        tries += 1
+        if want == 0:  # this rank holds its share; it only keeps the sampler in step with the others
+            continue
+        if want < draw:
+            batch = _first_prompts(batch, want)
         completions, texts, result = _generate_and_score(engine, tokenizer, batch, params, reward_runner,
                                                          trainer_state)
         zero = compute_advantages(result.rewards, g, **advantage_kwargs).is_std_zero.view(-1, g)[:, 0]
         seen_groups += len(batch.prompt_ids)
         zero_std_groups += int(zero.sum())
-        tries += 1
         keep = (~zero).nonzero().flatten().tolist()[:need]
         if tries >= max_resample_tries:  # the last try fills the step, all-equal groups included
             keep = sorted(keep + zero.nonzero().flatten().tolist()[:need - len(keep)])
         batch, completions, texts, result = _select_groups(batch, completions, texts, result, keep, g)
         kept.append((batch, completions, texts, result))
         have += len(batch.prompt_ids)
+    if gather_rewards is not None:  # the counts of every rank, so the metrics describe the whole step
+        counts = gather_rewards(torch.tensor([zero_std_groups, seen_groups])).view(-1, 2).sum(dim=0)
+        zero_std_groups, seen_groups = int(counts[0]), int(counts[1])
     # counted over every group sampled, dropped ones included: how much sampling the filter cost
     return _assemble(kept, g, advantage_kwargs, mask_truncated_completions,
                      {"frac_reward_zero_std": zero_std_groups / max(1, seen_groups),
                       "sampling/tries": float(tries), "sampling/groups_drawn": float(seen_groups)},
                      gather_rewards, rank)
+
+
+def _first_prompts(batch: PromptBatch, count: int) -> PromptBatch:
+    return PromptBatch(prompts=batch.prompts[:count], prompt_ids=batch.prompt_ids[:count],
+                       columns={k: v[:count] for k, v in batch.columns.items()}, indices=batch.indices[:count])
 
 
 def _select_groups(batch: PromptBatch, completions, texts, result, keep: list[int], g: int):
