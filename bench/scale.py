@@ -18,12 +18,14 @@ Rows:
      optimizer update per step, beta 0, grpo_step.py's fast cohort settings (compiled decoder layers, token
      budget 8192, logprob chunks of 4096, KV pool of the workload x1.25); N in --gpus, for each
      train.sharding in --shardings ("none": every rank a full replica; "fsdp": FSDP2, fp32 sharded
-     masters and Adam state, bf16 compute).
+     masters and Adam state, bf16 compute, and --fsdp-set's overrides: by default gathered weights kept from
+     forward to backward and one reduce-scatter per update).
   b) the Qwen2.5-7B architecture (hidden 3584, 28 layers, 28 heads, 4 KV heads, intermediate 18944, vocab
      152064, untied embeddings) with random bf16 weights built on each rank's GPU, full fine-tuning with
-     train.sharding=fsdp on --big-gpus GPUs, the same per-GPU workload (--big-prompts) and a token budget of
-     --big-token-budget (2048: the activations of 8192 tokens would not fit beside the engine's whole bf16
-     copy and the KV pool).
+     train.sharding=fsdp on --big-gpus GPUs, the same per-GPU workload (--big-prompts), a token budget of
+     --big-token-budget (16384) and --big-set's overrides (gradient checkpointing by default: without it
+     only ~2048-token micro-batches fit beside the engine's whole bf16 copy, and 48 micro-batches a step
+     each gather and reduce-scatter the whole model).
   c) TRL's GRPOTrainer (bench/scale_trl.py) on the 1.5B workload, on the largest of --gpus, through
      `accelerate launch` with a generated config (FSDP, fsdp_version 2, bf16 mixed precision, one unit per
      decoder layer), per GPU the same 32 x 8 workload: per_device_train_batch_size 32, 8 accumulation steps
@@ -140,6 +142,11 @@ def _row_config(args, model, device, world: int):
     cfg.model.compile_layers = args.compile_layers
     cfg.generation.release_kv_during_update = args.release_kv
     _set_sharding(cfg, args.sharding)
+    if args.override:
+        from cohort.config import apply_overrides
+
+        apply_overrides(cfg, args.override)
+        budget = cfg.train.token_budget
     info.update(kv_cache_fraction=kv_fraction, token_budget=budget,
                 logprob_chunk_tokens=cfg.train.logprob_chunk_tokens)
     return cfg, info
@@ -261,6 +268,9 @@ def row_command(args, row: dict, json_dir: str) -> list[str]:
         cmd += ["--chunk-tokens", str(chunk)]
     if big and args.big_release_kv:
         cmd += ["--release-kv"]
+    overrides = args.big_set if big else (args.fsdp_set if row["sharding"] == "fsdp" else [])
+    for item in overrides or []:
+        cmd += ["--override", item]
     return cmd + (["--big"] if big else [])
 
 
@@ -510,7 +520,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "default 4 on CUDA, 0 on the CPU)")
     p.add_argument("--big-size", default=None, choices=sorted(BIG_SIZES), help="default 7b (tiny on the CPU)")
     p.add_argument("--big-prompts", type=int, default=None, help="7B row: prompts per GPU (default --prompts)")
-    p.add_argument("--big-token-budget", type=int, default=2048, help="7B row: train.token_budget")
+    p.add_argument("--big-token-budget", type=int, default=16384, help="7B row: train.token_budget")
+    p.add_argument("--big-set", action="append", default=None,
+                   help="7B row: a config override KEY=VALUE (repeatable; default model.gradient_checkpointing=true, "
+                        "which lets 16384-token micro-batches fit: 6 per step instead of 48, so 8x fewer FSDP "
+                        "gathers and reduce-scatters)")
+    p.add_argument("--fsdp-set", action="append", default=None,
+                   help="1.5B fsdp rows: a config override KEY=VALUE (repeatable; default "
+                        "train.fsdp_reshard_after_forward=false and train.fsdp_reduce_every_micro_batch=false: "
+                        "one all-gather per micro-batch and one reduce-scatter per update, which fits at 1.5B)")
     p.add_argument("--big-chunk-tokens", type=int, default=None, help="7B row: train.logprob_chunk_tokens")
     p.add_argument("--big-release-kv", action=argparse.BooleanOptionalAction, default=False,
                    help="7B row: generation.release_kv_during_update (frees the KV pool during the update)")
@@ -542,7 +560,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     p.add_argument("--big", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--release-kv", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--override", action="append", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.big_set is None:
+        args.big_set = ["model.gradient_checkpointing=true"]
+    if args.fsdp_set is None:
+        args.fsdp_set = ["train.fsdp_reshard_after_forward=false", "train.fsdp_reduce_every_micro_batch=false"]
     if args.big_gpus is None:
         args.big_gpus = 4 if args.device == "cuda" else 0
     if args.big_size is None:

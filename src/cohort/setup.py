@@ -222,7 +222,8 @@ def _shard(cfg: CohortConfig, policy, reference, device: torch.device):
     if not ok:
         raise ConfigError(f"train.sharding=fsdp: {why}.")
     mirror = fsdp.mirror_for_engine(policy)  # keeps the loaded bf16 storage: no extra memory
-    units = fsdp.shard_model(policy, device=device, master_weights=cfg.train.master_weights)
+    units = fsdp.shard_model(policy, device=device, master_weights=cfg.train.master_weights,
+                             reshard_after_forward=cfg.train.fsdp_reshard_after_forward)
     if reference is not None:
         fsdp.shard_model(reference, device=device, master_weights=False, trainable=False)
     return mirror, fsdp.WeightGather(policy, mirror, units)

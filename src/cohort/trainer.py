@@ -126,7 +126,8 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo) -> Train
             temperature=cfg.generation.temperature or 1.0, max_grad_norm=t.max_grad_norm,
             max_completion_length=cfg.generation.max_completion_length,
             num_generations=cfg.generation.num_generations, chunk_tokens=t.logprob_chunk_tokens,
-            lm_head_grad_fp32=t.master_weights, sharded=t.sharding == "fsdp"),
+            lm_head_grad_fp32=t.master_weights, sharded=t.sharding == "fsdp",
+            reduce_every_micro_batch=t.fsdp_reduce_every_micro_batch),
         grad_reducer=_grad_reducer(cfg, comp))
     result, started = TrainResult(run_dir=run_dir), time.monotonic()
     start_step = _resume(cfg, comp, run_dir, sampler, result, echo) if cfg.run.resume else 0

@@ -36,6 +36,7 @@ class UpdateSettings:
     chunk_tokens: int = 4096  # logprob kernel chunk (train.logprob_chunk_tokens)
     lm_head_grad_fp32: bool = True  # False with train.master_weights=false: the low-memory setting
     sharded: bool = False  # FSDP: gradients are reduced by FSDP, every rank runs the same number of passes
+    reduce_every_micro_batch: bool = True  # FSDP: reduce-scatter after each micro-batch, or after the last only
 
 
 def pad_rows(rows: Sequence[torch.Tensor], width: int, value: float = 0.0) -> torch.Tensor:
@@ -111,8 +112,11 @@ class PolicyUpdater:
                 max_completion_length=self.s.max_completion_length,
             )
             out = self.loss_fn(inputs)
-            if self.grad_reducer is not None and m == len(micro_batches) - 1:
+            last = m == len(micro_batches) - 1
+            if self.grad_reducer is not None and last:
                 self.grad_reducer.arm()  # the last backward of this update: reduce buckets as they are ready
+            if self.s.sharded and not self.s.reduce_every_micro_batch:
+                self.policy.set_requires_gradient_sync(last)  # sum unsharded until the last micro-batch
             (out.loss if micro else out.loss * 0.0).backward()
             if micro:
                 parts.append(out.metrics)

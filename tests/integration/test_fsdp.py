@@ -53,6 +53,9 @@ def _run(rank: int, world: int, out: str, init_file: str, sharding: str, variant
             cfg.model.lora_target_modules = ["q_proj", "v_proj"]
         if variant == "kl":
             cfg.loss.beta = 0.05
+        if variant == "one_reduce":  # gathered weights kept for backward, one reduce-scatter per update
+            cfg.train.fsdp_reshard_after_forward = False
+            cfg.train.fsdp_reduce_every_micro_batch = False
         comp = toy_components(cfg)
         train(cfg, comp)
         params = _full_params(comp.policy)
@@ -63,7 +66,7 @@ def _run(rank: int, world: int, out: str, init_file: str, sharding: str, variant
             dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("variant", ["full", "lora", "kl"])
+@pytest.mark.parametrize("variant", ["full", "lora", "kl", "one_reduce"])
 def test_fsdp_two_ranks_equal_one_rank(tmp_path, variant):
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
