@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import random
 from pathlib import Path
 from unittest import mock
@@ -245,7 +246,23 @@ def _bf16_model_with_fp32_master_weights(out: Path) -> None:
                 "reloaded": {n: full(p) for n, p in fresh.named_parameters()}}, out / "bf16" / "result.pt")
 
 
-def spawn(worker, world: int, out: Path) -> None:
+def _train_worker(rank: int, world: int, out: str, init_file: str, steps: int, resume: bool) -> None:
+    """The trainer with train.sharding=fsdp on the toy task, saving every step, resuming when asked."""
+    from tests.integration.test_trainer_learns import toy_components, toy_config
+
+    from cohort.trainer import train
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    _init(rank, world, init_file)
+    try:
+        cfg = toy_config(Path(out), steps=steps)
+        cfg.train.device, cfg.train.sharding, cfg.run.resume = "cpu", "fsdp", resume
+        train(cfg, toy_components(cfg))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(worker, world: int, out: Path, *args) -> None:
     """Run `worker` on `world` fresh processes joined by a gloo group.
 
     The processes are forked from a forkserver that imported torch, transformers' Llama and peft once: each
@@ -253,10 +270,12 @@ def spawn(worker, world: int, out: Path) -> None:
     most of this file's runtime. The forkserver itself never ran torch ops, so forking it is safe.
     """
     multiprocessing.set_forkserver_preload(["torch", "transformers.models.llama.modeling_llama", "peft",
+                                            "cohort.trainer", "tests.integration.test_trainer_learns",
                                             __name__])  # ignored when the forkserver already runs
-    init = out / f"init-{worker.__name__}-{world}"
+    out.mkdir(parents=True, exist_ok=True)
+    init = out / f"init-{worker.__name__}-{world}-{'-'.join(map(str, args))}"
     init.unlink(missing_ok=True)
-    mp.start_processes(worker, args=(world, str(out), str(init)), nprocs=world, join=True,
+    mp.start_processes(worker, args=(world, str(out), str(init), *args), nprocs=world, join=True,
                        start_method="forkserver")
 
 
@@ -407,3 +426,21 @@ def test_is_sharded_and_canonical_names():
     assert not is_sharded(tiny_llama2(0))
     assert canonical_name("model.layers.0._orig_mod.self_attn._checkpoint_wrapped_module.q_proj.weight") == \
         "model.layers.0.self_attn.q_proj.weight"
+
+
+def test_trainer_resumes_a_sharded_run_exactly(tmp_path):
+    """Through the trainer: 2 FSDP ranks, 2 steps, stop, resume to 4 == 4 steps straight, metric for metric
+    (losses, rewards, gradient norms, entropy: the same floats)."""
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    spawn(_train_worker, 2, straight, 4, False)
+    spawn(_train_worker, 2, stopped, 2, False)
+    assert (stopped / "run" / "checkpoints" / "step-000002" / "dcp" / ".metadata").is_file()
+    spawn(_train_worker, 2, stopped, 4, True)
+    from cohort.logging import read_jsonl
+
+    a, b = ({r["step"]: r for r in read_jsonl(d / "run" / "metrics.jsonl")} for d in (straight, stopped))
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for step in (3, 4):
+        for key, value in a[step].items():
+            if isinstance(value, float) and not key.startswith(("time", "step_time", "train_time")):
+                assert value == b[step][key], (step, key, value, b[step][key])  # same ranks: bit for bit
