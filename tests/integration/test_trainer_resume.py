@@ -22,7 +22,9 @@ def _rows(run_dir):
 LOW_MEMORY = ["train.master_weights=false", "train.optimizer_offload=true", "generation.release_kv_during_update=true"]
 
 
-@pytest.mark.parametrize("overrides", [[], LOW_MEMORY], ids=["default", "low-memory"])
+# FSDP on one process (a world of one): the sharded DCP checkpoint must resume exactly as well
+@pytest.mark.parametrize("overrides", [[], LOW_MEMORY, ["train.sharding=fsdp"]],
+                         ids=["default", "low-memory", "fsdp-one-process"])
 def test_resume_equals_uninterrupted(tmp_path, overrides):
     n, k = 5, 2
     straight = apply_overrides(toy_config(tmp_path / "a", steps=n), overrides)
