@@ -184,7 +184,13 @@ def run_worker(args) -> None:
         setup = {"setup_s": time.perf_counter() - started, **{f"setup_{k}": v for k, v in _peaks(device).items()}}
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        result = cohort.trainer.train(cfg, comp, echo=echo)
+        profiled = contextlib.nullcontext()
+        if args.profile_update and rank == 0:  # the last step's update on rank 0: where its time goes
+            from grpo_step import _profile_last_update
+
+            profiled = _profile_last_update(cfg.train.max_steps)
+        with profiled:
+            result = cohort.trainer.train(cfg, comp, echo=echo)
     out = {"rank": rank, "world": world, **setup, **_peaks(device), "train_s": time.perf_counter() - started}
     if rank == 0:
         import transformers
@@ -268,6 +274,8 @@ def row_command(args, row: dict, json_dir: str) -> list[str]:
         cmd += ["--chunk-tokens", str(chunk)]
     if big and args.big_release_kv:
         cmd += ["--release-kv"]
+    if args.profile_update:
+        cmd += ["--profile-update"]
     overrides = args.big_set if big else (args.fsdp_set if row["sharding"] == "fsdp" else [])
     for item in overrides or []:
         cmd += ["--override", item]
@@ -561,6 +569,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--big", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--release-kv", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--override", action="append", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--profile-update", action="store_true",
+                   help="print rank 0's profile of the last step's update (torch.profiler, top kernels)")
     args = p.parse_args(argv)
     if args.big_set is None:
         args.big_set = ["model.gradient_checkpointing=true"]
