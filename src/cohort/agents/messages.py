@@ -1,0 +1,136 @@
+"""Turn tool results into chat messages and into the token ids that continue the model's sequence.
+
+A multi-turn rollout is one token sequence: prompt, the model's first completion (ending in its end-of-turn
+token, e.g. `<|im_end|>`), then the tokens of the tool results and the next assistant header, then the model's
+next completion, and so on. `continuation_ids` computes the middle part from the chat template, so the sequence
+is exactly what the template would render for the whole conversation, without re-tokenising what the model
+wrote (its own tokens stay as sampled, which the logprobs need).
+
+How: render the conversation so far (ending with the assistant's tool-calling message) without, and the same
+conversation plus the new tool messages with `add_generation_prompt=True`; the continuation is the text of the
+second after the first, cut back to just after the assistant's end-of-turn marker (the model stopped there; a
+template's newline after it belongs to the continuation). Some templates render the last assistant message
+differently once messages follow it (Qwen3 writes an empty `<think></think>` into the final assistant turn
+only), so the first rendering is not a prefix of the second; then the cut is made in the second rendering
+itself, at the first end-of-turn marker after the history that precedes the assistant message (rendered
+identically in both). If even that history is re-rendered differently, the tool messages are rendered after a
+minimal stand-in conversation (a user message and the assistant's tool-calling message), which is what TRL
+does for every turn. ChatML, Qwen2.5, Qwen3 (thinking on or off) and `chatml_tools` give the same tokens on
+every path; the tests check Qwen3 and `chatml_tools`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from cohort.agents.tools import Tool, ToolCall, ToolResult, tool_schemas
+from cohort.errors import ConfigError
+
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>")
+
+
+def tool_result_messages(results: Sequence[ToolResult]) -> list[dict[str, Any]]:
+    """One `{"role": "tool", "name": ..., "content": ...}` message per result, in order."""
+    return [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+
+
+def assistant_message(text: str, calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
+    """The assistant message for a completion: its text without the tool-call blocks, plus `tool_calls`."""
+    from cohort.agents.parsing import _BLOCK, TOOL_CALL_OPEN
+
+    content = _BLOCK.sub("", text)
+    if TOOL_CALL_OPEN in content:
+        content = content.split(TOOL_CALL_OPEN, 1)[0]
+    message: dict[str, Any] = {"role": "assistant", "content": content.strip()}
+    if calls:
+        message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": dict(c.arguments)}}
+                                 for c in calls]
+    return message
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]], schemas, *, generation_prompt: bool, **kwargs) -> str:
+    return tokenizer.apply_chat_template(messages, tools=schemas or None, tokenize=False,
+                                         add_generation_prompt=generation_prompt, **kwargs)
+
+
+def end_of_turn_markers(tokenizer: Any) -> list[str]:
+    """Strings that end an assistant turn for this tokenizer: its EOS token and the common chat markers it has."""
+    markers = []
+    eos = getattr(tokenizer, "eos_token", None)
+    if isinstance(eos, str) and eos:
+        markers.append(eos)
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    markers += [m for m in _END_OF_TURN if m in vocab and m not in markers]
+    return markers
+
+
+def continuation_text(tokenizer: Any, conversation_so_far: Sequence[dict[str, Any]],
+                      new_messages: Sequence[dict[str, Any]],
+                      tools: Sequence[Tool | dict[str, Any]] | None = None, *, close_turn: bool = False,
+                      **template_kwargs: Any) -> str:
+    """The text `continuation_ids` tokenises; see the module docstring."""
+    if not conversation_so_far or conversation_so_far[-1].get("role") != "assistant":
+        raise ValueError("continuation: conversation_so_far must end with the assistant message that made the calls")
+    schemas = tool_schemas(tools)
+    markers = end_of_turn_markers(tokenizer)
+    conv, new = list(conversation_so_far), list(new_messages)
+    text = _suffix(tokenizer, conv, new, schemas, markers, close_turn, template_kwargs)
+    if text is None:  # the template re-renders history: render the new messages after a stand-in conversation
+        stand_in = [{"role": "user", "content": "."}, conv[-1]]
+        text = _suffix(tokenizer, stand_in, new, schemas, markers, close_turn, template_kwargs)
+    if text is None:
+        raise ConfigError(
+            "the chat template renders a conversation differently once tool messages follow it, so the tool "
+            "results cannot be appended to the model's sequence; use model.chat_template=chatml_tools")
+    return text
+
+
+def _suffix(tokenizer, conv, new, schemas, markers, close_turn, kwargs) -> str | None:
+    full = _render(tokenizer, conv + new, schemas, generation_prompt=True, **kwargs)
+    # where the assistant's last message starts: after the conversation before it (no generation prompt: some
+    # templates' prompt differs from how they render the assistant's header in history, e.g. Qwen3 with
+    # enable_thinking=False adds an empty think block to the prompt only)
+    head = _render(tokenizer, conv[:-1], schemas, generation_prompt=False, **kwargs) if len(conv) > 1 else ""
+    start = len(head) if full.startswith(head) else None
+    base = _render(tokenizer, conv, schemas, generation_prompt=False, **kwargs)
+    if full.startswith(base[:_end_of_turn(base, start or 0, markers, close_turn)]):
+        cut = _end_of_turn(base, start or 0, markers, close_turn)  # the plain case: `base` is a prefix of `full`
+    elif start is not None:
+        # the last assistant message renders differently once messages follow it (Qwen3 drops its empty
+        # <think></think> then), but the history before it does not: cut `full` at that message's end of turn
+        cut = _end_of_turn(full, start, markers, close_turn, first=True)
+    else:
+        return None
+    return full[cut:]
+
+
+def _end_of_turn(text: str, start: int, markers: Sequence[str], close_turn: bool, *, first: bool = False) -> int:
+    """Index just after (close_turn: at) the last end-of-turn marker in text[start:] (first=True: the first one)."""
+    found = [(text.find(m, start) if first else text.rfind(m, start), m) for m in markers]
+    found = [(i, m) for i, m in found if i >= 0]
+    if not found:
+        return len(text)
+    i, m = min(found) if first else max(found)
+    return i if close_turn else i + len(m)
+
+
+def continuation_ids(tokenizer: Any, conversation_so_far: Sequence[dict[str, Any]],
+                     new_messages: Sequence[dict[str, Any]],
+                     tools: Sequence[Tool | dict[str, Any]] | None = None, *, close_turn: bool = False,
+                     **template_kwargs: Any) -> list[int]:
+    """Token ids to append after the model's last completion so that generation continues on the same sequence.
+
+    Args:
+        tokenizer: the policy's tokenizer (with a chat template that renders tools).
+        conversation_so_far: the messages up to and including the assistant message that made the tool calls
+            (see `assistant_message`).
+        new_messages: what to append, usually `tool_result_messages(results)`.
+        tools: the tools (or their schemas) the prompt was rendered with.
+        close_turn: True when the completion ended without its end-of-turn token (stopped by a stop string):
+            the ids then start with that token.
+        template_kwargs: extra chat template variables (e.g. `enable_thinking=False`).
+    """
+    text = continuation_text(tokenizer, conversation_so_far, new_messages, tools, close_turn=close_turn,
+                             **template_kwargs)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -1,0 +1,238 @@
+"""Tools: Python functions the model may call, their JSON schemas, and the runner that executes one turn's calls.
+
+A tool is a plain function (or an `async def`, or a bound method of an environment) with type hints and a
+Google-style docstring. Its schema comes from `transformers.utils.get_json_schema`, the helper that
+`apply_chat_template(..., tools=[fn])` itself uses, so what the chat template shows the model is exactly what
+`Tool.schema` holds.
+
+`ToolRunner.run(calls)` executes the calls of one assistant turn concurrently: coroutine tools together on an
+event loop (`asyncio.gather`), sync tools each on its own daemon thread, every call under `timeout_s`. Nothing a
+tool does can crash the rollout: an exception, an unknown tool name, arguments that do not fit the signature,
+a malformed call from the parser, or a timeout becomes a `ToolResult` whose `content` is an error message for
+the model and whose `failed` is True (counted in `tools/failure_frequency`).
+
+A timed-out sync tool cannot be stopped from Python (threads cannot be killed): its thread is a daemon, its
+result is dropped, and it keeps running until it returns. Tools that may run away should enforce their own
+limits, as `cohort.agents.builtins:python` does with a subprocess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cohort.errors import ConfigError
+
+INVALID_TOOL_NAME = "__invalid__"  # the parser's name for a call it could not read (see parsing.py)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model asked for: the tool's name and its keyword arguments."""
+
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What a call returned, as the text the model will read; `failed` marks errors of any kind."""
+
+    name: str
+    content: str
+    failed: bool = False
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A callable tool and the JSON schema the chat template renders for it."""
+
+    name: str
+    function: Callable[..., Any]
+    schema: dict[str, Any]
+    is_async: bool
+
+    @classmethod
+    def from_callable(cls, fn: Callable[..., Any], *, name: str | None = None) -> Tool:
+        schema = tool_schema(fn, name=name)
+        return cls(name=schema["function"]["name"], function=fn, schema=schema,
+                   is_async=inspect.iscoroutinefunction(fn))
+
+
+def tool_schema(fn: Callable[..., Any], *, name: str | None = None) -> dict[str, Any]:
+    """`get_json_schema(fn)`, with a ConfigError naming the tool and the fix when the function cannot be described."""
+    from transformers.utils import get_json_schema
+
+    label = name or getattr(fn, "__qualname__", None) or repr(fn)
+    try:
+        schema = get_json_schema(fn)
+    except Exception as exc:  # DocstringParsingException, TypeHintParsingException, ...
+        raise ConfigError(
+            f"tool {label!r}: cannot build its JSON schema ({exc}). A tool needs a type hint on every argument and a "
+            "Google-style docstring with a one-line description and an 'Args:' section describing each argument, "
+            "e.g.\n    def add(a: int, b: int) -> int:\n        \"\"\"Add two integers.\n\n        Args:\n"
+            "            a: The first number.\n            b: The second number.\n        \"\"\""
+        ) from exc
+    if name is not None:
+        schema = {**schema, "function": {**schema["function"], "name": name}}
+    return schema
+
+
+def build_tools(funcs: Sequence[Callable[..., Any] | str | Tool] | None) -> list[Tool]:
+    """Tools from functions, `Tool`s, or import paths `"pkg.module:function"`; names must be unique."""
+    from cohort.data.sources import import_object
+
+    tools: list[Tool] = []
+    for item in funcs or []:
+        if isinstance(item, Tool):
+            tools.append(item)
+            continue
+        fn = import_object(item) if isinstance(item, str) else item
+        if not callable(fn):
+            raise ConfigError(f"tool {item!r} is not callable; give a function or a 'pkg.module:function' path.")
+        tools.append(Tool.from_callable(fn))
+    seen: dict[str, Tool] = {}
+    for tool in tools:
+        if tool.name in seen and seen[tool.name].function is not tool.function:
+            raise ConfigError(f"two tools are named {tool.name!r}; tool names must be unique (rename one function).")
+        seen[tool.name] = tool
+    return list(seen.values())
+
+
+def tool_schemas(tools: Sequence[Tool | dict[str, Any] | Callable[..., Any]] | None) -> list[dict[str, Any]]:
+    """The list of JSON schemas `apply_chat_template(..., tools=...)` takes, from Tools, schemas or functions."""
+    out = []
+    for t in tools or []:
+        if isinstance(t, Tool):
+            out.append(t.schema)
+        elif isinstance(t, dict):
+            out.append(t)
+        else:
+            out.append(tool_schema(t))
+    return out
+
+
+def _check_arguments(tool: Tool, arguments: Any) -> str | None:
+    """None when `arguments` fits the tool's signature, else an error message for the model."""
+    if not isinstance(arguments, dict):
+        return f"the arguments of {tool.name!r} must be a JSON object, got {type(arguments).__name__}"
+    try:
+        inspect.signature(tool.function).bind(**arguments)
+    except TypeError as exc:
+        props = tool.schema["function"].get("parameters", {}).get("properties", {})
+        return f"bad arguments for {tool.name!r}: {exc}; it takes {sorted(props)}"
+    except ValueError:  # builtins without a signature: let the call itself decide
+        return None
+    return None
+
+
+class ToolRunner:
+    """Runs the tool calls of one turn concurrently, each under a timeout; never raises for a tool's fault."""
+
+    def __init__(self, tools: Sequence[Tool | Callable[..., Any] | str], timeout_s: float = 10.0,
+                 max_result_chars: int | None = None):
+        self.tools = {t.name: t for t in build_tools(list(tools))}
+        self.timeout_s = float(timeout_s)
+        self.max_result_chars = max_result_chars
+
+    def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
+        """Results in the order of `calls`. Safe to call from inside a running event loop (uses a helper thread)."""
+        if not calls:
+            return []
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.arun(calls))
+        box: dict[str, Any] = {}
+
+        def target():
+            try:
+                box["out"] = asyncio.run(self.arun(calls))
+            except BaseException as exc:  # pragma: no cover - re-raised below
+                box["err"] = exc
+
+        t = threading.Thread(target=target, name="cohort-tool-runner", daemon=True)
+        t.start()
+        t.join()
+        if "err" in box:
+            raise box["err"]
+        return box["out"]
+
+    async def arun(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
+        """The coroutine behind `run`, for callers that already have an event loop."""
+        return list(await asyncio.gather(*(self._one(c) for c in calls)))
+
+    async def _one(self, call: ToolCall) -> ToolResult:
+        name = call.name
+        if name == INVALID_TOOL_NAME:
+            raw = call.arguments.get("raw", "")
+            why = call.arguments.get("error", "not valid JSON")
+            return ToolResult(name, f"Error: could not parse the tool call ({why}). Write it as "
+                                    f'<tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>; got: {raw[:300]}',
+                              failed=True)
+        tool = self.tools.get(name)
+        if tool is None:
+            return ToolResult(name, f"Error: unknown tool {name!r}; the available tools are {sorted(self.tools)}.",
+                              failed=True)
+        bad = _check_arguments(tool, call.arguments)
+        if bad is not None:
+            return ToolResult(name, f"Error: {bad}.", failed=True)
+        try:
+            if tool.is_async:
+                value = await asyncio.wait_for(tool.function(**call.arguments), self.timeout_s)
+            else:
+                value = await asyncio.wait_for(_in_daemon_thread(tool.function, call.arguments), self.timeout_s)
+        except TimeoutError:
+            return ToolResult(name, f"Error: tool {name!r} timed out after {self.timeout_s:g} s.", failed=True)
+        except (Exception, SystemExit) as exc:
+            return ToolResult(name, f"Error: tool {name!r} raised {type(exc).__name__}: {exc}", failed=True)
+        return ToolResult(name, self._text(value), failed=False)
+
+    def _text(self, value: Any) -> str:
+        if isinstance(value, str):
+            text = value
+        elif isinstance(value, dict | list):
+            try:
+                text = json.dumps(value, ensure_ascii=False)
+            except (TypeError, ValueError):
+                text = str(value)
+        else:
+            text = str(value)
+        if self.max_result_chars is not None and len(text) > self.max_result_chars:
+            text = text[: self.max_result_chars] + f"... [truncated, {len(text)} characters]"
+        return text
+
+
+def _in_daemon_thread(fn: Callable[..., Any], kwargs: dict[str, Any]) -> asyncio.Future:
+    """Run a sync function on a daemon thread (a hung tool never blocks interpreter exit, unlike a pool's)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def settle(ok: bool, value: Any):
+        if fut.done():
+            return  # timed out already: drop the late result
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def target():
+        try:
+            value = fn(**kwargs)
+        except Exception as exc:
+            ok, value = False, exc
+        except BaseException as exc:  # SystemExit & co. from a tool: an error for the model, not for us
+            ok, value = False, RuntimeError(f"{type(exc).__name__}: {exc}")
+        else:
+            ok = True
+        with contextlib.suppress(RuntimeError):  # the loop closed while the tool ran
+            loop.call_soon_threadsafe(settle, ok, value)
+
+    threading.Thread(target=target, name=f"cohort-tool-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
+    return fut

@@ -1,0 +1,192 @@
+"""Tools: schemas through transformers' get_json_schema, clear errors, and the runner's concurrency, timeouts and errors."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from transformers.utils import get_json_schema
+
+from cohort.agents.tools import Tool, ToolCall, ToolResult, ToolRunner, build_tools, tool_schemas
+from cohort.errors import ConfigError
+
+
+def multiply(a: int, b: float = 2.0) -> float:
+    """Multiply two numbers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    return a * b
+
+
+def no_doc(a: int) -> int:
+    return a
+
+
+def no_hints(a):
+    """Echo.
+
+    Args:
+        a: Anything.
+    """
+    return a
+
+
+async def slow_async(seconds: float) -> str:
+    """Sleep, then answer.
+
+    Args:
+        seconds: How long to sleep.
+    """
+    await asyncio.sleep(seconds)
+    return f"slept {seconds}"
+
+
+def slow_sync(seconds: float) -> str:
+    """Sleep in a thread, then answer.
+
+    Args:
+        seconds: How long to sleep.
+    """
+    time.sleep(seconds)
+    return f"slept {seconds}"
+
+
+def broken(x: int) -> int:
+    """Always fails.
+
+    Args:
+        x: Ignored.
+    """
+    raise RuntimeError(f"boom {x}")
+
+
+def rows(n: int) -> list:
+    """A structured result.
+
+    Args:
+        n: How many.
+    """
+    return [{"i": i} for i in range(n)]
+
+
+def test_schema_equals_get_json_schema():
+    (tool,) = build_tools([multiply])
+    assert tool.schema == get_json_schema(multiply)
+    assert tool.name == "multiply" and tool.function is multiply and not tool.is_async
+    assert tool_schemas([tool, multiply, tool.schema]) == [get_json_schema(multiply)] * 3
+    assert build_tools([slow_async])[0].is_async
+
+
+def test_import_path_tools():
+    tools = build_tools(["cohort.agents.builtins:calculator", "tests.unit.test_agents_tools:multiply"])
+    assert [t.name for t in tools] == ["calculator", "multiply"]
+    with pytest.raises(ConfigError, match="no attribute"):
+        build_tools(["cohort.agents.builtins:nope"])
+    with pytest.raises(ConfigError, match="import path"):
+        build_tools(["not_a_path"])
+
+
+@pytest.mark.parametrize("fn", [no_doc, no_hints])
+def test_undocumented_or_unhinted_tool_is_a_config_error(fn):
+    with pytest.raises(ConfigError) as info:
+        build_tools([fn])
+    msg = str(info.value)
+    assert fn.__name__ in msg and "type hint" in msg and "docstring" in msg and "Args:" in msg
+
+
+def test_duplicate_names_refused():
+    def multiply(x: int) -> int:
+        """Other.
+
+        Args:
+            x: x.
+        """
+        return x
+
+    with pytest.raises(ConfigError, match="unique"):
+        build_tools([globals()["multiply"], multiply])
+
+
+def test_runner_results_in_order_and_values_as_text():
+    runner = ToolRunner([multiply, rows])
+    out = runner.run([ToolCall("multiply", {"a": 3, "b": 4}), ToolCall("rows", {"n": 2}), ToolCall("multiply", {"a": 1})])
+    assert out == [ToolResult("multiply", "12", False), ToolResult("rows", '[{"i": 0}, {"i": 1}]', False),
+                   ToolResult("multiply", "2.0", False)]
+    assert runner.run([]) == []
+
+
+def test_async_tools_run_concurrently():
+    runner = ToolRunner([slow_async], timeout_s=5)
+    t0 = time.perf_counter()
+    out = runner.run([ToolCall("slow_async", {"seconds": 0.3}), ToolCall("slow_async", {"seconds": 0.3})])
+    assert time.perf_counter() - t0 < 0.5
+    assert [r.content for r in out] == ["slept 0.3", "slept 0.3"] and not any(r.failed for r in out)
+
+
+def test_sync_tools_run_concurrently_too():
+    runner = ToolRunner([slow_sync, slow_async], timeout_s=5)
+    t0 = time.perf_counter()
+    out = runner.run([ToolCall("slow_sync", {"seconds": 0.3}), ToolCall("slow_sync", {"seconds": 0.3}),
+                      ToolCall("slow_async", {"seconds": 0.3})])
+    assert time.perf_counter() - t0 < 0.5
+    assert not any(r.failed for r in out)
+
+
+def test_errors_become_messages_not_crashes():
+    runner = ToolRunner([broken, multiply])
+    out = runner.run([
+        ToolCall("broken", {"x": 7}),
+        ToolCall("nope", {}),
+        ToolCall("multiply", {"c": 1}),
+        ToolCall("multiply", {"a": 2}),
+        ToolCall("__invalid__", {"raw": "{bad", "error": "not valid JSON"}),
+    ])
+    assert [r.failed for r in out] == [True, True, True, False, True]
+    assert "RuntimeError" in out[0].content and "boom 7" in out[0].content
+    assert "unknown tool 'nope'" in out[1].content and "multiply" in out[1].content
+    assert "bad arguments" in out[2].content
+    assert "could not parse" in out[4].content and "{bad" in out[4].content
+    assert all(r.content.startswith("Error") for r in out if r.failed)
+
+
+def test_hanging_tools_time_out():
+    runner = ToolRunner([slow_sync, slow_async], timeout_s=0.2)
+    t0 = time.perf_counter()
+    out = runner.run([ToolCall("slow_sync", {"seconds": 30}), ToolCall("slow_async", {"seconds": 30}),
+                      ToolCall("slow_async", {"seconds": 0.01})])
+    assert time.perf_counter() - t0 < 1.0
+    assert [r.failed for r in out] == [True, True, False]
+    assert "timed out after 0.2 s" in out[0].content and "timed out" in out[1].content
+
+
+def test_run_inside_a_running_event_loop():
+    runner = ToolRunner([multiply])
+
+    async def main():
+        return runner.run([ToolCall("multiply", {"a": 2, "b": 3})])
+
+    assert asyncio.run(main())[0].content == "6"
+    assert asyncio.run(runner.arun([ToolCall("multiply", {"a": 1, "b": 1})]))[0].content == "1"
+
+
+def test_tool_calling_sys_exit_is_an_error_result():
+    def quitter(code: int) -> int:
+        """Exit.
+
+        Args:
+            code: Status.
+        """
+        raise SystemExit(code)
+
+    (res,) = ToolRunner([quitter]).run([ToolCall("quitter", {"code": 3})])
+    assert res.failed and "SystemExit" in res.content
+
+
+def test_tool_objects_pass_through():
+    tool = Tool.from_callable(multiply, name="times")
+    assert tool.name == "times" and tool.schema["function"]["name"] == "times"
+    assert ToolRunner([tool]).run([ToolCall("times", {"a": 2, "b": 2})])[0].content == "4"
