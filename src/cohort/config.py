@@ -47,6 +47,8 @@ class ModelConfig:
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     trust_remote_code: bool = False
+    # None: the tokenizer's own; 'chatml_tools' (cohort's ChatML template with tools) or a .jinja path
+    chat_template: str | None = None
 
 
 @dataclass

@@ -242,6 +242,10 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
     elif next(policy.parameters()).device != device:
         policy.to(device)  # a model object handed in (facade, tests) trains where the config says
     policy = _with_lora(cfg, policy)
+    if cfg.model.chat_template and tokenizer is not None:  # before any prompt is rendered
+        from cohort.agents.templates import apply_chat_template_override
+
+        apply_chat_template_override(tokenizer, cfg.model.chat_template)
     if cfg.model.gradient_checkpointing:
         # transformers >= 5.2x renamed it (the old name warns); older releases have only the old one
         enable = getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
