@@ -174,9 +174,23 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, b
     return torch.optim.AdamW(params, **kwargs)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, *, kind: str, warmup_steps: int, total_steps: int
-                    ) -> LambdaLR:
-    """Linear warmup, then constant or cosine decay to zero over the remaining optimiser updates."""
+def build_scheduler(optimizer: torch.optim.Optimizer, *, kind: str, warmup_steps: float, total_steps: int,
+                    kwargs: dict | None = None) -> LambdaLR:
+    """cohort's own "constant" / "cosine": linear warmup ((u + 1) / warmup), then constant or cosine decay to
+    zero over the remaining optimiser updates. Any other name is one of transformers' schedulers (TRL's
+    lr_scheduler_type: linear, cosine_with_min_lr, constant_with_warmup, ...), built by its own
+    `get_scheduler` with `kwargs` as its scheduler_specific_kwargs; "hf:<name>" asks transformers for a name
+    cohort also defines ("hf:cosine", "hf:constant"). warmup_steps in (0, 1) is a fraction of total_steps,
+    rounded up (transformers' rule)."""
+    if 0 < warmup_steps < 1:
+        warmup_steps = math.ceil(total_steps * warmup_steps)
+    warmup_steps = int(warmup_steps)
+    target = optimizer.inner if isinstance(optimizer, MasterWeightAdamW) else optimizer
+    if kind not in ("constant", "cosine"):
+        from transformers import get_scheduler
+
+        return get_scheduler(kind.removeprefix("hf:"), target, num_warmup_steps=warmup_steps,
+                             num_training_steps=total_steps, scheduler_specific_kwargs=dict(kwargs or {}))
 
     def factor(update: int) -> float:
         if warmup_steps > 0 and update < warmup_steps:
@@ -187,5 +201,4 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, kind: str, warmup_steps
         progress = min(1.0, (update - warmup_steps) / span)
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
-    target = optimizer.inner if isinstance(optimizer, MasterWeightAdamW) else optimizer
     return LambdaLR(target, factor)

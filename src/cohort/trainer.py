@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,17 @@ class TrainResult:
     stopped_at: int | None = None  # the step a time limit stopped the run at (resume to continue)
 
 
+# A hook is called as hook(event, step, payload) at "train_begin", "log" (payload: the step's metrics, after
+# they are logged), "save" ({"path": checkpoint folder}), "evaluate" (the held-out metrics) and "train_end";
+# a truthy return from "log" ends training after that step (with its checkpoint). The TRL facade's callbacks
+# ride on this; the loop knows nothing else about them.
+Hook = Callable[[str, int, dict], Any]
+
+
+def _emit(hooks: Sequence[Hook], event: str, step: int, payload: dict | None = None) -> bool:
+    return any([bool(hook(event, step, payload if payload is not None else {})) for hook in hooks])
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -73,7 +85,8 @@ def _next_prompts(comp: Components, sampler: PromptSampler):
     return take
 
 
-def train(cfg: CohortConfig, components: Components | None = None, *, echo=print) -> TrainResult:
+def train(cfg: CohortConfig, components: Components | None = None, *, echo=print,
+          hooks: Sequence[Hook] = ()) -> TrainResult:
     cfg.validate()
     seed_everything(cfg.train.seed)
     info = distributed.current()
@@ -85,10 +98,10 @@ def train(cfg: CohortConfig, components: Components | None = None, *, echo=print
     echo(describe_schedule(cfg))
     if not info.is_main:
         distributed.barrier()  # rank 0 has prepared the run directory (resume reads its checkpoints)
-        return _train_in(cfg, comp, Path(cfg.run.output_dir), echo)
+        return _train_in(cfg, comp, Path(cfg.run.output_dir), echo, hooks)
     with open_run_dir(cfg.run.output_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite) as run_dir:
         distributed.barrier()
-        return _train_in(cfg, comp, run_dir, echo)
+        return _train_in(cfg, comp, run_dir, echo, hooks)
 
 
 def _grad_reducer(cfg: CohortConfig, comp: Components):
@@ -114,11 +127,11 @@ class _NoLogger:
     close = log
 
 
-def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo) -> TrainResult:
+def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo, hooks: Sequence[Hook] = ()) -> TrainResult:
     t, main = cfg.train, distributed.current().is_main
     if main:
         write_resolved_config(run_dir, cfg.to_dict())
-    sampler = PromptSampler(len(comp.train_data), t.prompts_per_step, seed=t.seed)
+    sampler = PromptSampler(len(comp.train_data), t.prompts_per_step, seed=t.seed, shuffle=cfg.data.shuffle)
     updater = PolicyUpdater(
         comp.policy, comp.optimizer, comp.scheduler, comp.loss_fn, reference=comp.reference,
         device=comp.device, settings=UpdateSettings(
@@ -133,13 +146,14 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo) -> Train
     start_step = _resume(cfg, comp, run_dir, sampler, result, echo) if cfg.run.resume else 0
     logger = MetricLogger(run_dir, total_steps=t.max_steps, report_to=cfg.run.report_to,
                           start_step=start_step) if main else _NoLogger()
+    step, stopped = start_step, False
     try:
+        _emit(hooks, "train_begin", start_step)
         if start_step == 0 and comp.eval_data is not None and main:
             with distributed.phase("eval", 0):
                 result.eval_before = evaluate(comp, cfg)
             echo("eval before training: " + _fmt(result.eval_before))
-        step = start_step
-        while step < t.max_steps and not _budget_spent(cfg, comp):
+        while step < t.max_steps and not stopped and not _budget_spent(cfg, comp):
             step += 1
             metrics = _step(cfg, comp, sampler, updater, step)
             if step == start_step + 1:  # prompt truncation/drop counts, logged with the first step
@@ -153,17 +167,20 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo) -> Train
                 out_of_time = distributed.any_rank(
                     cfg.run.time_limit_s is not None and time.monotonic() - started > cfg.run.time_limit_s)
                 _record(cfg, comp, logger, step, metrics, last=last)
+            if _emit(hooks, "log", step, metrics):  # a hook asked to stop: end here as at max_steps
+                last = stopped = True
             # a sharded checkpoint is written by every rank (each its shards); otherwise rank 0 alone
             writer = main or t.sharding == "fsdp"
             if writer and ((cfg.run.save_steps and step % cfg.run.save_steps == 0) or last or out_of_time):
                 with distributed.phase("save", step):
-                    _save(cfg, comp, run_dir, step, sampler, result)
+                    saved = _save(cfg, comp, run_dir, step, sampler, result)
+                _emit(hooks, "save", step, {"path": saved})
             if out_of_time and not last:
                 echo(f"run.time_limit_s={cfg.run.time_limit_s} reached after step {step}: checkpoint saved; "
                      "continue with --resume")
                 result.stopped_at = step
                 return result
-        if step < t.max_steps:  # the loop ended on train.max_train_time_s, not on max_steps
+        if step < t.max_steps and not stopped:  # the loop ended on train.max_train_time_s, not on max_steps
             echo(f"train.max_train_time_s={cfg.train.max_train_time_s} of training reached after step {step} "
                  f"({comp.train_time_s:.0f} s of step time): final checkpoint saved")
         if comp.eval_data is not None and main:
@@ -171,6 +188,8 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo) -> Train
                 result.eval_after = evaluate(comp, cfg)
             logger.log(step, {f"eval/{k}": v for k, v in result.eval_after.items()})
             echo("eval after training:  " + _fmt(result.eval_after))
+            _emit(hooks, "evaluate", step, result.eval_after)
+        _emit(hooks, "train_end", step)
     finally:
         logger.close()
     return result
@@ -178,7 +197,8 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo) -> Train
 
 def _resume(cfg: CohortConfig, comp: Components, run_dir: Path, sampler, result: TrainResult, echo) -> int:
     """Load the newest complete checkpoint into the live objects; returns its step (0 when none)."""
-    latest = ckpt.latest_checkpoint(run_dir)
+    # run.resume: true resumes from the newest checkpoint, a path from that checkpoint folder
+    latest = ckpt.latest_checkpoint(run_dir) if cfg.run.resume is True else Path(cfg.run.resume)
     if latest is None:
         return 0
     state = ckpt.load_checkpoint(latest, model=comp.policy, optimizer=comp.optimizer, scheduler=comp.scheduler)
@@ -253,8 +273,8 @@ def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, 
     return metrics
 
 
-def _save(cfg: CohortConfig, comp: Components, run_dir: Path, step: int, sampler, result: TrainResult) -> None:
-    ckpt.save_checkpoint(
+def _save(cfg: CohortConfig, comp: Components, run_dir: Path, step: int, sampler, result: TrainResult) -> Path:
+    return ckpt.save_checkpoint(
         run_dir, step, model=comp.policy, tokenizer=comp.tokenizer, optimizer=comp.optimizer,
         scheduler=comp.scheduler, keep_last=cfg.run.save_total_limit,
         trainer_state={"step": step, "sampler": sampler.state_dict(), "num_tokens": comp.num_tokens,

@@ -18,13 +18,13 @@ def test_trl_batch_arithmetic_maps_onto_cohort_sections():
     assert cfg.train.prompts_per_step == 8
     assert cfg.train.mini_batches == 2
     assert cfg.train.max_steps == 6  # 12 optimiser steps / 2 per generation
-    # cispo owns epsilon_high and beta but not epsilon: only its own knobs are passed on
-    assert cfg.loss.loss_params() == {"beta": 0.04, "epsilon_high": 4.0, "importance_sampling_level": "token"}
+    # cispo owns epsilon_high and beta but not epsilon: only its own knobs, where they differ from its defaults
+    assert cfg.loss.loss_params() == {"beta": 0.04, "epsilon_high": 4.0}
 
 
 def test_generation_batch_must_hold_whole_groups():
     with pytest.raises(ConfigError, match="multiple of num_generations"):
-        GRPOConfig(per_device_train_batch_size=6, num_generations=4).to_cohort()
+        GRPOConfig(per_device_train_batch_size=6, num_generations=4)
 
 
 def test_facade_trains_with_model_object(tmp_path):

@@ -1,0 +1,308 @@
+"""`GRPOConfig`: TRL 1.16's fields and defaults (from `fields.TABLE`), turned into one `CohortConfig`.
+
+TRL's batch arithmetic is kept: `generation_batch_size` completions (= per_device_train_batch_size x ranks x
+steps_per_generation) are sampled per generation, i.e. generation_batch_size / num_generations prompts (one
+cohort step); each optimiser step sees per_device_train_batch_size x ranks x gradient_accumulation_steps
+completions, so a cohort step makes steps_per_generation / gradient_accumulation_steps x num_iterations
+optimiser steps. `max_steps`, `logging_steps`, `save_steps`, `eval_steps` count optimiser steps, as in TRL.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+import os
+from typing import Any
+
+from cohort.config import CohortConfig, _set
+from cohort.errors import ConfigError
+from cohort.trl_compat.fields import TABLE, kind
+
+log = logging.getLogger("cohort.trl_compat")
+
+
+class _GRPOConfigBase:
+    """Methods of `GRPOConfig`; its fields come from `fields.TABLE` (TRL 1.16's names and defaults)."""
+
+    def __post_init__(self) -> None:
+        for name, (default, status) in TABLE.items():
+            value = getattr(self, name)
+            if _same(value, default):
+                continue
+            k = kind(status)
+            if k == "reject":
+                raise ConfigError(f"GRPOConfig({name}={value!r}) is not supported by cohort: "
+                                  f"{status.split(':', 1)[1].strip()}.")
+            if k == "announce":
+                log.warning("GRPOConfig(%s=%r): %s.", name, value, status.split(":", 1)[1].strip())
+        self._batch()  # TRL checks the batch arithmetic when the config is made; so does this
+
+    # ----------------------------------------------------------------------------------------- batches
+    def _batch(self) -> tuple[int, int]:
+        """(generation_batch_size, steps_per_generation) as TRL's __post_init__ resolves them."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        per_step = self.per_device_train_batch_size * world
+        gen, spg = self.generation_batch_size, self.steps_per_generation
+        if gen is not None and spg is not None:
+            raise ConfigError("GRPOConfig: 'generation_batch_size' and 'steps_per_generation' can not be both "
+                              "configured at the same time (as in TRL); set one.")
+        if gen is None:
+            spg = spg or self.gradient_accumulation_steps
+            gen = per_step * spg
+        elif gen % per_step:
+            raise ConfigError(f"GRPOConfig: generation_batch_size={gen} must be divisible by the global batch size "
+                              f"per_device_train_batch_size x ranks = {per_step}.")
+        else:
+            spg = gen // per_step
+        if gen % self.num_generations:
+            raise ConfigError(f"GRPOConfig: generation_batch_size={gen} must be a multiple of num_generations="
+                              f"{self.num_generations}; change per_device_train_batch_size or steps_per_generation.")
+        if spg % self.gradient_accumulation_steps:
+            raise ConfigError(f"GRPOConfig: steps_per_generation={spg} must be a multiple of "
+                              f"gradient_accumulation_steps={self.gradient_accumulation_steps}: cohort's optimiser "
+                              "steps never span two generations.")
+        return gen, spg
+
+    def updates_per_generation(self) -> int:
+        """Optimiser steps per cohort step (one generation): steps_per_generation / ga x num_iterations."""
+        _, spg = self._batch()
+        return spg // self.gradient_accumulation_steps * self.num_iterations
+
+    def optimizer_steps(self, num_rows: int | None = None) -> int:
+        """TRL's max_steps: `max_steps` when > 0, else num_train_epochs over `num_rows` prompts, counted as
+        transformers counts them for TRL's RepeatSampler (whole generation batches per epoch)."""
+        if self.max_steps > 0:
+            return int(self.max_steps)
+        if num_rows is None:
+            raise ConfigError("GRPOConfig(max_steps=-1) counts steps from num_train_epochs and the dataset's length; "
+                              "a streaming (iterable) dataset has none: set max_steps, as TRL requires.")
+        gen, spg = self._batch()
+        prompts_per_gen = gen // self.num_generations
+        generations = num_rows // prompts_per_gen
+        if generations == 0:
+            raise ConfigError(f"train_dataset has {num_rows} prompts, fewer than one generation batch "
+                              f"({prompts_per_gen} prompts); add rows or lower per_device_train_batch_size.")
+        batches = generations * spg * self.num_iterations
+        per_epoch = max(1, math.ceil(batches / self.gradient_accumulation_steps))
+        return max(1, math.ceil(self.num_train_epochs * per_epoch))
+
+    # ----------------------------------------------------------------------------------------- mapping
+    def to_cohort(self, num_rows: int | None = None) -> CohortConfig:
+        """The cohort config this TRL config means (`num_rows`: the dataset's length, for num_train_epochs)."""
+        cfg = CohortConfig()
+        for name, (_, status) in TABLE.items():
+            if kind(status) == "mapped" and not status.startswith("loss."):
+                _set(cfg, status, copy.deepcopy(getattr(self, name)))
+        _loss(self, cfg)
+        gen, spg = self._batch()
+        per_gen = self.updates_per_generation()
+        total = self.optimizer_steps(num_rows)
+        t, r = cfg.train, cfg.run
+        t.prompts_per_step = gen // self.num_generations
+        t.mini_batches = spg // self.gradient_accumulation_steps
+        t.max_steps = max(1, math.ceil(total / per_gen))
+        for name, convert in _DERIVED.items():
+            convert(self, cfg, getattr(self, name), per_gen=per_gen, total=total)
+        r.output_dir = self.output_dir or "trainer_output"
+        _set_extra(cfg, self.extra)
+        return cfg
+
+
+def _same(value: Any, default: Any) -> bool:
+    try:
+        return (bool(value == default) and type(value) is type(default)) or (value is None and default is None)
+    except Exception:  # (objects without a boolean ==, e.g. a ParallelismConfig)
+        return False
+
+
+def _loss(args, cfg: CohortConfig) -> None:
+    """loss.* fields reach the loss only where it has that parameter (TRL's losses read only their own) and
+    only when they differ from the loss's own default; TRL's epsilon_high=None means epsilon."""
+    from cohort.algorithms import policy_loss_parameters
+
+    try:
+        owned = policy_loss_parameters(args.loss_type)
+    except Exception:  # (a user loss by import path: pass everything, it checks its own)
+        owned = None
+    values = {status.split(".", 1)[1]: getattr(args, name) for name, (_, status) in TABLE.items()
+              if kind(status) == "mapped" and status.startswith("loss.") and name != "loss_type"}
+    if args.epsilon_high is None and owned is not None and "epsilon_high" in owned and "epsilon" not in owned:
+        values["epsilon_high"] = args.epsilon  # cispo: TRL caps the ratio at epsilon_high or else epsilon
+    for key, value in values.items():
+        if value is None or (owned is not None and (key not in owned or _same(value, owned[key]))):
+            continue
+        _set(cfg, f"loss.{key}", value)
+
+
+def _set_extra(cfg: CohortConfig, extra: dict[str, Any]) -> None:
+    for key, value in (extra or {}).items():
+        _set(cfg, key, value)
+
+
+# ------------------------------------------------------------------------------------- derived fields
+def _in_steps(count: float, per_gen: int) -> int:
+    return max(1, math.ceil(count / per_gen))
+
+
+def _scheduler(a, cfg, value, **_):
+    cfg.train.lr_scheduler_type = {"constant": "hf:constant", "cosine": "hf:cosine"}.get(value, value)
+    cfg.train.lr_scheduler_kwargs = dict(a.lr_scheduler_kwargs or {})
+
+
+def _warmup(a, cfg, value, *, total, **_):
+    ratio = a.warmup_ratio if a.warmup_ratio is not None else (value if 0 < value < 1 else None)
+    cfg.train.warmup_steps = math.ceil(total * ratio) if ratio is not None else int(value)
+
+
+def _optim(a, cfg, value, **_):
+    if str(value) not in ("adamw_torch", "adamw_torch_fused"):
+        raise ConfigError(f"GRPOConfig(optim={value!r}) is not supported by cohort: its optimiser is AdamW "
+                          "(optim='adamw_torch' or 'adamw_torch_fused').")
+
+
+def _bf16(a, cfg, value, **_):
+    cfg.model.dtype = {None: "auto", True: "bfloat16", False: "float32"}[value]
+
+
+def _activation_checkpointing(a, cfg, value, **_):
+    if value is not None:
+        cfg.model.gradient_checkpointing = bool(value)
+
+
+def _strategy(field_name: str, allowed: tuple[str, ...], hint: str):
+    def check(a, cfg, value, **_):
+        if str(getattr(value, "value", value)) not in allowed:
+            raise ConfigError(f"GRPOConfig({field_name}={value!r}) is not supported by cohort: use "
+                              f"{' or '.join(map(repr, allowed))}; {hint}.")
+    return check
+
+
+def _logging_steps(a, cfg, value, *, per_gen, total, **_):
+    steps = math.ceil(total * value) if 0 < value < 1 else value
+    cfg.run.logging_steps = _in_steps(steps, per_gen)
+
+
+def _report_to(a, cfg, value, **_):
+    names = [value] if isinstance(value, str) else list(value or [])
+    names = [n.strip() for item in names for n in str(item).split(",") if n.strip()]
+    if names == ["all"]:
+        cfg.run.report_to = ["all"]
+        return
+    cfg.run.report_to = list(dict.fromkeys(["console", "jsonl"] + [n for n in names if n != "none"]))
+
+
+def _eval_steps(a, cfg, value, *, per_gen, total, **_):
+    strategy = str(getattr(a.eval_strategy, "value", a.eval_strategy))
+    if strategy != "steps":
+        cfg.run.eval_steps = 0
+        return
+    steps = value if value is not None else a.logging_steps
+    steps = math.ceil(total * steps) if 0 < steps < 1 else steps
+    cfg.run.eval_steps = _in_steps(steps, per_gen)
+
+
+def _save_steps(a, cfg, value, *, per_gen, total, **_):
+    strategy = str(getattr(a.save_strategy, "value", a.save_strategy))
+    steps = math.ceil(total * value) if 0 < value < 1 else value
+    cfg.run.save_steps = 0 if strategy == "no" else _in_steps(steps, per_gen)
+
+
+def _use_cpu(a, cfg, value, **_):
+    if value:
+        cfg.train.device = "cpu"
+
+
+def _fsdp(a, cfg, value, **_):
+    if value:
+        cfg.train.sharding = "fsdp"
+
+
+def _eval_samples(a, cfg, value, **_):
+    if value is not None:
+        cfg.run.eval_num_samples = int(value)
+
+
+def _min_p(a, cfg, value, **_):
+    cfg.generation.min_p = float(value or 0.0)
+
+
+_GENERATION_KWARGS = {"stop_strings": "stop_strings", "max_new_tokens": "max_completion_length",
+                      "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                      "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos"}
+
+
+def _generation_kwargs(a, cfg, value, **_):
+    for key, v in (value or {}).items():
+        if key not in _GENERATION_KWARGS:
+            raise ConfigError(f"GRPOConfig(generation_kwargs={{{key!r}: ...}}) is not supported by cohort: its "
+                              f"engine takes {', '.join(sorted(_GENERATION_KWARGS))}.")
+        if key == "stop_strings" and isinstance(v, str):
+            v = [v]
+        setattr(cfg.generation, _GENERATION_KWARGS[key], v)
+
+
+def _scale(a, cfg, value, **_):
+    cfg.advantage.scale_rewards = {True: "group", False: "none"}.get(value, value)
+
+
+def _is_mode(a, cfg, value, **_):
+    if a.loss_type == "vespo" and not str(value).startswith("token"):
+        return  # TRL requires a token-level mode with vespo; cohort's vespo defaults to token_truncate
+    from cohort.algorithms import policy_loss_parameters
+
+    try:
+        default = policy_loss_parameters(a.loss_type).get("sampler_is_mode")
+    except Exception:  # a user loss by import path
+        default = None
+    if a.vllm_importance_sampling_correction and value != default:
+        _set(cfg, "loss.sampler_is_mode", value)
+
+
+def _is_cap(a, cfg, value, **_):
+    if value is not None:
+        _set(cfg, "loss.sampler_is_clip_max", value)
+
+
+def _max_prompt_length(a, cfg, value, **_):
+    cfg.data.max_prompt_length = int(value) if value is not None else 10**9
+
+
+def _noop(*_, **__):  # fields whose effect is computed elsewhere in to_cohort (batch arithmetic, steps)
+    pass
+
+
+_DERIVED = {
+    "output_dir": _noop, "per_device_train_batch_size": _noop, "num_train_epochs": _noop, "max_steps": _noop,
+    "gradient_accumulation_steps": _noop, "generation_batch_size": _noop, "steps_per_generation": _noop,
+    "extra": _noop,
+    "lr_scheduler_type": _scheduler, "lr_scheduler_kwargs": _noop, "warmup_steps": _warmup, "warmup_ratio": _noop, "optim": _optim,
+    "bf16": _bf16, "activation_checkpointing": _activation_checkpointing,
+    "logging_strategy": _strategy("logging_strategy", ("steps", "no"), "set logging_steps"),
+    "logging_steps": _logging_steps, "report_to": _report_to,
+    "eval_strategy": _strategy("eval_strategy", ("steps", "no"), "set eval_steps"),
+    "eval_steps": _eval_steps,
+    "save_strategy": _strategy("save_strategy", ("steps", "no"), "set save_steps"),
+    "save_steps": _save_steps, "use_cpu": _use_cpu, "fsdp": _fsdp, "num_generations_eval": _eval_samples,
+    "min_p": _min_p, "generation_kwargs": _generation_kwargs, "scale_rewards": _scale,
+    "vllm_importance_sampling_mode": _is_mode, "vllm_importance_sampling_cap": _is_cap,
+    "max_prompt_length": _max_prompt_length,
+}
+
+
+def _field(default: Any) -> Any:
+    if isinstance(default, list | dict):
+        return dataclasses.field(default_factory=lambda d=default: copy.deepcopy(d))
+    return dataclasses.field(default=default)
+
+
+GRPOConfig = dataclasses.make_dataclass(
+    "GRPOConfig", [(name, Any, _field(default)) for name, (default, _) in TABLE.items()],
+    bases=(_GRPOConfigBase,))
+GRPOConfig.__module__ = __name__
+GRPOConfig.__doc__ = ("TRL 1.16's GRPOConfig, field by field with TRL's defaults; see "
+                      "cohort.trl_compat.fields.TABLE (and docs/trl_compat.md) for what each one does here.")
+
+_missing = {name for name, (_, status) in TABLE.items() if kind(status) == "derived"} - set(_DERIVED)
+assert not _missing, f"derived fields without a conversion: {_missing}"

@@ -1,0 +1,89 @@
+"""TRL's reward_funcs: callables, or reward models given as a model object, a local folder, or a hub id.
+
+A reward model scores prompt + completion with the first logit of a sequence-classification model (TRL's
+rule, `cohort.rewards.RewardModel`), on the training device.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from cohort.errors import ConfigError
+from cohort.rewards.reward_model import RewardModel
+
+
+def resolve_reward_funcs(funcs: list[Any], processing_classes: Any, cfg) -> list[Any]:
+    from cohort.setup import resolve_device
+
+    device = resolve_device(cfg.train.device)
+    if processing_classes is not None and not isinstance(processing_classes, list | tuple):
+        processing_classes = [processing_classes]
+    out = []
+    for i, func in enumerate(funcs):
+        tok = processing_classes[i] if processing_classes is not None and i < len(processing_classes) else None
+        if isinstance(func, str | os.PathLike):
+            out.append(_from_name(str(func), device))
+        elif _is_model(func):
+            out.append(_from_model(func, tok, device))
+        else:
+            out.append(func)
+    return out
+
+
+def _is_model(obj: Any) -> bool:
+    import torch
+
+    return isinstance(obj, torch.nn.Module) and hasattr(obj, "config")
+
+
+def _from_name(name: str, device) -> RewardModel:
+    if Path(name).is_dir():
+        return RewardModel(name, device=device)
+    if ":" in name or name in _registered():  # cohort's own names ("accuracy", "pkg.mod:fn") stay names
+        return name  # type: ignore[return-value]
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    try:
+        path = snapshot_download(name, local_files_only=offline)
+    except LocalEntryNotFoundError as exc:
+        raise ConfigError(f"reward_funcs={name!r}: the hub id is not in the local cache and HF_HUB_OFFLINE is set "
+                          "(or the hub cannot be reached); download it where there is network, or pass a local "
+                          "folder saved with save_pretrained (reward_funcs='path/to/reward_model').") from exc
+    except Exception as exc:  # (network, auth, a missing repo)
+        raise ConfigError(f"reward_funcs={name!r} could not be loaded from the hub ({type(exc).__name__}: {exc}); "
+                          "with no network set HF_HUB_OFFLINE=1 and pass a local folder saved with "
+                          "save_pretrained instead.") from exc
+    return RewardModel(path, device=device)
+
+
+def _registered() -> set[str]:
+    from cohort.rewards import registry
+
+    return {*registry.FUNCTIONS, *registry.FACTORIES, *registry.ALIASES}
+
+
+def _from_model(model, tokenizer, device) -> RewardModel:
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        name = getattr(model.config, "_name_or_path", "")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name)
+        except Exception as exc:
+            raise ConfigError("reward_funcs=<a model object> needs its tokenizer: pass "
+                              "reward_processing_classes=[tokenizer] (one per reward function).") from exc
+    rm = RewardModel.__new__(RewardModel)
+    rm.model = model.eval().to(device)
+    rm.tokenizer = tokenizer
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    rm.batch_size, rm.max_length = 16, None
+    name = str(getattr(model.config, "_name_or_path", "") or "").rstrip("/").split("/")[-1]
+    rm.name = rm.__name__ = name or "reward_model"
+    return rm

@@ -1,0 +1,282 @@
+"""`GRPOTrainer`: TRL 1.16's constructor and Trainer surface over cohort's one loop (`cohort.trainer.train`).
+
+What it adds to the loop is only translation: TRL's arguments into one `CohortConfig`, datasets into prompt
+rows, and the loop's hook events into transformers `TrainerCallback` calls with a TRL-like `state`/`control`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from cohort.errors import ConfigError
+from cohort.trl_compat.config import GRPOConfig
+
+log = logging.getLogger("cohort.trl_compat")
+
+_MODEL_INIT_KEYS = {"dtype": "dtype", "torch_dtype": "dtype", "attn_implementation": "attn_implementation",
+                    "trust_remote_code": "trust_remote_code"}
+
+
+class GRPOTrainer:
+    """TRL's `GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class, ...)`."""
+
+    def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
+                 callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
+                 peft_config: Any = None, tools: list | None = None, rollout_func: Any = None,
+                 environment_factory: Any = None):
+        if train_dataset is None:
+            raise ConfigError("GRPOTrainer needs train_dataset= (rows with a 'prompt' column).")
+        if reward_funcs is None:
+            raise ConfigError("GRPOTrainer needs reward_funcs= (a function, a reward model or its path, or a list).")
+        if quantization_config is not None:
+            raise ConfigError("GRPOTrainer(quantization_config=...) is not supported by cohort: train LoRA adapters "
+                              "on a bf16 model with peft_config= instead.")
+        if rollout_func is not None:
+            raise ConfigError("GRPOTrainer(rollout_func=...) is not supported by cohort: its own engine generates; "
+                              "multi-turn rollouts go through tools= / environment_factory= (cohort.agents).")
+        self.args = args if args is not None else GRPOConfig(output_dir="trainer_output")
+        if not hasattr(self.args, "to_cohort"):
+            raise ConfigError(f"GRPOTrainer(args=...) takes cohort's GRPOConfig (same fields as TRL's); got "
+                              f"{type(self.args).__module__}.{type(self.args).__name__}: change its import too.")
+        self.model, self.processing_class, self.peft_config = model, processing_class, peft_config
+        self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+        self.reward_processing_classes = reward_processing_classes
+        self.tools, self.environment_factory = tools, environment_factory  # read by cohort.agents
+        self.optimizer, self.lr_scheduler = optimizers
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self._train_rows = _rows(train_dataset, self.args, "train_dataset")
+        self.config = self.args.to_cohort(num_rows=None if self._train_rows is None else len(self._train_rows))
+        if self._train_rows is None:  # streaming: take the prompts the run will draw, as TRL's stream would
+            needed = self.config.train.max_steps * self.config.train.prompts_per_step
+            self._train_rows = [dict(r) for r in itertools.islice(iter(train_dataset), needed)]
+        self.config.reward.funcs = self.reward_funcs
+        self.config.data.shuffle = bool(self.args.shuffle_dataset)
+        _model_init(self.args.model_init_kwargs, self.config)
+        from cohort.trl_compat.callbacks import CallbackBridge
+
+        self.callback_handler = CallbackBridge(self, list(callbacks or []))
+        self.state = self.callback_handler.state
+        self.result = None
+        self._comp = None
+        self.callback_handler.event("on_init_end")
+
+    # --------------------------------------------------------------------------------------- callbacks
+    def add_callback(self, callback) -> None:
+        self.callback_handler.add(callback)
+
+    def pop_callback(self, callback):
+        return self.callback_handler.pop(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.callback_handler.pop(callback)
+
+    # ------------------------------------------------------------------------------------------- build
+    def _components(self):
+        from cohort.model import load_policy
+        from cohort.setup import build_components, resolve_device, resolve_dtype
+
+        cfg = self.config
+        policy, tok = self.model, self.processing_class
+        if isinstance(policy, str | os.PathLike):
+            device = resolve_device(cfg.train.device)
+            policy, loaded_tok = load_policy(str(policy), dtype=resolve_dtype(cfg.model.dtype, device), device=device,
+                                             trust_remote_code=cfg.model.trust_remote_code,
+                                             attn_implementation=cfg.model.attn_implementation)
+            tok = tok or loaded_tok
+            cfg.model.name_or_path = str(self.model)
+        if tok is None:
+            raise ConfigError("GRPOTrainer(model=<a model object>) also needs processing_class=<its tokenizer>.")
+        if self.peft_config is not None:  # TRL's way to train LoRA adapters
+            from peft import get_peft_model
+
+            policy = get_peft_model(policy, self.peft_config)
+        if self.args.disable_dropout:
+            _disable_dropout(policy)
+        if self.args.tf32 is not None:
+            import torch
+
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(self.args.tf32)
+        self.processing_class = tok
+        train = self._encode(self._train_rows, tok)
+        evald = None
+        if str(getattr(self.args.eval_strategy, "value", self.args.eval_strategy)) != "no" and self.eval_dataset:
+            evald = self._encode(_rows(_first_split(self.eval_dataset), self.args, "eval_dataset"), tok)
+        from cohort.trl_compat.rewards import resolve_reward_funcs
+
+        cfg.reward.funcs = resolve_reward_funcs(self.reward_funcs, self.reward_processing_classes, cfg)
+        comp = build_components(cfg, policy=policy, tokenizer=tok, train_data=train, eval_data=evald)
+        if self.optimizer is not None:  # optimizers=(optimizer, scheduler), as in transformers' Trainer
+            from cohort.optim import build_scheduler
+
+            comp.optimizer = self.optimizer
+            comp.scheduler = self.lr_scheduler or build_scheduler(
+                self.optimizer, kind=cfg.train.lr_scheduler_type, warmup_steps=cfg.train.warmup_steps,
+                total_steps=cfg.train.max_steps * cfg.train.mini_batches * cfg.train.num_iterations,
+                kwargs=cfg.train.lr_scheduler_kwargs)
+        self.optimizer, self.lr_scheduler = comp.optimizer, comp.scheduler
+        self.model = comp.policy
+        return comp
+
+    def _encode(self, rows, tok):
+        from cohort.data import load_prompt_dataset
+
+        d = self.config.data
+        ds = load_prompt_dataset(list(rows), prompt_column=d.prompt_column, system_prompt=d.system_prompt)
+        return ds.encode(tok, d.max_prompt_length, truncation=d.truncation,
+                         chat_template_kwargs=self.args.chat_template_kwargs)
+
+    # -------------------------------------------------------------------------------------------- API
+    def train(self, resume_from_checkpoint: bool | str | None = None, **kwargs):
+        """Train; resume_from_checkpoint=True continues from the newest checkpoint in output_dir, a path from
+        that checkpoint folder (cohort's output_dir/checkpoints/step-N)."""
+        from cohort.trainer import train
+
+        if kwargs:
+            raise ConfigError(f"GRPOTrainer.train() got unexpected arguments {sorted(kwargs)}.")
+        cfg = self.config
+        if resume_from_checkpoint:
+            path = resume_from_checkpoint
+            if path is not True and not Path(path).is_dir():
+                raise ConfigError(f"train(resume_from_checkpoint={path!r}): no such checkpoint folder.")
+            cfg.run.resume = True if path is True else str(path)
+        elif not cfg.run.resume:
+            cfg.run.overwrite = True  # TRL writes into an existing output_dir
+        if self._comp is None:
+            self._comp = self._components()
+        if self.args.eval_on_start and self.eval_dataset:
+            self.evaluate()
+        started = time.monotonic()
+        self.result = train(cfg, self._comp, hooks=[self.callback_handler.hook])
+        self.callback_handler.finish(time.monotonic() - started)
+        return self.result
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"
+                 ) -> dict[str, float]:
+        """Generate on eval_dataset (a Dataset, rows, or a dict of them) and score: eval_reward, eval_accuracy
+        (first reward function >= 1), eval_pass@k with num_generations_eval > 1. Logged like TRL's."""
+        from cohort.evaluation import evaluate
+
+        data = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if data is None:
+            raise ConfigError("evaluate() needs an eval_dataset (GRPOTrainer(eval_dataset=...) or evaluate(rows)).")
+        if isinstance(data, dict) and not _is_row(data):  # DatasetDict / dict of splits: one prefix each
+            out: dict[str, float] = {}
+            for name, split in data.items():
+                out.update(self.evaluate(split, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return out
+        if self._comp is None:
+            self._comp = self._components()
+        comp = self._comp
+        saved = comp.eval_data
+        comp.eval_data = self._encode(_rows(data, self.args, "eval_dataset"), self.processing_class)
+        try:
+            metrics = evaluate(comp, self.config)
+        finally:
+            comp.eval_data = saved
+        out = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
+        self.callback_handler.log_eval(out)
+        return out
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Weights (or the LoRA adapters), config and tokenizer in `output_dir` (default args.output_dir),
+        loadable with from_pretrained."""
+        from cohort.checkpoint import _unwrap
+
+        out = Path(output_dir or self.config.run.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        model = self._comp.policy if self._comp is not None else self.model
+        if isinstance(model, str):
+            raise ConfigError("save_model(): the model is still a name; call train() (or evaluate()) first.")
+        _unwrap(model).save_pretrained(out)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(out)
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, **kwargs) -> str:
+        """Save the model and upload it to args.hub_model_id. Offline (HF_HUB_OFFLINE=1) or when the upload
+        fails, the model stays in output_dir/hub/<repo name> and a log line says so; no exception."""
+        repo = self.args.hub_model_id or Path(self.config.run.output_dir).name
+        local = Path(self.config.run.output_dir) / "hub" / repo.replace("/", "__")
+        self.save_model(str(local))
+        if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+            log.warning("push_to_hub: HF_HUB_OFFLINE is set, so nothing was uploaded; the model is in %s "
+                        "(upload it later with `huggingface-cli upload %s %s`).", local, repo, local)
+            return str(local)
+        try:
+            from huggingface_hub import HfApi
+
+            api = HfApi(token=token or self.args.hub_token)
+            api.create_repo(repo, private=self.args.hub_private_repo, exist_ok=True)
+            info = api.upload_folder(repo_id=repo, folder_path=str(local), commit_message=commit_message,
+                                     revision=revision or self.args.hub_revision)
+            return str(getattr(info, "commit_url", info))
+        except Exception as exc:  # (network, auth: reported, never a traceback)
+            log.warning("push_to_hub: upload to %r failed (%s: %s); the model is in %s.", repo,
+                        type(exc).__name__, exc, local)
+            return str(local)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add a row to state.log_history and call the callbacks' on_log, as transformers' Trainer.log."""
+        self.callback_handler.log(dict(logs))
+
+
+# ------------------------------------------------------------------------------------------------ data
+def _is_row(obj) -> bool:
+    return isinstance(obj, dict) and "prompt" in obj
+
+
+def _first_split(data):
+    if isinstance(data, dict) and not _is_row(data):
+        return next(iter(data.values()))
+    return data
+
+
+def _rows(data: Any, args, what: str) -> list[dict] | None:
+    """Prompt rows of a `datasets` Dataset, a list of dicts, or a column dict; None for a streaming dataset
+    (IterableDataset), which needs max_steps as in TRL."""
+    try:
+        from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
+    except ImportError:  # pragma: no cover - datasets is a dependency
+        Dataset = DatasetDict = IterableDataset = IterableDatasetDict = ()  # type: ignore[assignment]
+    if isinstance(data, DatasetDict | IterableDatasetDict):
+        if what == "train_dataset":
+            raise ConfigError(f"{what} is a DatasetDict with splits {list(data)}; pass one split, e.g. "
+                              f"{what}=dataset['train'].")
+        data = next(iter(data.values()))
+    if isinstance(data, IterableDataset):
+        if what == "train_dataset":
+            if args.max_steps <= 0:
+                raise ConfigError("train_dataset is an IterableDataset (streaming), which has no length: set "
+                                  "GRPOConfig(max_steps=...), as TRL requires.")
+            return None
+        return [dict(r) for r in data]
+    if isinstance(data, Dataset):
+        return data.to_list()
+    if isinstance(data, dict) and not _is_row(data):  # columns
+        keys = list(data)
+        return [dict(zip(keys, values)) for values in zip(*data.values())]
+    return [dict(r) for r in data]
+
+
+def _model_init(kwargs: dict | None, cfg) -> None:
+    for key, value in (kwargs or {}).items():
+        if key not in _MODEL_INIT_KEYS:
+            raise ConfigError(f"GRPOConfig(model_init_kwargs={{{key!r}: ...}}) is not supported by cohort: it takes "
+                              f"{', '.join(sorted(_MODEL_INIT_KEYS))}.")
+        if _MODEL_INIT_KEYS[key] == "dtype":
+            value = str(value).removeprefix("torch.")
+        setattr(cfg.model, _MODEL_INIT_KEYS[key], value)
+
+
+def _disable_dropout(model) -> None:
+    import torch
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0

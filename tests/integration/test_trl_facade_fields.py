@@ -1,0 +1,208 @@
+"""Every field of TRL 1.16's GRPOConfig is mapped, announced or rejected, as fields.TABLE (and the docs) say."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from pathlib import Path
+
+import pytest
+
+import cohort
+from cohort import GRPOConfig
+from cohort.config import _set
+from cohort.errors import ConfigError
+from cohort.trl_compat.fields import EXTRA_FIELDS, TABLE, kind, markdown_table
+
+trl = pytest.importorskip("trl")
+TRL_FIELDS = {f.name: f for f in dataclasses.fields(trl.GRPOConfig)}
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _trl_default(f):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory()
+
+
+def _status(name: str) -> str:
+    return TABLE[name][1]
+
+
+def _other(name: str, default):
+    """A value unlike TRL's default, of a plausible type."""
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int | float):
+        return default + 2
+    if isinstance(default, str):
+        return default + "_x"
+    if isinstance(default, list):
+        return ["loss"]
+    return {"x": 1} if "kwargs" in name or "config" in name else "x"
+
+
+def test_every_trl_field_has_a_status_and_trls_default():
+    assert set(TRL_FIELDS) == set(TABLE) - {name for name, _, _ in EXTRA_FIELDS}
+    ours = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+    for name, f in TRL_FIELDS.items():
+        assert kind(_status(name)) in ("mapped", "derived", "trainer", "announce", "reject"), name
+        assert TABLE[name][0] == _trl_default(f), name
+        default = ours[name].default if ours[name].default is not dataclasses.MISSING else ours[name].default_factory()
+        assert default == _trl_default(f), name
+
+
+def test_every_mapped_default_reaches_cohort_as_trls():
+    cfg = GRPOConfig(output_dir="out").to_cohort(num_rows=64)
+    from cohort.algorithms import policy_loss_parameters
+
+    dapo = policy_loss_parameters("dapo")
+    for name, (default, status) in TABLE.items():
+        if kind(status) != "mapped":
+            continue
+        section, key = status.split(".", 1)
+        if section == "loss" and key != "loss_type":
+            if key not in dapo:  # another loss's parameter (sapo_*, vespo_*): only that loss reads it
+                continue
+            got = cfg.loss.loss_params().get(key, dapo[key])
+        else:
+            got = getattr(getattr(cfg, section), key)
+        assert got == default, (name, got, default)
+    # the derived ones with TRL's meaning
+    assert cfg.train.lr_scheduler_type == "linear" and cfg.train.adam_beta2 == 0.999
+    assert cfg.generation.max_completion_length == 512 and cfg.model.gradient_checkpointing is True
+    assert cfg.run.save_total_limit is None and cfg.train.learning_rate == 1e-6
+    assert cfg.advantage.scale_rewards == "group" and cfg.generation.min_p == 0.0
+    assert cfg.run.output_dir == "out" and cfg.model.dtype == "auto"
+    assert GRPOConfig().to_cohort(num_rows=64).run.output_dir == "trainer_output"
+    cfg.validate()
+
+
+@pytest.mark.parametrize("name", sorted(n for n, (_, s) in TABLE.items() if kind(s) == "reject"))
+def test_a_rejected_field_raises_naming_it(name):
+    with pytest.raises(ConfigError, match=name):
+        GRPOConfig(**{name: _other(name, TABLE[name][0])})
+
+
+@pytest.mark.parametrize("name", sorted(n for n, (_, s) in TABLE.items() if kind(s) == "announce"))
+def test_an_announced_field_logs_one_line(name, caplog):
+    with caplog.at_level(logging.INFO, logger="cohort.trl_compat"):
+        GRPOConfig(**{name: _other(name, TABLE[name][0])})
+    lines = [r for r in caplog.records if r.name == "cohort.trl_compat"]
+    assert len(lines) == 1 and name in lines[0].getMessage(), [r.getMessage() for r in lines]
+
+
+def test_defaults_log_nothing(caplog):
+    with caplog.at_level(logging.INFO, logger="cohort.trl_compat"):
+        GRPOConfig()
+    assert not [r for r in caplog.records if r.name == "cohort.trl_compat"]
+
+
+def test_a_mapped_field_sets_its_cohort_key():
+    for name, (default, status) in TABLE.items():
+        if kind(status) != "mapped" or status.startswith("loss."):
+            continue
+        value = _other(name, default) if not isinstance(default, str) else default
+        if default is None:
+            value = {"reward_weights": [1.0]}.get(name, 0.5)
+        if name == "num_generations":
+            value = 4
+        cfg = GRPOConfig(**{name: value}).to_cohort(num_rows=64)
+        section, key = status.split(".", 1)
+        probe = cohort.CohortConfig()
+        _set(probe, status, value)
+        assert getattr(getattr(cfg, section), key) == getattr(getattr(probe, section), key), name
+
+
+def test_loss_fields_reach_the_loss_that_reads_them():
+    cfg = GRPOConfig(loss_type="sapo", sapo_temperature_neg=1.2, epsilon=0.3).to_cohort(num_rows=64)
+    assert cfg.loss.loss_params()["sapo_temperature_neg"] == 1.2
+    assert "epsilon" not in cfg.loss.loss_params()  # sapo has no epsilon, as TRL's sapo ignores it
+    cfg = GRPOConfig(loss_type="cispo").to_cohort(num_rows=64)
+    assert cfg.loss.loss_params()["epsilon_high"] == 0.2  # TRL: epsilon_high None means epsilon
+    cfg = GRPOConfig(off_policy_mask_threshold=0.5, entropy_coef=0.01, vllm_importance_sampling_mode="token_mask",
+                     vllm_importance_sampling_clip_max=2.0).to_cohort(num_rows=64)
+    assert {k: cfg.loss.loss_params()[k] for k in ("off_policy_mask_threshold", "entropy_coef", "sampler_is_mode",
+                                                   "sampler_is_clip_max")} == {
+        "off_policy_mask_threshold": 0.5, "entropy_coef": 0.01, "sampler_is_mode": "token_mask",
+        "sampler_is_clip_max": 2.0}
+
+
+def test_step_counts_follow_trl():
+    # TRL: generation batch 8 x 4 = 32 completions = 8 prompts; 2 optimiser steps per generation
+    args = GRPOConfig(per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=4,
+                      num_generations=4, max_steps=12, logging_steps=4, save_steps=6)
+    cfg = args.to_cohort()
+    assert (cfg.train.prompts_per_step, cfg.train.mini_batches, cfg.train.max_steps) == (8, 2, 6)
+    assert (cfg.run.logging_steps, cfg.run.save_steps) == (2, 3)
+    # epochs: 50 prompts, 8 per generation -> 6 whole generations an epoch, x spg 4 / ga 2 = 12 steps, x 3 epochs
+    args = GRPOConfig(per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=4,
+                      num_generations=4)
+    assert args.optimizer_steps(num_rows=50) == 36
+    assert args.to_cohort(num_rows=50).train.max_steps == 18
+    assert GRPOConfig(num_train_epochs=0.5).optimizer_steps(num_rows=10) == 5  # 1 prompt per generation
+    with pytest.raises(ConfigError, match="max_steps"):
+        GRPOConfig().to_cohort(num_rows=None)
+    with pytest.raises(ConfigError, match="num_generations"):
+        GRPOConfig(per_device_train_batch_size=6, num_generations=4)
+    with pytest.raises(ConfigError, match="can not be both"):
+        GRPOConfig(generation_batch_size=16, steps_per_generation=2)
+
+
+def test_warmup_ratio_and_scheduler_names():
+    args = GRPOConfig(max_steps=40, warmup_steps=0.1, lr_scheduler_type="cosine_with_min_lr",
+                      lr_scheduler_kwargs={"min_lr_rate": 0.1})
+    cfg = args.to_cohort()
+    assert cfg.train.warmup_steps == 4 and cfg.train.lr_scheduler_type == "cosine_with_min_lr"
+    assert GRPOConfig(max_steps=40, warmup_ratio=0.25).to_cohort().train.warmup_steps == 10
+    assert GRPOConfig(lr_scheduler_type="cosine", max_steps=4).to_cohort().train.lr_scheduler_type == "hf:cosine"
+    cfg.validate()
+
+
+@pytest.mark.parametrize("kind_", ["linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr",
+                                   "polynomial", "inverse_sqrt", "warmup_stable_decay"])
+def test_schedulers_are_transformers_own(kind_):
+    import torch
+    from transformers import get_scheduler
+
+    from cohort.optim import build_scheduler
+
+    kwargs = {"cosine_with_min_lr": {"min_lr_rate": 0.1}, "warmup_stable_decay": {"num_decay_steps": 3}}.get(kind_, {})
+    lrs = []
+    for build in (lambda o: build_scheduler(o, kind=kind_ if kind_ not in ("cosine", "constant") else f"hf:{kind_}",
+                                            warmup_steps=2, total_steps=10, kwargs=kwargs),
+                  lambda o: get_scheduler(kind_, o, num_warmup_steps=2, num_training_steps=10,
+                                          scheduler_specific_kwargs=kwargs)):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        sched, seen = build(opt), []
+        for _ in range(10):
+            seen.append(sched.get_last_lr()[0])
+            opt.step()
+            sched.step()
+        lrs.append(seen)
+    assert all(math.isclose(a, b) for a, b in zip(*lrs)), lrs
+
+
+def test_yaml_path_accepts_transformers_scheduler_names():
+    cfg = cohort.load_config(None, ["train.lr_scheduler_type=cosine_with_min_lr",
+                                    "train.lr_scheduler_kwargs.min_lr_rate=0.1", "train.warmup_steps=0.1"])
+    assert cfg.train.lr_scheduler_kwargs == {"min_lr_rate": 0.1}
+    with pytest.raises(ConfigError, match="lr_scheduler_type"):
+        cohort.load_config(None, ["train.lr_scheduler_type=cosinus"])
+
+
+def test_unknown_generation_and_model_init_kwargs_are_rejected_by_name():
+    with pytest.raises(ConfigError, match="do_sample"):
+        GRPOConfig(generation_kwargs={"do_sample": False}).to_cohort(num_rows=8)
+    cfg = GRPOConfig(generation_kwargs={"stop_strings": "</answer>", "max_new_tokens": 64}).to_cohort(num_rows=8)
+    assert cfg.generation.stop_strings == ["</answer>"] and cfg.generation.max_completion_length == 64
+    with pytest.raises(ConfigError, match="optim"):
+        GRPOConfig(optim="sgd").to_cohort(num_rows=8)
+    with pytest.raises(ConfigError, match="eval_strategy"):
+        GRPOConfig(eval_strategy="epoch").to_cohort(num_rows=8)
+
+
+def test_docs_table_is_generated_from_the_code():
+    doc = (ROOT / "docs" / "trl_compat.md").read_text()
+    assert markdown_table() in doc, "regenerate: python -m cohort.trl_compat.fields (see docs/trl_compat.md)"
