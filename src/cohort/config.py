@@ -57,6 +57,7 @@ class DataConfig:
     options: dict[str, Any] = field(default_factory=dict)  # passed to the source (e.g. task settings)
     split: str = "train"
     prompt_column: str = "prompt"
+    shuffle: bool = True  # draw prompts in a seeded random order (reshuffled every epoch); false: dataset order
     system_prompt: str | None = None
     max_prompt_length: int = 512
     truncation: str = "left"  # left: keep the end of a long prompt (TRL); drop: skip the row
@@ -154,8 +155,11 @@ class TrainConfig:
     # once (fewer collectives; +1 fp32 model-size gradient buffer). Speed and memory only, never the maths.
     fsdp_reshard_after_forward: bool = True
     fsdp_reduce_every_micro_batch: bool = True
-    lr_scheduler_type: str = "constant"  # constant | cosine
-    warmup_steps: int = 0
+    # cohort's constant | cosine (warmup then flat / cosine to 0), or any transformers scheduler name (linear,
+    # cosine_with_min_lr, constant_with_warmup, ..., "hf:cosine"), built by transformers' get_scheduler
+    lr_scheduler_type: str = "constant"
+    lr_scheduler_kwargs: dict[str, Any] = field(default_factory=dict)  # transformers' scheduler_specific_kwargs
+    warmup_steps: int | float = 0  # optimiser updates; a value in (0, 1) is a fraction of them
     seed: int = 42
     device: str = "auto"
     # several ranks (torchrun): the longest any collective may wait for a peer before the rank fails and the
@@ -167,7 +171,7 @@ class TrainConfig:
 class RunConfig:
     output_dir: str = "runs/default"
     overwrite: bool = False
-    resume: bool = False
+    resume: bool | str = False  # true: from the newest checkpoint in output_dir; a path: from that checkpoint
     logging_steps: int = 1
     save_steps: int = 0  # 0: only at the end
     save_total_limit: int | None = 2
@@ -244,8 +248,9 @@ class CohortConfig:
                  "use 'auto', 'cohort' or 'hf'")
         _require(self.reward.on_error in ("raise", "skip"), "reward.on_error", self.reward.on_error,
                  "use 'raise' or 'skip'")
-        _require(t.lr_scheduler_type in ("constant", "cosine"), "train.lr_scheduler_type",
-                 t.lr_scheduler_type, "use 'constant' or 'cosine'")
+        _require(t.lr_scheduler_type.removeprefix("hf:") in _scheduler_names(), "train.lr_scheduler_type",
+                 t.lr_scheduler_type, "use 'constant' or 'cosine' (cohort's) or one of transformers' "
+                 f"{', '.join(n for n in _scheduler_names() if n not in ('constant', 'cosine'))}")
         from cohort.algorithms import build_policy_loss
 
         try:  # unknown loss names and parameters fail here, before any work
@@ -259,6 +264,12 @@ class CohortConfig:
         _require(weights is None or len(weights) == len(self.reward.funcs), "reward.reward_weights", weights,
                  f"give one weight per reward function ({len(self.reward.funcs)})")
         return self
+
+
+def _scheduler_names() -> list[str]:
+    from transformers import SchedulerType
+
+    return ["constant", "cosine"] + [s.value for s in SchedulerType if s.value not in ("constant", "cosine")]
 
 
 def _plain(value: Any) -> Any:

@@ -271,7 +271,7 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
                                 offload=t.optimizer_offload)
     total_updates = t.max_steps * t.mini_batches * t.num_iterations
     scheduler = build_scheduler(optimizer, kind=t.lr_scheduler_type, warmup_steps=t.warmup_steps,
-                                total_steps=total_updates)
+                                total_steps=total_updates, kwargs=t.lr_scheduler_kwargs)
     kv_fraction = _check_memory(cfg, policy, device, reference is not None, echo, dtype=compute_dtype)
     if sharded is None:
         engine = build_engine(cfg, policy, tokenizer, device, echo, kv_fraction)
