@@ -73,7 +73,9 @@ def test_row_commands(scale, tmp_path):
     assert fsdp4[fsdp4.index("--sharding") + 1] == "fsdp" and fsdp4[fsdp4.index("--token-budget") + 1] == "4096"
     assert fsdp4[fsdp4.index("--prompts") + 1] == "32" and "--big" not in fsdp4  # prompts per GPU
     big = scale.row_command(args, rows[4], str(tmp_path))
-    assert "--big" in big and big[big.index("--token-budget") + 1] == "2048" and big[big.index("--size") + 1] == "7b"
+    assert "--big" in big and big[big.index("--token-budget") + 1] == "16384" and big[big.index("--size") + 1] == "7b"
+    assert big[big.index("--override") + 1] == "model.gradient_checkpointing=true"
+    assert fsdp4.count("--override") == 2  # the 1.5B fsdp rows' default knobs
     trl = scale.row_command(args, rows[5], str(tmp_path))
     assert trl[1:3] == ["-m", "accelerate.commands.launch"] and trl[trl.index("--num_processes") + 1] == "4"
     config = json.loads(Path(trl[trl.index("--config_file") + 1]).read_text())
