@@ -159,3 +159,11 @@ def test_continuation_falls_back_when_history_is_rerendered():
 def test_continuation_needs_the_assistant_message(tok):
     with pytest.raises(ValueError, match="assistant"):
         continuation_ids(tok, [{"role": "user", "content": "q"}], [{"role": "tool", "content": "1"}], TOOLS)
+
+
+def test_assistant_message_drops_calls_and_end_of_turn():
+    text = CALL + "<|im_end|>"
+    msg = assistant_message(text, parse_tool_calls(text))
+    assert msg == {"role": "assistant", "content": "Let me compute.", "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 + 3"}}}]}
+    assert assistant_message("The answer is 5.<|im_end|>") == {"role": "assistant", "content": "The answer is 5."}

@@ -35,13 +35,17 @@ def tool_result_messages(results: Sequence[ToolResult]) -> list[dict[str, Any]]:
     return [{"role": "tool", "name": r.name, "content": r.content} for r in results]
 
 
-def assistant_message(text: str, calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
-    """The assistant message for a completion: its text without the tool-call blocks, plus `tool_calls`."""
+def assistant_message(text: str, calls: Sequence[ToolCall] = (), tokenizer: Any = None) -> dict[str, Any]:
+    """The assistant message for a completion: its text without the tool-call blocks and without the trailing
+    end-of-turn token (`<|im_end|>`, the tokenizer's EOS), plus `tool_calls`."""
     from cohort.agents.parsing import _BLOCK, TOOL_CALL_OPEN
 
     content = _BLOCK.sub("", text)
     if TOOL_CALL_OPEN in content:
         content = content.split(TOOL_CALL_OPEN, 1)[0]
+    markers = end_of_turn_markers(tokenizer) if tokenizer is not None else list(_END_OF_TURN)
+    for m in markers:
+        content = content.replace(m, "")
     message: dict[str, Any] = {"role": "assistant", "content": content.strip()}
     if calls:
         message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": dict(c.arguments)}}

@@ -30,10 +30,13 @@ _BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_C
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 
 
-def parse_tool_calls(text: str, tokenizer: Any = None) -> list[ToolCall]:
-    """The tool calls in one assistant completion, in order; [] when it makes none."""
+def parse_tool_calls(text: str, tokenizer: Any = None, *, tools: Any = None) -> list[ToolCall]:
+    """The tool calls in one assistant completion, in order; [] when it makes none.
+
+    `tools` (Tools or schemas) is passed to the tokenizer's parser, which then casts arguments to their types.
+    """
     if tokenizer is not None and _has_response_parser(tokenizer):
-        calls = _parse_with_tokenizer(text, tokenizer)
+        calls = _parse_with_tokenizer(text, tokenizer, tools)
         if calls is not None:
             return calls
     return parse_chatml_tool_calls(text)
@@ -96,12 +99,15 @@ def _has_response_parser(tokenizer: Any) -> bool:
             or getattr(tokenizer, "response_schema", None) is not None)
 
 
-def _parse_with_tokenizer(text: str, tokenizer: Any) -> list[ToolCall] | None:
+def _parse_with_tokenizer(text: str, tokenizer: Any, tools: Any) -> list[ToolCall] | None:
     """Calls from `tokenizer.parse_response`; None when it fails (then the ChatML parser reads the text)."""
+    from cohort.agents.tools import tool_schemas
+
+    kwargs = {"tools": tool_schemas(tools)} if tools else {}
     try:
         try:
-            message = tokenizer.parse_response(text, prefix="")
-        except TypeError:  # releases before `prefix=` existed
+            message = tokenizer.parse_response(text, prefix="", **kwargs)
+        except TypeError:  # releases before `prefix=` / `tools=` existed
             message = tokenizer.parse_response(text)
     except Exception:
         return None
