@@ -190,3 +190,19 @@ def test_tool_objects_pass_through():
     tool = Tool.from_callable(multiply, name="times")
     assert tool.name == "times" and tool.schema["function"]["name"] == "times"
     assert ToolRunner([tool]).run([ToolCall("times", {"a": 2, "b": 2})])[0].content == "4"
+
+
+def test_run_turns_runs_a_batch_at_once_and_keeps_rollouts_apart():
+    from cohort.agents.tools import run_turns, tool_metrics
+
+    a, b = ToolRunner([slow_sync, broken], timeout_s=5), ToolRunner([slow_async], timeout_s=5)
+    turns = [(a, [ToolCall("slow_sync", {"seconds": 0.3}), ToolCall("broken", {"x": 1})]), (b, []),
+             (b, [ToolCall("slow_async", {"seconds": 0.3}), ToolCall("slow_sync", {"seconds": 0.3})])]
+    t0 = time.perf_counter()
+    out = run_turns(turns)
+    assert time.perf_counter() - t0 < 0.5
+    assert [[r.failed for r in rs] for rs in out] == [[False, True], [], [False, True]]  # b has no slow_sync
+    assert out[0][0].content == "slept 0.3" and "unknown tool" in out[2][1].content
+    assert tool_metrics(out) == {"tools/call_frequency": 4 / 3, "tools/failure_frequency": 0.5}
+    assert run_turns([(a, []), (b, [])]) == [[], []]
+    assert tool_metrics([[], []]) == {"tools/call_frequency": 0.0, "tools/failure_frequency": 0.0}

@@ -9,10 +9,20 @@ from cohort.agents.environments import Environments, EnvironmentSession, append_
 from cohort.agents.messages import assistant_message, continuation_ids, tool_result_messages
 from cohort.agents.parsing import parse_tool_calls
 from cohort.agents.templates import CHATML_TOOLS, apply_chat_template_override, check_renders_tools
-from cohort.agents.tools import Tool, ToolCall, ToolResult, ToolRunner, build_tools, tool_schemas
+from cohort.agents.tools import (
+    Tool,
+    ToolCall,
+    ToolResult,
+    ToolRunner,
+    build_tools,
+    run_turns,
+    tool_metrics,
+    tool_schemas,
+)
 
 __all__ = [
     "CHATML_TOOLS", "EnvironmentSession", "Environments", "Tool", "ToolCall", "ToolResult", "ToolRunner",
     "append_observation", "apply_chat_template_override", "assistant_message", "build_tools",
-    "check_renders_tools", "continuation_ids", "parse_tool_calls", "tool_result_messages", "tool_schemas",
+    "check_renders_tools", "continuation_ids", "parse_tool_calls", "run_turns", "tool_metrics", "tool_result_messages",
+    "tool_schemas",
 ]
