@@ -170,3 +170,15 @@ def test_async_get_reward():
 
     envs = Environments(AsyncReward)
     assert envs.rewards(envs.start([{}, {}])) == {"AsyncReward": [0.5, 0.5]}
+
+
+def test_session_runner_is_serial_and_run_turns_mixes_rollouts():
+    from cohort.agents.tools import run_turns
+
+    envs = Environments(Counter)
+    a, b = envs.start([{"target": 3}, {"target": 3}])
+    assert a.runner().serial
+    out = run_turns([(a.runner(), [ToolCall("increment", {"by": 1}), ToolCall("increment", {"by": 2})]),
+                     (b.runner(), [ToolCall("increment", {"by": "5"})])])
+    assert [[r.content for r in rs] for rs in out] == [["1", "3"], ["5"]]  # in order; "5" cast to int
+    assert envs.rewards([a, b]) == {"Counter": [1.0, 0.0]}

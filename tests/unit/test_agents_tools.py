@@ -206,3 +206,31 @@ def test_run_turns_runs_a_batch_at_once_and_keeps_rollouts_apart():
     assert tool_metrics(out) == {"tools/call_frequency": 4 / 3, "tools/failure_frequency": 0.5}
     assert run_turns([(a, []), (b, [])]) == [[], []]
     assert tool_metrics([[], []]) == {"tools/call_frequency": 0.0, "tools/failure_frequency": 0.0}
+
+
+def test_string_arguments_are_cast_to_the_schema_type():
+    out = ToolRunner([multiply]).run([ToolCall("multiply", {"a": "6", "b": "0.5"}), ToolCall("multiply", {"a": "six"})])
+    assert out[0] == ToolResult("multiply", "3.0", False)
+    assert out[1].failed and "RuntimeError" not in out[1].content  # "six" stays a string: the call itself fails
+
+
+def test_serial_runner_keeps_call_order():
+    seen = []
+
+    def record(tag: str, wait: float) -> str:
+        """Record a tag after waiting.
+
+        Args:
+            tag: The tag.
+            wait: Seconds to wait first.
+        """
+        time.sleep(wait)
+        seen.append(tag)
+        return tag
+
+    calls = [ToolCall("record", {"tag": "first", "wait": 0.2}), ToolCall("record", {"tag": "second", "wait": 0.0})]
+    ToolRunner([record], serial=True).run(calls)
+    assert seen == ["first", "second"]
+    seen.clear()
+    ToolRunner([record]).run(calls)
+    assert seen == ["second", "first"]  # concurrent: the short call finishes first

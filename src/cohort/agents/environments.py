@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cohort.agents.tools import Tool, build_tools
+from cohort.agents.tools import Tool, ToolRunner, build_tools
 from cohort.errors import ConfigError
 
 RESERVED_METHODS = ("reset", "get_reward")
@@ -75,6 +75,11 @@ class EnvironmentSession:
     @property
     def class_name(self) -> str:
         return type(self.instance).__name__
+
+    def runner(self, timeout_s: float = 10.0, **kwargs: Any) -> ToolRunner:
+        """A ToolRunner over this rollout's tools; serial (one call at a time, in order) since the calls share the
+        instance's state. Several rollouts still run at once through `run_turns`."""
+        return ToolRunner(self.tools, timeout_s=timeout_s, serial=True, **kwargs)
 
 
 class Environments:

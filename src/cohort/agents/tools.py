@@ -118,6 +118,25 @@ def tool_schemas(tools: Sequence[Tool | dict[str, Any] | Callable[..., Any]] | N
     return out
 
 
+_CASTS: dict[str, Callable[[str], Any]] = {
+    "integer": int, "number": float, "boolean": lambda s: {"true": True, "false": False}[s.strip().lower()]}
+
+
+def _coerce_arguments(tool: Tool, arguments: Any) -> Any:
+    """Strings given for integer/number/boolean parameters, cast to that type where they parse ("7" -> 7), as
+    transformers' parse_response does with `tools=`; anything else is left for the signature check."""
+    if not isinstance(arguments, dict):
+        return arguments
+    props = tool.schema["function"].get("parameters", {}).get("properties", {})
+    out = dict(arguments)
+    for key, value in arguments.items():
+        cast = _CASTS.get(str(props.get(key, {}).get("type")))
+        if cast is not None and isinstance(value, str):
+            with contextlib.suppress(ValueError, KeyError):
+                out[key] = cast(value)
+    return out
+
+
 def _check_arguments(tool: Tool, arguments: Any) -> str | None:
     """None when `arguments` fits the tool's signature, else an error message for the model."""
     if not isinstance(arguments, dict):
@@ -136,10 +155,13 @@ class ToolRunner:
     """Runs the tool calls of one turn concurrently, each under a timeout; never raises for a tool's fault."""
 
     def __init__(self, tools: Sequence[Tool | Callable[..., Any] | str], timeout_s: float = 10.0,
-                 max_result_chars: int | None = None):
+                 max_result_chars: int | None = None, serial: bool = False):
+        """`serial=True` runs one turn's calls one after another, in order (still each under the timeout): for
+        tools sharing mutable state, such as an environment's methods, whose results must not depend on timing."""
         self.tools = {t.name: t for t in build_tools(list(tools))}
         self.timeout_s = float(timeout_s)
         self.max_result_chars = max_result_chars
+        self.serial = serial
 
     def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """Results in the order of `calls`. Safe to call from inside a running event loop (uses a helper thread)."""
@@ -147,9 +169,17 @@ class ToolRunner:
             return []
         return _run_sync(self.arun(calls))
 
-    async def arun(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
+    async def arun(self, calls: Sequence[ToolCall], _gate: asyncio.Semaphore | None = None) -> list[ToolResult]:
         """The coroutine behind `run`, for callers that already have an event loop."""
-        return list(await asyncio.gather(*(self._one(c) for c in calls)))
+        async def one(call: ToolCall) -> ToolResult:
+            if _gate is None:
+                return await self._one(call)
+            async with _gate:
+                return await self._one(call)
+
+        if self.serial:
+            return [await one(c) for c in calls]
+        return list(await asyncio.gather(*(one(c) for c in calls)))
 
     async def _one(self, call: ToolCall) -> ToolResult:
         name = call.name
@@ -163,14 +193,15 @@ class ToolRunner:
         if tool is None:
             return ToolResult(name, f"Error: unknown tool {name!r}; the available tools are {sorted(self.tools)}.",
                               failed=True)
-        bad = _check_arguments(tool, call.arguments)
+        arguments = _coerce_arguments(tool, call.arguments)
+        bad = _check_arguments(tool, arguments)
         if bad is not None:
             return ToolResult(name, f"Error: {bad}.", failed=True)
         try:
             if tool.is_async:
-                value = await asyncio.wait_for(tool.function(**call.arguments), self.timeout_s)
+                value = await asyncio.wait_for(tool.function(**arguments), self.timeout_s)
             else:
-                value = await asyncio.wait_for(_in_daemon_thread(tool.function, call.arguments), self.timeout_s)
+                value = await asyncio.wait_for(_in_daemon_thread(tool.function, arguments), self.timeout_s)
         except TimeoutError:
             return ToolResult(name, f"Error: tool {name!r} timed out after {self.timeout_s:g} s.", failed=True)
         except (Exception, SystemExit) as exc:
@@ -206,17 +237,7 @@ def run_turns(turns: Sequence[tuple[ToolRunner, Sequence[ToolCall]]], max_concur
     async def main():
         gate = asyncio.Semaphore(max(1, int(max_concurrency)))
 
-        async def one(runner: ToolRunner, call: ToolCall) -> ToolResult:
-            async with gate:
-                return await runner._one(call)
-
-        flat = [one(runner, c) for runner, calls in turns for c in calls]
-        results = list(await asyncio.gather(*flat))
-        out, i = [], 0
-        for _, calls in turns:
-            out.append(results[i:i + len(calls)])
-            i += len(calls)
-        return out
+        return list(await asyncio.gather(*(runner.arun(calls, _gate=gate) for runner, calls in turns)))
 
     return _run_sync(main())
 
