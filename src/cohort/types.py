@@ -9,7 +9,8 @@ Every engine (the reference Hugging Face `generate` backend and cohort's own pag
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -53,14 +54,46 @@ class SamplingParams:
 class Completion:
     """One sampled completion of one prompt.
 
-    token_ids: the generated tokens, the stop token included when it is EOS / a stop token id.
-    logprobs: one float per token in token_ids (see SamplingParams for which distribution).
+    token_ids: the generated tokens, the stop token included when it is EOS / a stop token id. A multi-turn
+        completion holds the whole conversation after the prompt: model turns and the context between them.
+    logprobs: one float per token in token_ids (see SamplingParams for which distribution); 0.0 on context.
     finish_reason: "stop" (EOS, stop token or stop string) or "length" (max_tokens reached).
+    mask: per token, 1 if the model sampled it and 0 for context (tool results): what the loss trains on.
+        None means every token is the model's (single-turn generation).
+    turns: model turns in the completion; tool_calls / tool_failures: counted by the tool-calling turn
+        loop (None when the rollout had no tools).
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
+    mask: list[int] | None = None
+    turns: int = 1
+    tool_calls: int | None = None
+    tool_failures: int = 0
+
+
+@dataclass(frozen=True)
+class TurnEnd:
+    """A completion that just ended a model turn (EOS / stop), as a multi-turn callback sees it.
+
+    prompt_index, sample_index: where it lands in the result (completion `sample_index` of prompt
+    `prompt_index`). completion_ids: everything after the prompt so far; turn_ids: the tokens of the turn that
+    just ended (its tail); turn: 1 for the first model turn.
+    """
+
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    turn_ids: list[int]
+    turn: int
+    finish_reason: FinishReason
+
+
+# What a turn callback returns: the context tokens to append before the next model turn, None to end the
+# conversation, or a Future of either (the engine keeps generating the other sequences while it resolves).
+TurnCallback = Callable[[TurnEnd], "list[int] | Future | None"]
 
 
 @runtime_checkable
@@ -72,6 +105,8 @@ class RolloutEngine(Protocol):
     `params.seed + i * params.n + j` when a seed is given, so results do not depend on batching.
     sync_weights: called after every optimizer step. An engine that reads the policy's parameters in place
     does nothing; one that keeps fused copies refreshes them here.
+    Both built-in engines also have `generate_turns(prompts, params, on_turn_end)` for multi-turn (tool
+    calling) rollouts; see `TurnEnd` and `cohort.engine.CohortEngine.generate_turns`.
     """
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]: ...

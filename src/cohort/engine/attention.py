@@ -3,10 +3,12 @@
 Layout of one layer's cache: k_cache, v_cache of shape [num_blocks + 1, block_size, num_kv_heads, head_dim];
 the extra last block is a scratch block that padded rows of a CUDA-graph batch write into and read from.
 
-Prefill never reads the cache: a prefill always starts at position 0 (fresh prompts and recomputed,
-preempted sequences alike), so it is causal attention within each packed sequence (`varlen_attn` on the GPU,
-SDPA per sequence on the CPU). Decode reads each sequence's blocks through its block table (a Triton kernel
-on the GPU, gather + SDPA elsewhere).
+Prefill of a fresh prompt (or a recomputed, preempted sequence) starts at position 0, so it is causal
+attention within each packed sequence (`varlen_attn` on the GPU, SDPA per sequence on the CPU) and never
+reads the cache. A continued turn of a multi-turn sequence starts after its cached prefix: its new tokens
+attend to the prefix through its block table (gather + SDPA with an offset causal mask, on every device;
+those are only the few tokens of a tool result). Decode reads each sequence's blocks through its block table
+(a Triton kernel on the GPU, gather + SDPA elsewhere).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ class AttnContext:
     Prefill: cu_seqlens [N+1] int32 on the device, cu_seqlens_host its list, max_seqlen.
     Decode: block_tables [B, max_blocks] int32, ctx_lens [B] int32 (tokens to attend, the new one included),
     max_ctx_len a host bound (None under a CUDA graph: then the full table width is read).
+    Prefill of continued turns: prefix_lens [N] host ints (cached tokens before each sequence's new ones, 0
+    for a fresh one) and prefix_tables, each such sequence's block table (long, on the device; None for 0).
     """
 
     is_prefill: bool
@@ -38,6 +42,8 @@ class AttnContext:
     block_tables: torch.Tensor | None = None
     ctx_lens: torch.Tensor | None = None
     max_ctx_len: int | None = None
+    prefix_lens: list[int] | None = None
+    prefix_tables: list[torch.Tensor | None] | None = None
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -58,6 +64,23 @@ def prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnCon
         vi = v[start:end].transpose(0, 1).repeat_interleave(groups, 0)
         out[start:end] = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale).transpose(0, 1)
     return out
+
+
+def prefix_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, cached: int,
+                scale: float) -> torch.Tensor:
+    """Attention of a continued turn's L new tokens (q [L, H, D], their K/V already stored) over its cached
+    prefix and themselves: query j sits at position cached + j and sees keys 0..cached + j. -> [L, H, D]."""
+    length = q.shape[0]
+    total = cached + length
+    k = k_cache[table].flatten(0, 1)[:total].transpose(0, 1)  # [Hkv, S, D]
+    v = v_cache[table].flatten(0, 1)[:total].transpose(0, 1)
+    groups = q.shape[1] // k.shape[0]
+    k = k.repeat_interleave(groups, 0)
+    v = v.repeat_interleave(groups, 0)
+    keys = torch.arange(total, device=q.device)
+    mask = keys[None, :] <= (cached + torch.arange(length, device=q.device))[:, None]  # [L, S]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask[None], scale=scale)
+    return out.transpose(0, 1)
 
 
 def decode_gather(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttnContext,
@@ -127,7 +150,18 @@ class AttentionOps:
         self.use_triton = use_triton
         self.name = f"prefill={'varlen' if self.use_varlen else 'sdpa'} decode={'triton' if use_triton else 'gather'}"
 
-    def prefill(self, q, k, v, ctx: AttnContext, scale: float) -> torch.Tensor:
+    def prefill(self, q, k, v, ctx: AttnContext, scale: float, k_cache=None, v_cache=None) -> torch.Tensor:
+        out = self._prefill_fresh(q, k, v, ctx, scale)
+        if ctx.prefix_lens:
+            # Sequences with a cached prefix were computed above as if they started at 0 (a little wasted
+            # work on a few tokens, which keeps the packed kernel for the rest); redo them over their prefix.
+            for i, (start, end) in enumerate(itertools.pairwise(ctx.cu_seqlens_host)):
+                if ctx.prefix_lens[i]:
+                    out[start:end] = prefix_sdpa(q[start:end], k_cache, v_cache, ctx.prefix_tables[i],
+                                                 ctx.prefix_lens[i], scale)
+        return out
+
+    def _prefill_fresh(self, q, k, v, ctx: AttnContext, scale: float) -> torch.Tensor:
         if self.use_varlen:
             try:
                 return prefill_varlen(q, k, v, ctx, scale)

@@ -41,6 +41,14 @@ class BlockManager:
         partial = 1 if num_tokens % self.block_size else 0
         return self.blocks_for(num_tokens) + partial * (group_size - 1)
 
+    def blocks_for_unit(self, unit) -> int:
+        """Free blocks a prefill unit takes: a fresh group's (see blocks_to_prefill), or for a continued turn
+        only the blocks its new tokens need beyond the ones it holds."""
+        seq = unit.leader
+        if seq.num_cached:
+            return self.blocks_for(len(seq)) - len(seq.block_table)
+        return self.blocks_to_prefill(len(seq), len(unit.seqs))
+
     def needs_block_for_append(self, seq: Sequence) -> bool:
         """Whether the next decode step writes into a block the sequence does not have yet.
 
@@ -57,9 +65,12 @@ class BlockManager:
         return block
 
     def allocate(self, seq: Sequence) -> None:
-        """Blocks for all of seq's tokens (its prefill)."""
-        assert not seq.block_table, "allocate() on a sequence that already holds blocks"
-        seq.block_table = [self._take() for _ in range(self.blocks_for(len(seq)))]
+        """Blocks for all of seq's tokens (its prefill); a continued turn keeps its blocks and gets the rest.
+
+        The block a continued turn writes first (its last sampled token's) is its own: shared blocks are full
+        prompt blocks, and a turn's tokens all come after the prompt."""
+        assert seq.num_cached or not seq.block_table, "allocate() on a sequence that already holds blocks"
+        seq.block_table += [self._take() for _ in range(self.blocks_for(len(seq)) - len(seq.block_table))]
 
     def fork(self, leader: Sequence, followers: list[Sequence]) -> list[tuple[int, int]]:
         """Share the leader's blocks with the followers; returns (src, dst) partial blocks to copy."""

@@ -7,6 +7,12 @@
 
 The step loop is schedule -> forward (prefill or decode) -> sample -> append/stop -> free finished.
 There is no global state: build one engine per data-parallel rank, each on its rank's model replica.
+
+Multi-turn (tool calling): `generate_turns(prompts, params, on_turn_end)` calls `on_turn_end` whenever a
+completion ends a model turn; the tokens it returns (tool results, the next assistant header) are appended
+and generation continues on the same sequence, whose KV blocks were kept, so only the new tokens are
+prefilled. A callback may return a Future (tools running elsewhere): the engine keeps stepping the other
+sequences meanwhile.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import contextlib
 import itertools
 import random
 from collections.abc import Sequence as Seq
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +32,8 @@ from cohort.engine.model_runner import ModelRunner
 from cohort.engine.models.decoder import engine_supports, unwrap_model
 from cohort.engine.sampler import Sampler, needs_processing
 from cohort.engine.scheduler import Scheduler
-from cohort.engine.sequence import PrefillUnit, Sequence
-from cohort.types import Completion, SamplingParams
+from cohort.engine.sequence import PrefillUnit, Sequence, Status
+from cohort.types import Completion, SamplingParams, TurnCallback, TurnEnd
 
 
 @dataclass
@@ -114,11 +121,75 @@ class CohortEngine:
             for group in groups
         ]
 
+    def generate_turns(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams],
+                       on_turn_end: TurnCallback) -> list[list[Completion]]:
+        """Multi-turn `generate`: after each model turn that stops (EOS / stop), `on_turn_end(TurnEnd)` returns
+        the context tokens to append (the conversation continues on the same KV blocks), None to end it, or
+        a Future of either. `params.max_tokens` caps the whole completion, context tokens included; appended
+        tokens must leave room for at least one more sampled token. Completions carry the loss mask (1 for
+        sampled tokens, 0 for context) and their number of turns."""
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts; pass one or one each.")
+        self.runner.ensure_kv_cache()
+        pending: dict[Future, Sequence] = {}
+        try:
+            groups = [self._add(i, list(prompt), p, multi_turn=True)
+                      for i, (prompt, p) in enumerate(zip(prompts, per_prompt))]
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+                while self.scheduler.has_work() or pending:
+                    if self.scheduler.has_work():
+                        ended = self.step()
+                    else:  # every live conversation waits for its tools
+                        wait(list(pending), return_when=FIRST_COMPLETED)
+                        ended = []
+                    for seq in ended:
+                        if seq.status is Status.PAUSED:
+                            self._end_turn(seq, on_turn_end(self._turn_end(seq)), pending)
+                    for future in [f for f in pending if f.done()]:
+                        self._continue(pending.pop(future), future.result())
+        except BaseException:
+            for future in pending:
+                future.cancel()
+            self._abort()
+            raise
+        return [
+            [Completion(s.completion_ids, s.logprobs, s.finish_reason or "length", mask=list(s.mask), turns=s.turns)
+             for s in group]
+            for group in groups
+        ]
+
+    def _turn_end(self, seq: Sequence) -> TurnEnd:
+        index, sample = seq.request_index
+        return TurnEnd(prompt_index=index, sample_index=sample, prompt_ids=seq.token_ids[: seq.num_prompt_tokens],
+                       completion_ids=seq.completion_ids, turn_ids=seq.turn_ids, turn=seq.turns,
+                       finish_reason=seq.finish_reason or "stop")
+
+    def _end_turn(self, seq: Sequence, reply, pending: dict[Future, Sequence]) -> None:
+        if isinstance(reply, Future):
+            pending[reply] = seq  # its blocks stay while the tools run
+        else:
+            self._continue(seq, reply)
+
+    def _continue(self, seq: Sequence, tokens: Seq[int] | None) -> None:
+        if not tokens:
+            self.scheduler.release(seq)
+            return
+        room = seq.params.max_tokens - seq.num_completion_tokens
+        if len(tokens) >= room:
+            raise ValueError(f"a continuation of {len(tokens)} tokens leaves no room to generate: the completion "
+                             f"has {seq.num_completion_tokens} of max_tokens={seq.params.max_tokens}; end the "
+                             "conversation (return None) when the context does not fit.")
+        self.scheduler.resume(seq, list(tokens))
+
     def _abort(self) -> None:
-        """Drop every queued and running sequence (after an error) so the next call starts clean."""
-        for seq in list(self.scheduler.running):
+        """Drop every queued, running and paused sequence (after an error) so the next call starts clean."""
+        for seq in [*self.scheduler.running, *self.scheduler.paused]:
             self.blocks.free(seq)
+        for unit in self.scheduler.waiting:  # continued turns wait in the queue holding their blocks
+            self.blocks.free(unit.leader)
         self.scheduler.running.clear()
+        self.scheduler.paused.clear()
         self.scheduler.waiting.clear()
 
     def release_kv_cache(self) -> None:
@@ -137,13 +208,14 @@ class CohortEngine:
         return f"cohort engine ({self.runner.attention.name}, {graphs}, sampler={'triton' if self.sampler.use_triton else 'torch'}{fused})"
 
     # ---- internals ---------------------------------------------------------------------------------
-    def _add(self, index: int, prompt: list[int], params: SamplingParams) -> list[Sequence]:
+    def _add(self, index: int, prompt: list[int], params: SamplingParams, multi_turn: bool = False) -> list[Sequence]:
         self._validate(index, prompt, params)
         base = params.seed if params.seed is not None else self._rng.getrandbits(62)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         seqs = [
             Sequence(seq_id=next(self._ids), token_ids=list(prompt), num_prompt_tokens=len(prompt), params=params,
-                     seed=base + index * params.n + j, request_index=(index, j), stop_ids=stop_ids)
+                     seed=base + index * params.n + j, request_index=(index, j), stop_ids=stop_ids,
+                     multi_turn=multi_turn)
             for j in range(params.n)
         ]
         # A group must fit one step's sequence limit and the cache; split it (losing some sharing) if not.
@@ -168,8 +240,8 @@ class CohortEngine:
             raise ValueError(f"prompt {index} needs {self.blocks.blocks_for(total)} KV blocks but the cache has "
                              f"{self.blocks.num_blocks}; raise kv_cache_fraction / num_kv_blocks.")
 
-    def step(self) -> None:
-        """One scheduler step: forward, sample, append, release finished sequences."""
+    def step(self) -> list[Sequence]:
+        """One scheduler step: forward, sample, append, release finished sequences (returned)."""
         step = self.scheduler.schedule()
         if step.is_prefill:
             logits = self.runner.prefill(step.units)
@@ -184,7 +256,7 @@ class CohortEngine:
             self.stats.prefill_steps += 1
         else:
             if not step.seqs:
-                return
+                return []
             logits, sampled = self.runner.decode(step.seqs, fused_sampling=not needs_processing(step.seqs))
             self.stats.decode_tokens += len(step.seqs)
             self.stats.decode_steps += 1
@@ -195,4 +267,4 @@ class CohortEngine:
             tokens, logprobs = sampled
         for seq, token, logprob in zip(step.seqs, tokens, logprobs):
             seq.append(token, logprob, self.tokenizer)
-        self.scheduler.finish(step.seqs)
+        return self.scheduler.finish(step.seqs)

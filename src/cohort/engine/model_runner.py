@@ -139,21 +139,24 @@ class ModelRunner:
     # ---- prefill -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, units: list[PrefillUnit]) -> torch.Tensor:
-        """Forward the leaders' full token lists; returns logits of each leader's last position [U, V]."""
+        """Forward the leaders' uncached tokens (all of them, or a continued turn's new ones); returns logits of
+        each leader's last position [U, V]."""
         bs = self.config.block_size
         ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
         cu = [0]
+        prefix_lens: list[int] = []
         for unit in units:
             seq = unit.leader
-            n = len(seq)
-            ids.extend(seq.token_ids)
-            pos = np.arange(n)
+            n, cached = len(seq), seq.num_cached
+            ids.extend(seq.token_ids[cached:])
+            pos = np.arange(cached, n)
             positions.append(pos)
             table = np.asarray(seq.block_table, dtype=np.int64)
             slots.append(table[pos // bs] * bs + pos % bs)
-            cu.append(cu[-1] + n)
+            cu.append(cu[-1] + n - cached)
+            prefix_lens.append(cached)
         dev = self.device
         ctx = AttnContext(
             is_prefill=True,
@@ -162,6 +165,10 @@ class ModelRunner:
             cu_seqlens_host=cu,
             max_seqlen=max(b - a for a, b in itertools.pairwise(cu)),
         )
+        if any(prefix_lens):
+            ctx.prefix_lens = prefix_lens
+            ctx.prefix_tables = [torch.tensor(u.leader.block_table, dtype=torch.long, device=dev) if c else None
+                                 for u, c in zip(units, prefix_lens)]
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
         hidden = self.net.forward(input_ids, pos_t, ctx, self.kv_cache)

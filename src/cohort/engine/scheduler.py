@@ -7,6 +7,10 @@ so that new groups join the running batch as soon as there is room, as in nano-v
 Preemption by recompute: when a decode step needs a fresh block and none is free, the most recently
 admitted sequence gives its blocks back and returns to the front of the queue with its generated tokens;
 when admitted again it is prefilled from scratch (prompt + generated tokens) and continues where it left off.
+
+Multi-turn: a sequence whose turn ended waits PAUSED, holding its blocks, until `resume` queues it with the
+next turn's context tokens (a prefill of only those tokens) or `release` ends it. Paused sequences are the
+first to give their blocks back when the cache runs out (evicted: their next turn is recomputed in full).
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ class Scheduler:
         self.blocks = blocks
         self.waiting: deque[PrefillUnit] = deque()
         self.running: deque[Sequence] = deque()
+        self.paused: deque[Sequence] = deque()  # turn ended, blocks kept, waiting for the next turn's tokens
         self.num_preemptions = 0
+        self.num_evictions = 0
 
     def add(self, unit: PrefillUnit) -> None:
         self.waiting.append(unit)
@@ -56,7 +62,9 @@ class Scheduler:
         copies: list[tuple[int, int]] = []
         while self.waiting:
             unit = self.waiting[0]
-            need = self.blocks.blocks_to_prefill(unit.num_tokens, len(unit.seqs))
+            need = self.blocks.blocks_for_unit(unit)
+            while need > self.blocks.num_free_blocks and self._evict_paused():
+                need = self.blocks.blocks_for_unit(unit)
             if (
                 num_seqs + len(unit.seqs) > self.config.max_num_seqs
                 or num_tokens + unit.num_tokens > self.config.max_num_batched_tokens
@@ -88,6 +96,8 @@ class Scheduler:
         # Fast path (almost every step): the blocks that sequences crossing a boundary need are free.
         size = self.blocks.block_size
         needing = [s for s in self.running if (len(s.token_ids) - 1) // size >= len(s.block_table)]
+        while len(needing) > self.blocks.num_free_blocks and self._evict_paused():
+            pass
         if len(needing) <= self.blocks.num_free_blocks:
             for seq in needing:
                 self.blocks.append_block(seq)
@@ -113,18 +123,52 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq)
+        seq.num_cached = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(PrefillUnit([seq]))
 
-    def finish(self, seqs: list[Sequence]) -> None:
-        """Release the blocks of sequences that just finished and drop them from the running set."""
-        done = False
+    def finish(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Drop sequences that just finished from the running set and return them. Their blocks go back to
+        the pool, except a multi-turn sequence's that stopped (EOS / stop): it is PAUSED, blocks kept."""
+        done = []
         for seq in seqs:
             if seq.finish_reason is not None and seq.status is Status.RUNNING:
-                seq.status = Status.FINISHED
-                self.blocks.free(seq)
-                done = True
+                if seq.multi_turn and seq.finish_reason == "stop":
+                    seq.status = Status.PAUSED
+                    self.paused.append(seq)
+                else:
+                    seq.status = Status.FINISHED
+                    self.blocks.free(seq)
+                done.append(seq)
         if done:
             self.running = deque(s for s in self.running if s.status is Status.RUNNING)
+        return done
+
+    def resume(self, seq: Sequence, tokens: list[int]) -> None:
+        """Continue a paused sequence with context tokens: only they (and the last sampled token, whose KV a
+        finished turn never computed) are prefilled, unless it was evicted meanwhile (then all of it is)."""
+        assert seq.status is Status.PAUSED, f"resume() on a {seq.status.value} sequence"
+        self.paused.remove(seq)
+        seq.num_cached = len(seq) - 1 if seq.block_table else 0
+        seq.extend_context(tokens)
+        seq.status = Status.WAITING
+        self.waiting.append(PrefillUnit([seq]))
+
+    def release(self, seq: Sequence) -> None:
+        """End a paused sequence's conversation: its blocks go back to the pool."""
+        if seq.status is Status.PAUSED:
+            self.paused.remove(seq)
+            self.blocks.free(seq)
+            seq.status = Status.FINISHED
+
+    def _evict_paused(self) -> bool:
+        """Free the blocks of the longest-paused sequence that holds any (it stays paused; its next turn is
+        recomputed in full); False when none holds blocks."""
+        seq = next((s for s in self.paused if s.block_table), None)
+        if seq is None:
+            return False
+        self.blocks.free(seq)
+        self.num_evictions += 1
+        return True
