@@ -182,3 +182,13 @@ def test_session_runner_is_serial_and_run_turns_mixes_rollouts():
                      (b.runner(), [ToolCall("increment", {"by": "5"})])])
     assert [[r.content for r in rs] for rs in out] == [["1", "3"], ["5"]]  # in order; "5" cast to int
     assert envs.rewards([a, b]) == {"Counter": [1.0, 0.0]}
+
+
+def test_content_part_observations():
+    prompt = [{"role": "user", "content": "Look."}]
+    parts = [{"type": "text", "text": " More."}]
+    assert append_observation(prompt, parts)[-1]["content"] == [{"type": "text", "text": "Look."}, *parts]
+    multimodal = [{"role": "user", "content": [{"type": "image"}]}]
+    assert append_observation(multimodal, " Hi")[-1]["content"] == [{"type": "image"}, {"type": "text", "text": " Hi"}]
+    with pytest.raises(ConfigError, match="plain text"):
+        append_observation("Look.", parts)

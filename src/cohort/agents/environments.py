@@ -69,7 +69,7 @@ class EnvironmentSession:
     name: str | None
     instance: Any
     tools: list[Tool]
-    observation: str | None = None
+    observation: str | list | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -156,9 +156,9 @@ class Environments:
             instance = pool[i]
             kwargs = {k: v for k, v in row.items() if k != ROUTING_COLUMN} if self.multi else dict(row)
             observation = instance.reset(**kwargs)
-            if observation is not None and not isinstance(observation, str):
+            if observation is not None and not isinstance(observation, str | list):
                 raise ConfigError(f"environment {type(instance).__name__}.reset returned "
-                                  f"{type(observation).__name__}; it must return a str or None.")
+                                  f"{type(observation).__name__}; it must return a str (or content parts) or None.")
             tools = self.standalone_tools + environment_tools(instance)
             sessions.append(EnvironmentSession(name=name, instance=instance, tools=tools, observation=observation))
         return sessions
@@ -205,20 +205,24 @@ async def _await(x):
     return await x
 
 
-def append_observation(prompt: Any, observation: str | None) -> Any:
+def append_observation(prompt: Any, observation: str | list | None) -> Any:
     """The prompt with reset's text appended to its last message's content (TRL); a new object, input untouched."""
     if observation is None:
         return prompt
     if isinstance(prompt, str):
+        if not isinstance(observation, str):
+            raise ConfigError("reset returned content parts but the prompt is plain text; return a str instead")
         return prompt + observation
     messages = list(prompt)
     if not messages:
         return [{"role": "user", "content": observation}]
     last = dict(messages[-1])
-    content = last.get("content")
-    if isinstance(content, list):  # multimodal content parts
-        last["content"] = [*content, {"type": "text", "text": observation}]
+    content = last.get("content") or ""
+    if isinstance(observation, list) or isinstance(content, list):  # multimodal content parts (TRL)
+        parts = content if isinstance(content, list) else [{"type": "text", "text": content}]
+        extra = observation if isinstance(observation, list) else [{"type": "text", "text": observation}]
+        last["content"] = [*parts, *extra]
     else:
-        last["content"] = (content or "") + observation
+        last["content"] = content + observation
     messages[-1] = last
     return messages
