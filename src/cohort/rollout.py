@@ -179,9 +179,11 @@ def _assemble(kept, g: int, advantage_kwargs: dict[str, Any], mask_truncated: bo
     result = results[0].concat(results) if len(results) > 1 else results[0]
     if gather is None:
         adv = compute_advantages(result.rewards, g, **advantage_kwargs)
+        batch_rewards = adv.rewards
     else:
         n = result.rewards.shape[0]
         adv = compute_advantages(gather(result.rewards), g, **advantage_kwargs)
+        batch_rewards = adv.rewards  # every rank's: reward_std is over the whole step, as TRL gathers it
         mine = slice(rank * n, (rank + 1) * n)
         adv = dataclasses.replace(adv, advantages=adv.advantages[mine], rewards=adv.rewards[mine])
     finish = [c.finish_reason for c in completions]
@@ -189,13 +191,21 @@ def _assemble(kept, g: int, advantage_kwargs: dict[str, Any], mask_truncated: bo
     metrics = {"frac_reward_zero_std": adv.frac_reward_zero_std, **metrics, **result.metrics(),
                **_completion_metrics(completions)}
     metrics["reward"] = float(torch.nanmean(adv.rewards))
-    metrics["reward_std"] = float(adv.group_std.mean()) if adv.group_std.numel() else 0.0
+    # TRL 1.16's reward_std: the std of the batch's rewards; cohort's mean of per-group stds keeps its own name
+    metrics["reward_std"] = float(_nanstd(batch_rewards))
+    metrics["reward_std_group_mean"] = float(adv.group_std.mean()) if adv.group_std.numel() else 0.0
     return RolloutBatch(
         prompt_ids=prompt_ids, completion_ids=[c.token_ids for c in completions],
         sampling_logprobs=[c.logprobs for c in completions], finish_reasons=finish,
         completions_text=texts, prompts=prompts, rewards_per_func=result.rewards, rewards=adv.rewards,
         advantages=adv.advantages, loss_mask_keep=keep, metrics=metrics,
     )
+
+
+def _nanstd(x: torch.Tensor) -> torch.Tensor:
+    """TRL's nanstd: the unbiased std over the non-NaN entries."""
+    kept = x[~torch.isnan(x)]
+    return kept.std() if kept.numel() > 1 else torch.tensor(0.0)
 
 
 def _completion_metrics(completions: Sequence[Completion]) -> dict[str, float]:

@@ -123,6 +123,7 @@ class PolicyLoss:
         metrics["policy_loss"] = loss.detach()
         if self.entropy_coef != 0.0:
             loss = loss - self.entropy_coef * self._entropy_bonus(inputs, mask, entropy_mask, ctx)
+        metrics["loss"] = loss.detach()  # TRL's "loss": what backward sees (KL and entropy bonus included)
         if inputs.entropy is not None:
             metrics["entropy"] = self._mean(inputs.entropy.detach(), ctx)
         if ctx.sampler_weights is not None:

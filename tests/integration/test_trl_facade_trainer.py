@@ -1,0 +1,182 @@
+"""The Trainer surface TRL scripts use: callbacks with TRL-like state, log_history, resume, save_model, evaluate,
+push_to_hub offline, optimizers=, num_train_epochs, streaming datasets, reward models as objects/paths/hub ids."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from tests.helpers.tiny_tokenizer import make_tiny_tokenizer
+from tests.helpers.toy_task import digit_share, tiny_model, toy_rows
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+from cohort import GRPOConfig, GRPOTrainer
+from cohort.errors import ConfigError
+
+datasets = pytest.importorskip("datasets")
+
+
+def _args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "run"), per_device_train_batch_size=8, num_generations=4,
+                max_completion_length=6, max_steps=2, learning_rate=1e-3, use_cpu=True, logging_steps=1,
+                gradient_checkpointing=False, report_to="none")
+    return GRPOConfig(**{**base, **kw})
+
+
+def _trainer(tmp_path, tok=None, **kw):
+    tok = tok or make_tiny_tokenizer()
+    extra = {k: kw.pop(k) for k in ("train_dataset", "eval_dataset", "callbacks", "optimizers", "model")
+             if k in kw}
+    return GRPOTrainer(model=extra.pop("model", None) or tiny_model(tok), reward_funcs=digit_share,
+                       args=_args(tmp_path, **kw), train_dataset=extra.pop("train_dataset", toy_rows()),
+                       processing_class=tok, **extra)
+
+
+class Recorder(TrainerCallback):
+    def __init__(self, stop_at=None):
+        self.events, self.stop_at = [], stop_at
+
+    def __getattribute__(self, name):
+        if name.startswith("on_"):
+            def record(args, state, control, **kwargs):
+                self.events.append((name, state.global_step))
+                if name == "on_step_end" and self.stop_at is not None and state.global_step >= self.stop_at:
+                    control.should_training_stop = True
+                return control
+            return record
+        return super().__getattribute__(name)
+
+
+def test_callbacks_in_order_with_trl_state_and_log_history(tmp_path):
+    rec = Recorder()
+    trainer = _trainer(tmp_path, callbacks=[rec], save_steps=1)
+    trainer.train()
+    names = [e for e, _ in rec.events]
+    assert names == ["on_init_end", "on_train_begin", "on_epoch_begin",
+                     "on_step_end", "on_log", "on_save", "on_step_end", "on_log", "on_save",
+                     "on_epoch_end", "on_log", "on_train_end"]
+    assert [s for e, s in rec.events if e == "on_save"] == [1, 2]
+    history = trainer.state.log_history
+    assert [row["step"] for row in history] == [1, 2, 2] and trainer.state.global_step == 2
+    for row in history[:2]:
+        assert {"loss", "reward", "reward_std", "reward_std_group_mean", "learning_rate", "grad_norm",
+                "epoch"} <= set(row)
+    assert history[1]["epoch"] == pytest.approx(2 * 2 / 50)  # 2 prompts a step, 50 rows
+    assert {"train_runtime", "train_loss"} <= set(history[-1])
+    assert history[0]["learning_rate"] == pytest.approx(1e-3 * 0.5)  # linear decay over 2 steps, TRL's default
+
+
+def test_should_training_stop_ends_after_the_step_with_a_checkpoint(tmp_path):
+    trainer = _trainer(tmp_path, callbacks=[Recorder(stop_at=1)], max_steps=5)
+    result = trainer.train()
+    assert len(result.history) == 1
+    assert (tmp_path / "run" / "checkpoints" / "step-000001").is_dir()
+
+
+def test_resume_from_checkpoint_equals_an_uninterrupted_run(tmp_path):
+    tok = make_tiny_tokenizer()
+    full = _trainer(tmp_path / "a", tok, max_steps=4)
+    full.train()
+    part = _trainer(tmp_path / "b", tok, max_steps=4, callbacks=[Recorder(stop_at=2)])
+    part.train()
+    resumed = _trainer(tmp_path / "b", tok, max_steps=4)
+    result = resumed.train(resume_from_checkpoint=True)
+    assert len(result.history) == 2
+    for a, b in zip(full.model.state_dict().values(), resumed.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert [r["reward"] for r in full.result.history[2:]] == [r["reward"] for r in result.history]
+    with pytest.raises(ConfigError, match="no such checkpoint"):
+        _trainer(tmp_path / "c", tok).train(resume_from_checkpoint=str(tmp_path / "nowhere"))
+
+
+def test_save_model_round_trips_through_from_pretrained(tmp_path):
+    trainer = _trainer(tmp_path, max_steps=1)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "saved"))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    for (name, a), b in zip(trainer.model.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_evaluate_on_eval_dataset_and_its_splits(tmp_path):
+    evald = datasets.DatasetDict({"a": datasets.Dataset.from_list(toy_rows(1)[:4]),
+                                  "b": datasets.Dataset.from_list(toy_rows(1)[4:8])})
+    trainer = _trainer(tmp_path, eval_dataset=evald, max_steps=1)
+    out = trainer.evaluate()
+    assert {"eval_a_reward", "eval_a_accuracy", "eval_b_reward"} <= set(out)
+    assert trainer.state.log_history[-1]["eval_b_reward"] == out["eval_b_reward"]
+    out = trainer.evaluate(evald["a"])
+    assert set(out) == {"eval_reward", "eval_accuracy"}
+
+
+def test_eval_strategy_steps_evaluates_during_training(tmp_path):
+    trainer = _trainer(tmp_path, eval_dataset=toy_rows(1)[:4], eval_strategy="steps", eval_steps=1, max_steps=2)
+    trainer.train()
+    assert any("eval_reward" in row for row in trainer.state.log_history)
+
+
+def test_push_to_hub_offline_writes_a_local_folder(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    trainer = _trainer(tmp_path, max_steps=1, hub_model_id="me/tiny")
+    trainer.train()
+    with caplog.at_level(logging.WARNING, logger="cohort.trl_compat"):
+        where = trainer.push_to_hub()
+    assert (tmp_path / "run" / "hub" / "me__tiny" / "config.json").is_file() and where.endswith("me__tiny")
+    assert "HF_HUB_OFFLINE" in caplog.text
+
+
+def test_optimizers_argument_is_used(tmp_path):
+    tok = make_tiny_tokenizer()
+    model = tiny_model(tok)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    trainer = _trainer(tmp_path, tok, model=model, optimizers=(opt, None), max_steps=1)
+    trainer.train()
+    assert trainer.optimizer is opt and trainer.lr_scheduler is not None
+
+
+def test_num_train_epochs_derives_the_step_count(tmp_path):
+    # 10 rows, 2 prompts per generation -> 5 generations (optimiser steps) an epoch
+    trainer = _trainer(tmp_path, train_dataset=datasets.Dataset.from_list(toy_rows(1)), max_steps=-1,
+                       num_train_epochs=1)
+    result = trainer.train()
+    assert len(result.history) == 5 and trainer.state.max_steps == 5
+    assert trainer.state.log_history[-2]["epoch"] == pytest.approx(1.0)
+
+
+def test_streaming_dataset_needs_max_steps(tmp_path):
+    stream = datasets.Dataset.from_list(toy_rows()).to_iterable_dataset()
+    with pytest.raises(ConfigError, match="max_steps"):
+        _trainer(tmp_path, train_dataset=stream, max_steps=-1)
+    trainer = _trainer(tmp_path, train_dataset=stream, max_steps=2)
+    assert len(trainer._train_rows) == 4  # the prompts two steps draw
+    assert len(trainer.train().history) == 2
+    with pytest.raises(ConfigError, match="pass one split"):
+        _trainer(tmp_path, train_dataset=datasets.DatasetDict({"train": datasets.Dataset.from_list(toy_rows())}))
+
+
+def _reward_model(tok):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, intermediate_size=64, num_labels=1, pad_token_id=tok.pad_token_id)
+    return LlamaForSequenceClassification(cfg)
+
+
+def test_reward_model_as_object_path_or_hub_id(tmp_path, monkeypatch):
+    tok = make_tiny_tokenizer()
+    rm = _reward_model(tok)
+    rm.save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    for funcs, classes in (([rm], [tok]), ([str(tmp_path / "rm")], None)):
+        trainer = GRPOTrainer(model=tiny_model(tok), reward_funcs=funcs, args=_args(tmp_path, max_steps=1),
+                              train_dataset=toy_rows(), processing_class=tok, reward_processing_classes=classes)
+        history = trainer.train().history
+        assert history[0]["reward_std"] > 0  # a random reward model scores completions differently
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    trainer = GRPOTrainer(model=tiny_model(tok), reward_funcs="someone/not-cached-reward-model",
+                          args=_args(tmp_path, max_steps=1), train_dataset=toy_rows(), processing_class=tok)
+    with pytest.raises(ConfigError, match="HF_HUB_OFFLINE") as err:
+        trainer.train()
+    assert "local folder" in str(err.value)
