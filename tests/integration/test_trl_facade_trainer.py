@@ -180,3 +180,27 @@ def test_reward_model_as_object_path_or_hub_id(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="HF_HUB_OFFLINE") as err:
         trainer.train()
     assert "local folder" in str(err.value)
+
+
+def test_reward_functions_get_what_trl_passes(tmp_path):
+    seen = []
+
+    def spy(prompts, completions, completion_ids, trainer_state, log_metric, log_extra, digit, **kwargs):
+        seen.append(trainer_state.global_step)
+        log_metric("spy/calls", 1.0)
+        log_extra("digit_again", list(digit))
+        assert len(prompts) == len(completions) == len(completion_ids) == len(digit) == 8
+        return [0.0] * len(prompts)
+
+    async def async_reward(completions, trainer_state, **kwargs):
+        return [float(trainer_state.global_step)] * len(completions)
+
+    tok = make_tiny_tokenizer()
+    # steps_per_generation=2: each generation makes 2 optimiser steps, so TRL's global_step goes 0, 2, 4
+    trainer = GRPOTrainer(model=tiny_model(tok), reward_funcs=[spy, async_reward],
+                          args=_args(tmp_path, max_steps=6, steps_per_generation=2, per_device_train_batch_size=4),
+                          train_dataset=toy_rows(), processing_class=tok)
+    result = trainer.train()
+    assert seen == [0, 2, 4]
+    assert [r["rewards/async_reward/mean"] for r in result.history] == [0.0, 2.0, 4.0]
+    assert all(r["spy/calls"] == 1.0 for r in trainer.state.log_history[:3])

@@ -37,7 +37,20 @@ def test_contract_passes_every_argument_by_keyword():
     RewardRunner([spy])(PROMPTS, COMPLETIONS, IDS, COLUMNS, trainer_state={"step": 3})
     assert seen["prompts"] == PROMPTS and seen["completions"] == COMPLETIONS and seen["ids"] == IDS
     assert seen["state"] == {"step": 3} and seen["answer"] == ["4", "6", None]
-    assert seen["extra"] == []
+    assert seen["extra"] == ["log_extra", "log_metric"]  # TRL 1.16's logging hooks
+
+
+def test_log_metric_and_log_extra_as_trl():
+    def logs(completions, log_metric, log_extra, **kwargs):
+        log_metric("my/length", sum(len(c) for c in completions) / len(completions))
+        log_extra("note", [f"n{i}" for i in range(len(completions))])
+        return [0.0] * len(completions)
+
+    result = RewardRunner([logs])(PROMPTS, COMPLETIONS, IDS, COLUMNS)
+    assert result.metrics()["my/length"] == sum(len(c) for c in COMPLETIONS) / len(COMPLETIONS)
+    assert result.extra == {"note": ["n0", "n1", "n2"]} and result.select([2]).extra == {"note": ["n2"]}
+    both = type(result).concat([result, result])
+    assert both.metrics()["my/length"] == result.metrics()["my/length"] and len(both.extra["note"]) == 6
 
 
 def test_function_without_kwargs_gets_only_what_it_names():

@@ -107,11 +107,15 @@ class RewardRunner:
         n = len(prompts)
         columns = dict(columns or {})
         _check_lengths(n, completions, completion_ids, columns)
+        logged: dict[str, list[float]] = {}
+        extra: dict[str, list[Any]] = {}
         batch = {
             "prompts": list(prompts),
             "completions": list(completions),
             "completion_ids": [list(c) for c in completion_ids],
             "trainer_state": trainer_state,
+            "log_metric": lambda name, value: logged.setdefault(str(name), []).append(float(value)),
+            "log_extra": lambda column, values: extra.setdefault(str(column), []).extend(values),
             **{k: list(v) for k, v in columns.items() if k not in RESERVED_ARGS},
         }
         per_func = torch.full((n, len(self.funcs)), float("nan"), dtype=torch.float32)
@@ -125,7 +129,7 @@ class RewardRunner:
             per_func[:, i] = self._finish(i, outcomes[i], batch, errors)
         for name, k in errors.items():
             self.total_errors[name] += k
-        return RewardResult(per_func, list(self.names), self.weights.clone(), errors)
+        return RewardResult(per_func, list(self.names), self.weights.clone(), errors, logged, extra)
 
     # -- calling -------------------------------------------------------------------------------------
     def _kwargs_for(self, i: int, batch: dict[str, Any]) -> dict[str, Any]:

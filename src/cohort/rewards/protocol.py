@@ -26,7 +26,9 @@ import torch
 
 from cohort.errors import CohortError
 
-RESERVED_ARGS = ("prompts", "completions", "completion_ids", "trainer_state")
+# log_metric(name, value) / log_extra(column, values): TRL 1.16's hooks for a reward function to log a scalar
+# (averaged over the step, logged under `name`) or a per-sample column (kept on the RewardResult)
+RESERVED_ARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
 
 
 class RewardError(CohortError):
@@ -111,13 +113,16 @@ class RewardResult:
 
     rewards: [N, F] float32, NaN where a function returned None or its sample was skipped (`per_func` is
     the same tensor). names: the F metric names. weights: [F]. num_errors: per function, samples skipped
-    by on_error="skip".
+    by on_error="skip". logged: scalars the functions passed to `log_metric`; extra: columns passed to
+    `log_extra` (one value per sample).
     """
 
     rewards: torch.Tensor
     names: list[str]
     weights: torch.Tensor
     num_errors: dict[str, int] = field(default_factory=dict)
+    logged: dict[str, list[float]] = field(default_factory=dict)
+    extra: dict[str, list[Any]] = field(default_factory=dict)
 
     @property
     def per_func(self) -> torch.Tensor:
@@ -144,7 +149,10 @@ class RewardResult:
     def select(self, rows: Sequence[int]) -> RewardResult:
         """The result restricted to `rows` (e.g. the groups dynamic sampling keeps); error counts kept."""
         index = torch.as_tensor(list(rows), dtype=torch.long)
-        return RewardResult(self.rewards[index], list(self.names), self.weights, dict(self.num_errors))
+        n = self.rewards.shape[0]
+        extra = {k: [v[r] for r in rows] for k, v in self.extra.items() if len(v) == n}
+        return RewardResult(self.rewards[index], list(self.names), self.weights, dict(self.num_errors),
+                            {k: list(v) for k, v in self.logged.items()}, extra)
 
     @classmethod
     def concat(cls, results: Sequence[RewardResult]) -> RewardResult:
@@ -153,7 +161,13 @@ class RewardResult:
         if any(r.names != first.names for r in results):
             raise ValueError(f"cannot concatenate reward results of different functions: {[r.names for r in results]}")
         errors = {n: sum(r.num_errors.get(n, 0) for r in results) for n in first.names}
-        return cls(torch.cat([r.rewards for r in results]), list(first.names), first.weights, errors)
+        logged: dict[str, list[float]] = {}
+        for r in results:
+            for k, v in r.logged.items():
+                logged.setdefault(k, []).extend(v)
+        columns = set().union(*(r.extra for r in results))
+        extra = {k: [x for r in results for x in r.extra.get(k, [None] * r.rewards.shape[0])] for k in columns}
+        return cls(torch.cat([r.rewards for r in results]), list(first.names), first.weights, errors, logged, extra)
 
     def metrics(self) -> dict[str, float]:
         """`rewards/<name>/mean|std` (TRL's names) plus `rewards/<name>/num_errors` when samples were skipped."""
@@ -164,6 +178,8 @@ class RewardResult:
             out[f"rewards/{n}/std"] = std[n]
             if self.num_errors.get(n):
                 out[f"rewards/{n}/num_errors"] = float(self.num_errors[n])
+        for name, values in self.logged.items():  # log_metric: averaged over the step, as TRL 1.16
+            out[name] = sum(values) / len(values)
         return out
 
 

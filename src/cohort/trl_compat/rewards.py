@@ -14,7 +14,9 @@ from cohort.errors import ConfigError
 from cohort.rewards.reward_model import RewardModel
 
 
-def resolve_reward_funcs(funcs: list[Any], processing_classes: Any, cfg) -> list[Any]:
+def resolve_reward_funcs(funcs: list[Any], processing_classes: Any, cfg, state: Any = None) -> list[Any]:
+    """Reward models become `RewardModel`s on the training device; a function that takes `trainer_state`
+    receives `state` (transformers' TrainerState: global_step = optimiser steps done, as in TRL)."""
     from cohort.setup import resolve_device
 
     device = resolve_device(cfg.train.device)
@@ -28,8 +30,42 @@ def resolve_reward_funcs(funcs: list[Any], processing_classes: Any, cfg) -> list
         elif _is_model(func):
             out.append(_from_model(func, tok, device))
         else:
-            out.append(func)
+            out.append(_with_state(func, state) if state is not None else func)
     return out
+
+
+def _with_state(func: Any, state: Any) -> Any:
+    """`func` with its trainer_state argument replaced by `state`; name, signature, partial-bound keywords and
+    async-ness kept (the reward runner reads all four)."""
+    import functools
+    import inspect
+
+    from cohort.rewards.protocol import accepted_kwargs
+
+    accepted, _ = accepted_kwargs(func)
+    if accepted is not None and "trainer_state" not in accepted:
+        return func
+    target = func if inspect.isfunction(func) or inspect.ismethod(func) else getattr(func, "__call__", func)  # noqa: B004
+
+    def swap(kwargs):
+        if "trainer_state" in kwargs:
+            kwargs["trainer_state"] = state
+        return kwargs
+
+    if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(target):
+        async def wrapper(*args, **kwargs):
+            return await func(*args, **swap(kwargs))
+    else:
+        def wrapper(*args, **kwargs):
+            return func(*args, **swap(kwargs))
+    functools.update_wrapper(wrapper, func, updated=())
+    wrapper.__signature__ = inspect.signature(func)  # type: ignore[attr-defined]
+    if getattr(func, "keywords", None):  # functools.partial: its bound settings stay bound
+        wrapper.keywords = func.keywords  # type: ignore[attr-defined]
+    from cohort.rewards.protocol import reward_name
+
+    wrapper.__name__ = reward_name(func)
+    return wrapper
 
 
 def _is_model(obj: Any) -> bool:

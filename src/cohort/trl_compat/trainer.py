@@ -109,7 +109,8 @@ class GRPOTrainer:
             evald = self._encode(_rows(_first_split(self.eval_dataset), self.args, "eval_dataset"), tok)
         from cohort.trl_compat.rewards import resolve_reward_funcs
 
-        cfg.reward.funcs = resolve_reward_funcs(self.reward_funcs, self.reward_processing_classes, cfg)
+        cfg.reward.funcs = resolve_reward_funcs(self.reward_funcs, self.reward_processing_classes, cfg,
+                                                state=self.state)
         comp = build_components(cfg, policy=policy, tokenizer=tok, train_data=train, eval_data=evald)
         if self.optimizer is not None:  # optimizers=(optimizer, scheduler), as in transformers' Trainer
             from cohort.optim import build_scheduler
