@@ -93,17 +93,26 @@ def save_checkpoint(
     try:
         tmp.mkdir()
         _write_contents(tmp, model, tokenizer, optimizer, scheduler)
-        # trainer_state.json last: a directory without it is incomplete by construction.
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _complete_and_publish(tmp, final, state_text, keep_last)
+    return final
+
+
+def _complete_and_publish(tmp: Path, final: Path, state_text: str, keep_last: int | None) -> None:
+    """Write trainer_state.json last (a directory without it is incomplete by construction), fsync, rename
+    into place, point `latest` at it, prune; a failure removes the temporary and leaves `latest` as it was."""
+    try:
         (tmp / TRAINER_STATE_FILE).write_text(state_text, encoding="utf-8")
         _fsync_tree(tmp)
         _move_into_place(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    atomic_write_text(root / LATEST_FILE, final.name + "\n")
+    atomic_write_text(final.parent / LATEST_FILE, final.name + "\n")
     if keep_last is not None:
-        _prune(root, keep_last, protect=final)
-    return final
+        _prune(final.parent, keep_last, protect=final)
 
 
 def _sharded(model: Any) -> bool:
@@ -166,19 +175,8 @@ def _save_sharded(run_dir: str | os.PathLike, step: int, model: Any, tokenizer: 
 
     # 4. Rank 0 completes the directory (trainer_state.json last: without it a directory is incomplete),
     #    moves it into place, points `latest` at it and prunes; every rank waits for its outcome.
-    def finish() -> None:
-        try:
-            (tmp / TRAINER_STATE_FILE).write_text(state_text, encoding="utf-8")
-            _fsync_tree(tmp)
-            _move_into_place(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        atomic_write_text(root / LATEST_FILE, final.name + "\n")
-        if keep_last is not None:
-            _prune(root, keep_last, protect=final)
-
-    _on_rank0(rank, f"checkpoint step {step}: putting it in place", finish)
+    _on_rank0(rank, f"checkpoint step {step}: putting it in place",
+              lambda: _complete_and_publish(tmp, final, state_text, keep_last))
     return final
 
 

@@ -42,12 +42,6 @@ def fsdp_available() -> tuple[bool, str]:
     return True, "ok"
 
 
-def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
 def ensure_process_group(device: torch.device) -> None:
     """FSDP needs a process group even on one process: make a world of one (no torchrun needed)."""
     if dist.is_initialized():
