@@ -5,6 +5,10 @@ the reward functions, and turns rewards into advantages. With DAPO's dynamic sam
 rewards are all equal (they carry no gradient) and samples more prompts until the step is full or the
 configured number of tries is spent (with several ranks too: `collect_rollouts` says how they agree).
 The result is a `RolloutBatch` of plain lists and tensors; it knows nothing of the loss.
+
+With a `turn_loop` (tool calling, `cohort.agents.rollout_loop.TurnLoop`), completions are multi-turn: each
+holds the model's turns and the tool results between them, and `completion_masks` says which tokens are the
+model's (the only ones the loss trains on).
 """
 
 from __future__ import annotations
@@ -37,9 +41,20 @@ class RolloutBatch:
     advantages: torch.Tensor  # [N]
     loss_mask_keep: list[bool]  # False: completion masked out of the loss (e.g. truncated)
     metrics: dict[str, float] = field(default_factory=dict)
+    # per completion, 1 for the model's tokens and 0 for context (tool results); None (or a None row): all 1
+    completion_masks: list[list[int] | None] | None = None
 
     def __len__(self) -> int:
         return len(self.completion_ids)
+
+    def token_mask(self, i: int) -> list[int]:
+        """Completion i's per-token loss mask: all 0 when it is masked out (loss_mask_keep), else 1 on the
+        tokens the model sampled (every token of a single-turn completion) and 0 on context tokens."""
+        n = len(self.completion_ids[i])
+        if not self.loss_mask_keep[i]:
+            return [0] * n
+        mask = self.completion_masks[i] if self.completion_masks is not None else None
+        return [1] * n if mask is None else list(mask)
 
 
 def decode_completions(tokenizer, completions: Sequence[Completion], conversational: bool) -> list[Any]:
@@ -54,8 +69,11 @@ def _repeat(values: Sequence[Any], g: int) -> list[Any]:
 
 
 def _generate_and_score(engine: RolloutEngine, tokenizer, batch: PromptBatch, params: SamplingParams,
-                        reward_runner, trainer_state) -> tuple[list[Completion], list[Any], Any]:
-    groups = engine.generate(batch.prompt_ids, params)
+                        reward_runner, trainer_state, turn_loop=None) -> tuple[list[Completion], list[Any], Any]:
+    if turn_loop is None:
+        groups = engine.generate(batch.prompt_ids, params)
+    else:
+        groups = turn_loop.generate(engine, batch.prompt_ids, params, prompts=batch.prompts)
     completions = [c for group in groups for c in group]
     conversational = bool(batch.prompts) and isinstance(batch.prompts[0], list)
     texts = decode_completions(tokenizer, completions, conversational)
@@ -84,10 +102,13 @@ def collect_rollouts(
     mask_truncated_completions: bool = False,
     gather_rewards: Callable[[torch.Tensor], torch.Tensor] | None = None,
     rank: int = 0,
+    turn_loop=None,
 ) -> RolloutBatch:
     """With dynamic_sampling, each try draws the missing prompts divided by the informative-group rate seen
     so far (at most max_oversample times the missing count) and keeps informative groups up to the step size;
     the last try fills the step with all-equal groups if it must.
+
+    turn_loop: multi-turn tool calling (`cohort.agents.rollout_loop.TurnLoop`); None samples single turns.
 
     gather_rewards / rank (data parallelism): `gather_rewards` concatenates a tensor's rows over the ranks in
     rank order (`distributed.all_gather_rows`). Advantages are computed on every rank's rewards together and
@@ -110,7 +131,7 @@ def collect_rollouts(
     if not dynamic_sampling:
         batch = next_prompts(num_prompts)
         completions, texts, result = _generate_and_score(engine, tokenizer, batch, params, reward_runner,
-                                                         trainer_state)
+                                                         trainer_state, turn_loop)
         return _assemble([(batch, completions, texts, result)], g, advantage_kwargs, mask_truncated_completions,
                          {"sampling/tries": 1.0}, gather_rewards, rank)
     kept: list[tuple[PromptBatch, list[Completion], list[Any], Any]] = []
@@ -132,7 +153,7 @@ def collect_rollouts(
         if want < draw:
             batch = _first_prompts(batch, want)
         completions, texts, result = _generate_and_score(engine, tokenizer, batch, params, reward_runner,
-                                                         trainer_state)
+                                                         trainer_state, turn_loop)
         zero = compute_advantages(result.rewards, g, **advantage_kwargs).is_std_zero.view(-1, g)[:, 0]
         seen_groups += len(batch.prompt_ids)
         zero_std_groups += int(zero.sum())
@@ -199,6 +220,7 @@ def _assemble(kept, g: int, advantage_kwargs: dict[str, Any], mask_truncated: bo
         sampling_logprobs=[c.logprobs for c in completions], finish_reasons=finish,
         completions_text=texts, prompts=prompts, rewards_per_func=result.rewards, rewards=adv.rewards,
         advantages=adv.advantages, loss_mask_keep=keep, metrics=metrics,
+        completion_masks=[c.mask for c in completions] if any(c.mask is not None for c in completions) else None,
     )
 
 
@@ -222,4 +244,10 @@ def _completion_metrics(completions: Sequence[Completion]) -> dict[str, float]:
     out["completions/mean_terminated_length"] = float(term.mean()) if term.numel() else 0.0
     out["completions/min_terminated_length"] = float(term.min()) if term.numel() else 0.0
     out["completions/max_terminated_length"] = float(term.max()) if term.numel() else 0.0
+    if any(c.tool_calls is not None for c in completions):
+        # TRL's tools/* metrics: calls per completion, and the share of calls that failed
+        calls = sum(c.tool_calls or 0 for c in completions)
+        out["tools/call_frequency"] = calls / len(completions)
+        out["tools/failure_frequency"] = sum(c.tool_failures for c in completions) / calls if calls else 0.0
+        out["tools/turns_per_completion"] = sum(c.turns for c in completions) / len(completions)
     return out

@@ -6,6 +6,11 @@ budget (packed, padding-free forward), and every micro-batch's loss is normalise
 *global* token and sequence counts, so gradient accumulation gives exactly the whole-batch gradient for
 every loss type. The updater never looks at the loss type: the loss object owns its maths.
 
+The loss mask is per token (`RolloutBatch.token_mask`): padding, completions masked out (truncated ones with
+mask_truncated_completions) and the tool-result tokens of multi-turn completions are 0, so they are never
+trained on and never counted in `num_tokens` or in any metric. Their logprobs are still computed (the packed
+forward runs over whole sequences) and multiplied by 0.
+
 Old logprobs are computed only when the update is off-policy (several mini-batches or iterations); on
 policy, the loss uses the current logprobs detached, exactly as TRL does.
 """
@@ -86,7 +91,7 @@ class PolicyUpdater:
         per micro-batch: nothing in the micro-batch loop waits for the GPU.
         """
         # normalisers of the whole mini-batch, summed over data-parallel ranks
-        num_tokens = distributed.all_sum(sum(len(batch.completion_ids[r]) for r in rows if batch.loss_mask_keep[r]))
+        num_tokens = distributed.all_sum(sum(sum(batch.token_mask(r)) for r in rows))
         num_sequences = int(distributed.all_sum(len(rows)))
         lengths = [len(batch.prompt_ids[r]) + len(batch.completion_ids[r]) for r in rows]
         self.policy.train()
@@ -141,12 +146,13 @@ class PolicyUpdater:
         return float(torch.nn.utils.clip_grad_norm_(self.params, self.s.max_grad_norm))
 
     def _host_tensors(self, batch: RolloutBatch, idx: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, width] loss mask (0 on padding and on masked completions) and engine logprobs, on the device."""
+        """[B, width] loss mask (0 on padding, masked completions and context tokens) and engine logprobs, on
+        the device."""
         mask = torch.zeros(len(idx), width)
         sampling = torch.zeros(len(idx), width)
         for i, r in enumerate(idx):
             n = len(batch.completion_ids[r])
-            mask[i, :n] = 1.0 if batch.loss_mask_keep[r] else 0.0
+            mask[i, :n] = torch.tensor(batch.token_mask(r), dtype=torch.float32)
             sampling[i, :n] = torch.tensor(batch.sampling_logprobs[r], dtype=torch.float32)
         return mask.to(self.device, non_blocking=True), sampling.to(self.device, non_blocking=True)
 

@@ -10,7 +10,8 @@ when admitted again it is prefilled from scratch (prompt + generated tokens) and
 
 Multi-turn: a sequence whose turn ended waits PAUSED, holding its blocks, until `resume` queues it with the
 next turn's context tokens (a prefill of only those tokens) or `release` ends it. Paused sequences are the
-first to give their blocks back when the cache runs out (evicted: their next turn is recomputed in full).
+first to give their blocks back when the cache runs out, and when nothing is running, queued continued turns
+do too (evicted: the next turn is recomputed in full).
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ class Scheduler:
         while self.waiting:
             unit = self.waiting[0]
             need = self.blocks.blocks_for_unit(unit)
-            while need > self.blocks.num_free_blocks and self._evict_paused():
+            # with nothing running, no block would come back by waiting: queued continued turns give theirs too
+            while need > self.blocks.num_free_blocks and self._evict_idle(keep=unit.leader, queued=not self.running):
                 need = self.blocks.blocks_for_unit(unit)
             if (
                 num_seqs + len(unit.seqs) > self.config.max_num_seqs
@@ -96,7 +98,7 @@ class Scheduler:
         # Fast path (almost every step): the blocks that sequences crossing a boundary need are free.
         size = self.blocks.block_size
         needing = [s for s in self.running if (len(s.token_ids) - 1) // size >= len(s.block_table)]
-        while len(needing) > self.blocks.num_free_blocks and self._evict_paused():
+        while len(needing) > self.blocks.num_free_blocks and self._evict_idle():
             pass
         if len(needing) <= self.blocks.num_free_blocks:
             for seq in needing:
@@ -163,12 +165,17 @@ class Scheduler:
             self.blocks.free(seq)
             seq.status = Status.FINISHED
 
-    def _evict_paused(self) -> bool:
-        """Free the blocks of the longest-paused sequence that holds any (it stays paused; its next turn is
-        recomputed in full); False when none holds blocks."""
+    def _evict_idle(self, keep: Sequence | None = None, queued: bool = False) -> bool:
+        """Free the blocks of a sequence that holds some but is not running: the longest-paused one (it stays
+        paused), else (queued=True) the last continued turn in the queue other than `keep`; either is
+        recomputed in full when it next runs. False when there is none."""
         seq = next((s for s in self.paused if s.block_table), None)
+        if seq is None and queued:
+            seq = next((u.leader for u in reversed(self.waiting) if u.leader is not keep and u.leader.block_table),
+                       None)
         if seq is None:
             return False
         self.blocks.free(seq)
+        seq.num_cached = 0
         self.num_evictions += 1
         return True
