@@ -40,7 +40,10 @@ class GRPOTrainer:
         if rollout_func is not None:
             raise ConfigError("GRPOTrainer(rollout_func=...) is not supported by cohort: its own engine generates; "
                               "multi-turn rollouts go through tools= / environment_factory= (cohort.agents).")
-        self.args = args if args is not None else GRPOConfig(output_dir="trainer_output")
+        if args is None:  # TRL's rule: "<model name>-GRPO" in the working directory
+            name = model if isinstance(model, str | os.PathLike) else getattr(model.config, "_name_or_path", "")
+            args = GRPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1] or 'model'}-GRPO")
+        self.args = args
         if not hasattr(self.args, "to_cohort"):
             raise ConfigError(f"GRPOTrainer(args=...) takes cohort's GRPOConfig (same fields as TRL's); got "
                               f"{type(self.args).__module__}.{type(self.args).__name__}: change its import too.")
