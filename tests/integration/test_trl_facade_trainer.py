@@ -60,8 +60,8 @@ def test_callbacks_in_order_with_trl_state_and_log_history(tmp_path):
     history = trainer.state.log_history
     assert [row["step"] for row in history] == [1, 2, 2] and trainer.state.global_step == 2
     for row in history[:2]:
-        assert {"loss", "reward", "reward_std", "reward_std_group_mean", "learning_rate", "grad_norm",
-                "epoch"} <= set(row)
+        assert {"loss", "reward", "reward_std", "reward_std_group_mean", "learning_rate", "grad_norm", "epoch",
+                "sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/max"} <= set(row)
     assert history[1]["epoch"] == pytest.approx(2 * 2 / 50)  # 2 prompts a step, 50 rows
     assert {"train_runtime", "train_loss"} <= set(history[-1])
     assert history[0]["learning_rate"] == pytest.approx(1e-3 * 0.5)  # linear decay over 2 steps, TRL's default

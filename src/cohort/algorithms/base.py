@@ -203,11 +203,19 @@ class PolicyLoss:
         flat = w.reshape(-1) if w.shape[-1] == 1 and ctx.mask.shape[-1] != 1 else w[ctx.mask.bool()]
         empty = flat.numel() == 0
         nan = torch.tensor(torch.nan, dtype=w.dtype, device=w.device)
-        return {
+        out = {
             "sampling/importance_sampling_ratio/min": nan if empty else flat.min(),
             "sampling/importance_sampling_ratio/mean": self._mean(w, ctx),
             "sampling/importance_sampling_ratio/max": nan if empty else flat.max(),
         }
+        sampling = ctx.inputs.sampling_logprobs
+        if sampling is not None and sampling.shape == ctx.old_logprobs.shape == ctx.mask.shape:
+            # TRL 1.16's mismatch gauge: |trainer's old logprob - sampler's logprob| over completion tokens
+            delta = (ctx.old_logprobs.detach() - sampling).abs()
+            tokens = delta[ctx.mask.bool()]
+            out["sampling/sampling_logp_difference/mean"] = self._mean(delta, ctx)
+            out["sampling/sampling_logp_difference/max"] = tokens.max() if tokens.numel() else nan
+        return out
 
 
 def _at_least_one(count):
