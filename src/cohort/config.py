@@ -9,6 +9,7 @@ scale_rewards, num_iterations, ...), grouped into sections so a YAML recipe read
     loss:       the policy loss variant  advantage:  how rewards become advantages
     train:      batch schedule, optimiser, precision
     run:        output directory, logging, checkpoints, evaluation
+    agent:      tools the model may call (multi-turn tool-calling rollouts)
 
 Batch semantics, stated once: each step takes `train.prompts_per_step` prompts and samples
 `generation.num_generations` completions for each. The step's completions are split into
@@ -85,6 +86,9 @@ class GenerationConfig:
     release_kv_during_update: bool = False
     fuse_projections: bool | None = None  # engine's fused QKV/gate-up weight copies; None: on for CUDA
     generation_batch_size: int | None = None  # hf engine only: prompts per generate call
+    # rounds of tool calls per completion (TRL's name); None: only max_completion_length, over the whole
+    # conversation (model turns and tool results), bounds them
+    max_tool_calling_iterations: int | None = None
 
 
 @dataclass
@@ -187,6 +191,17 @@ class RunConfig:
 
 
 @dataclass
+class AgentConfig:
+    """Tool calling: with tools, each completion may call them, get the results and continue (multi-turn);
+    the tool results are context, never trained on. Empty tools: plain single-turn completions."""
+
+    tools: list[Any] = field(default_factory=list)  # functions or "pkg.module:function" paths
+    tool_timeout_s: float = 10.0  # per call; a call that runs longer gets an error message instead
+    # "pkg.module:function"(text, tokenizer) -> list[ToolCall]; None: cohort.agents.parse_tool_calls
+    tool_parser: str | None = None
+
+
+@dataclass
 class CohortConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -196,6 +211,7 @@ class CohortConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data; a callable (a reward function handed in from Python) becomes its import path."""
@@ -260,6 +276,11 @@ class CohortConfig:
         except (ValueError, TypeError, ImportError) as exc:
             raise ConfigError(f"loss (loss.loss_type={self.loss.loss_type!r}): {exc} Set it as loss.<name>=value."
                               ) from exc
+        _require(g.max_tool_calling_iterations is None or g.max_tool_calling_iterations >= 0,
+                 "generation.max_tool_calling_iterations", g.max_tool_calling_iterations,
+                 "use 0 or more rounds of tool calls, or leave it unset (null) for no cap")
+        _require(self.agent.tool_timeout_s > 0, "agent.tool_timeout_s", self.agent.tool_timeout_s,
+                 "use a positive number of seconds")
         weights = self.reward.reward_weights
         _require(weights is None or len(weights) == len(self.reward.funcs), "reward.reward_weights", weights,
                  f"give one weight per reward function ({len(self.reward.funcs)})")

@@ -35,7 +35,9 @@ def evaluate(comp, cfg: CohortConfig, *, batch_prompts: int = 64, correct_thresh
     for start in range(0, len(data), batch_prompts):
         idx = list(range(start, min(len(data), start + batch_prompts)))
         batch = data.batch(idx)
-        groups = comp.engine.generate(batch.prompt_ids, params)
+        turn_loop = getattr(comp, "turn_loop", None)  # with tools, evaluated with them
+        groups = (comp.engine.generate(batch.prompt_ids, params) if turn_loop is None
+                  else turn_loop.generate(comp.engine, batch.prompt_ids, params, prompts=batch.prompts))
         completions = [c for group in groups for c in group]
         conversational = bool(batch.prompts) and isinstance(batch.prompts[0], list)
         texts = decode_completions(comp.tokenizer, completions, conversational)

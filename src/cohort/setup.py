@@ -43,6 +43,7 @@ class Components:
     num_tokens: int = 0
     train_time_s: float = 0.0
     last_samples: list[dict] = field(default_factory=list)
+    turn_loop: Any = None  # agent.tools: multi-turn tool-calling rollouts (cohort.agents.rollout_loop.TurnLoop)
 
 
 def _with_lora(cfg: CohortConfig, policy):
@@ -134,7 +135,21 @@ def _rewards(cfg: CohortConfig) -> RewardRunner:
                         on_error=cfg.reward.on_error)
 
 
-def _data(cfg: CohortConfig, tokenizer, echo):
+def _turn_loop(cfg: CohortConfig, tokenizer):
+    """agent.tools: the turn loop that runs them between model turns; None without tools (single-turn)."""
+    a = cfg.agent
+    if not a.tools:
+        return None
+    from cohort.agents.rollout_loop import TurnLoop
+    from cohort.agents.templates import check_renders_tools
+    from cohort.data.sources import import_object
+
+    check_renders_tools(tokenizer)  # model.chat_template=chatml_tools gives a model without tool support one
+    return TurnLoop(tokenizer, list(a.tools), max_iterations=cfg.generation.max_tool_calling_iterations,
+                    tool_timeout_s=a.tool_timeout_s, parser=import_object(a.tool_parser) if a.tool_parser else None)
+
+
+def _data(cfg: CohortConfig, tokenizer, echo, tools=None):
     d = cfg.data
     common = {"prompt_column": d.prompt_column, "system_prompt": d.system_prompt}
     train = load_prompt_dataset(d.source, split=d.split, **common, **d.options)
@@ -156,9 +171,11 @@ def _data(cfg: CohortConfig, tokenizer, echo):
         train, evald = train_eval_split(train, d.eval_size, seed=cfg.train.seed)
     else:
         evald = None
-    train = train.encode(tokenizer, d.max_prompt_length, truncation=d.truncation)
+    # with tools, the chat template lists their schemas in the prompt (apply_chat_template(..., tools=...))
+    kwargs = {"chat_template_kwargs": {"tools": [t.schema for t in tools]}} if tools else {}
+    train = train.encode(tokenizer, d.max_prompt_length, truncation=d.truncation, **kwargs)
     if evald is not None:
-        evald = evald.encode(tokenizer, d.max_prompt_length, truncation=d.truncation)
+        evald = evald.encode(tokenizer, d.max_prompt_length, truncation=d.truncation, **kwargs)
         if cfg.run.eval_max_prompts:
             evald = evald.head(cfg.run.eval_max_prompts)
     echo(f"data: {len(train)} training prompts" + (f", {len(evald)} held-out" if evald is not None else "")
@@ -252,8 +269,9 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
         enable()
     loss_fn = build_policy_loss(cfg.loss.loss_type, cfg.loss.loss_params())
     reward_runner = reward_runner or _rewards(cfg)
+    turn_loop = _turn_loop(cfg, tokenizer)
     if train_data is None:
-        train_data, eval_data = _data(cfg, tokenizer, echo)
+        train_data, eval_data = _data(cfg, tokenizer, echo, tools=turn_loop.tools if turn_loop else None)
     reference = None
     if float(getattr(loss_fn, "beta", 0.0) or 0.0) != 0.0:
         reference = frozen_copy(policy)
@@ -290,4 +308,4 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
         advantage_kwargs={"scale_rewards": a.scale_rewards, "estimator": a.estimator,
                           "reward_weights": cfg.reward.reward_weights,
                           "multi_objective_aggregation": a.multi_objective_aggregation},
-        device=device)
+        device=device, turn_loop=turn_loop)

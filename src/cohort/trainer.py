@@ -247,7 +247,8 @@ def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, 
             dynamic_sampling=cfg.reward.dynamic_sampling, max_resample_tries=cfg.reward.max_resample_tries,
             max_oversample=cfg.reward.max_oversample,
             mask_truncated_completions=cfg.generation.mask_truncated_completions,
-            gather_rewards=distributed.all_gather_rows if info.enabled else None, rank=info.rank)
+            gather_rewards=distributed.all_gather_rows if info.enabled else None, rank=info.rank,
+            turn_loop=comp.turn_loop)
     metrics: dict[str, Any] = distributed.reduce_metrics(dict(batch.metrics))
     if cfg.generation.release_kv_during_update and hasattr(comp.engine, "release_kv_cache"):
         comp.engine.release_kv_cache()  # its next generate takes it back

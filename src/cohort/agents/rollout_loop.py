@@ -1,0 +1,128 @@
+"""The tool-calling turn loop: multi-turn rollouts on an engine's `generate_turns`.
+
+`TurnLoop.generate(engine, prompt_ids, params, prompts)` returns what `engine.generate` returns, with each
+completion holding the whole conversation after the prompt (model turns and the tool results between them),
+its per-token loss mask (1 for the model's tokens, 0 for tool results) and its tool counts. Whenever a
+completion ends a turn, the loop:
+
+1. parses the turn's tool calls (`parse_tool_calls`; none: the conversation is over);
+2. runs them (`ToolRunner`: the calls of one turn concurrently, each under `tool_timeout_s`; errors and
+   timeouts become error messages for the model and count as failures);
+3. renders the results as tool messages and tokenises them as the continuation of the model's own sequence
+   (`continuation_ids`: the chat template's tool-result block and the next assistant header);
+4. hands those ids back to the engine, which prefills only them on the sequence's kept KV blocks.
+
+Steps 2-3 run on a thread pool while the engine keeps generating the other sequences. A conversation also
+ends after `max_iterations` rounds of tool calls, or when the tool results would not leave room for another
+token within the completion budget (`params.max_tokens`, over the whole conversation): then they are dropped
+and the completion ends as the model left it, as TRL does.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from cohort.types import Completion, SamplingParams, TurnEnd
+
+
+@dataclass
+class _Conversation:
+    """One rollout's chat so far (the prompt's messages, then assistant and tool messages) and its counts."""
+
+    messages: list[dict[str, Any]]
+    calls: int = 0
+    failures: int = 0
+
+
+@dataclass
+class TurnLoop:
+    """Multi-turn tool calling over an engine that implements `generate_turns` (both built-in engines do).
+
+    tools: functions, `cohort.agents.Tool`s or `"pkg.module:function"` paths.
+    max_iterations: rounds of tool calls per completion (TRL's max_tool_calling_iterations); None = no cap
+        but the completion budget.
+    parser: `parser(text, tokenizer) -> list[ToolCall]`; default `cohort.agents.parse_tool_calls`.
+    runner: anything with `run(calls) -> list[ToolResult]`; default `ToolRunner(tools, tool_timeout_s)`.
+    template_kwargs: extra chat template variables (e.g. enable_thinking=False), as for the prompts.
+    """
+
+    tokenizer: Any
+    tools: Sequence[Any]
+    max_iterations: int | None = None
+    tool_timeout_s: float = 10.0
+    parser: Callable[..., list] | None = None
+    runner: Any = None
+    max_workers: int = 16
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # the agents package is imported here, not at module level: the engine and rollout never need it
+        from cohort.agents.messages import end_of_turn_markers
+        from cohort.agents.parsing import parse_tool_calls
+        from cohort.agents.tools import ToolRunner, build_tools
+
+        self.tools = build_tools(list(self.tools))
+        if self.runner is None:
+            self.runner = ToolRunner(self.tools, timeout_s=self.tool_timeout_s)
+        if self.parser is None:
+            self.parser = functools.partial(parse_tool_calls, tools=self.tools)
+        vocab = self.tokenizer.get_vocab()
+        # a turn that ends on one of these closed itself; any other ending (a stop string) did not
+        self._end_of_turn_ids = {vocab[m] for m in end_of_turn_markers(self.tokenizer) if m in vocab}
+
+    def generate(self, engine, prompt_ids: Sequence[Sequence[int]], params: SamplingParams,
+                 prompts: Sequence[Any] | None = None) -> list[list[Completion]]:
+        """`params.n` multi-turn completions per prompt (`engine.generate`'s layout), with masks and tool counts.
+        `prompts`: the prompts as messages (or text), the start of each conversation the template renders."""
+        convs = {(i, j): _Conversation(_prompt_messages(prompts[i] if prompts is not None else None))
+                 for i in range(len(prompt_ids)) for j in range(params.n)}
+        lock = threading.Lock()
+        with ThreadPoolExecutor(self.max_workers, thread_name_prefix="cohort-turns") as pool:
+
+            def on_turn_end(turn: TurnEnd):
+                if self.max_iterations is not None and turn.turn > self.max_iterations:
+                    return None
+                raw = self.tokenizer.decode(turn.turn_ids, skip_special_tokens=False)
+                calls = self.parser(raw, self.tokenizer)
+                if not calls:
+                    return None
+                conv = convs[(turn.prompt_index, turn.sample_index)]
+                return pool.submit(self._run_tools, conv, turn, calls, params.max_tokens, lock)
+
+            groups = engine.generate_turns(prompt_ids, params, on_turn_end)
+        for i, group in enumerate(groups):
+            for j, completion in enumerate(group):
+                conv = convs[(i, j)]
+                completion.tool_calls, completion.tool_failures = conv.calls, conv.failures
+        return groups
+
+    def _run_tools(self, conv: _Conversation, turn: TurnEnd, calls: list, max_tokens: int,
+                   lock: threading.Lock) -> list[int] | None:
+        """Runs on the pool: execute the calls, return the continuation ids (None when they do not fit)."""
+        from cohort.agents.messages import assistant_message, continuation_ids, tool_result_messages
+
+        results = self.runner.run(calls)
+        with lock:  # counts are per conversation, but keep the increments plainly atomic
+            conv.calls += len(results)
+            conv.failures += sum(1 for r in results if r.failed)
+        text = self.tokenizer.decode(turn.turn_ids, skip_special_tokens=True)
+        conv.messages.append(assistant_message(text, calls))
+        new = tool_result_messages(results)
+        close_turn = not turn.turn_ids or turn.turn_ids[-1] not in self._end_of_turn_ids
+        ids = continuation_ids(self.tokenizer, conv.messages, new, self.tools, close_turn=close_turn,
+                               **self.template_kwargs)
+        if len(turn.completion_ids) + len(ids) >= max_tokens:
+            return None  # no room for the results and another turn: end as the model left it (TRL drops them)
+        conv.messages.extend(new)
+        return ids
+
+
+def _prompt_messages(prompt: Any) -> list[dict[str, Any]]:
+    if isinstance(prompt, list):
+        return [dict(m) for m in prompt]
+    return [{"role": "user", "content": "" if prompt is None else str(prompt)}]

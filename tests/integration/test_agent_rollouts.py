@@ -1,0 +1,158 @@
+"""Tool-calling rollouts end to end on the CPU: the turn loop over both engines, and the trainer with tools.
+
+A random tiny model never writes a tool call, so a scripted parser stands in for the model's intent (it
+"finds" a call in the first turns); everything after it is real: `ToolRunner` runs the tools (a hanging one
+times out), `continuation_ids` renders the results with the `chatml_tools` template, the engine continues
+the sequence, the mask marks the tool tokens, and the trainer trains on the model's tokens only.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+from tests.helpers.tiny_tokenizer import make_tiny_tokenizer
+from tests.helpers.toy_task import tiny_model, toy_rows
+from tests.integration.test_trainer_learns import toy_config
+
+from cohort.agents.rollout_loop import TurnLoop
+from cohort.agents.templates import apply_chat_template_override
+from cohort.agents.tools import ToolCall
+from cohort.engine import CohortEngine
+from cohort.engine.hf_backend import HFGenerateEngine
+from cohort.types import SamplingParams
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a + b
+
+
+def hang(seconds: float) -> str:
+    """Sleep, then answer.
+
+    Args:
+        seconds: How long to sleep.
+    """
+    time.sleep(seconds)
+    return "late"
+
+
+def scripted_parser(text, tokenizer=None):
+    """Every turn 'calls' add(2, 3); the turn loop's max_iterations decides how many rounds happen."""
+    return [ToolCall("add", {"a": 2, "b": 3})]
+
+
+def chat_tokenizer():
+    return apply_chat_template_override(make_tiny_tokenizer(), "chatml_tools")
+
+
+def prompts_for(tok, n=2):
+    convs = [[{"role": "user", "content": f"Say the digit {d}"}] for d in range(n)]
+    ids = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+           for c in convs]
+    return convs, ids
+
+
+class ScriptedTurns:
+    """One conversation's parser: turn 1 calls add and an unknown tool, turn 2 a tool that hangs."""
+
+    def __init__(self):
+        self.turn = 0
+
+    def __call__(self, text, tokenizer=None):
+        self.turn += 1
+        if self.turn == 1:
+            return [ToolCall("add", {"a": 2, "b": 3}), ToolCall("missing", {})]
+        return [ToolCall("hang", {"seconds": 5})]
+
+
+def test_turn_loop_runs_tools_masks_their_tokens_and_matches_the_hf_reference():
+    tok = chat_tokenizer()
+    model = tiny_model(tok, seed=2).eval()
+    convs, ids = prompts_for(tok, n=1)
+    # every vocabulary token but a few ends a turn, so each turn is a token or two of the random model
+    params = SamplingParams(n=1, temperature=0.0, max_tokens=200, stop_token_ids=tuple(range(3, 390)))
+    results = []
+    for engine in (CohortEngine(model, tok, eos_token_ids=[tok.eos_token_id], block_size=8, max_model_len=512),
+                   HFGenerateEngine(model, tok)):
+        loop = TurnLoop(tok, [add, hang], max_iterations=2, tool_timeout_s=0.3, parser=ScriptedTurns())
+        start = time.monotonic()
+        results.append(loop.generate(engine, ids, params, prompts=convs))
+        assert time.monotonic() - start < 4  # the hanging tool was cut at its timeout
+    ((c,),), ((r,),) = results
+    assert c.token_ids == r.token_ids and c.mask == r.mask
+    assert c.turns == 3 and c.tool_calls == 3 and c.tool_failures == 2  # the unknown tool; the timeout
+    text = tok.decode([t for t, m in zip(c.token_ids, c.mask) if not m], skip_special_tokens=False)
+    assert "5" in text and "unknown tool" in text and "timed out" in text
+    assert text.count("<|im_start|>assistant") == 2  # each tool block ends by opening the next turn
+    assert all(lp == 0.0 for lp, m in zip(c.logprobs, c.mask) if not m)
+
+
+def test_trainer_with_a_tool_runs_two_steps_with_tool_metrics_and_masks(tmp_path, monkeypatch):
+    from tests.helpers.toy_task import digit_share
+
+    from cohort import trainer as trainer_module
+    from cohort.data import load_prompt_dataset
+    from cohort.rewards import RewardRunner
+    from cohort.setup import build_components
+
+    cfg = toy_config(tmp_path, steps=2)
+    cfg.generation.num_generations = 4
+    cfg.generation.max_completion_length = 64
+    cfg.generation.max_tool_calling_iterations = 1
+    cfg.generation.stop_strings = ["e", " "]  # the random model's turns end within a few tokens
+    cfg.train.prompts_per_step = 2
+    cfg.model.chat_template = "chatml_tools"
+    cfg.agent.tools = [f"{__name__}:add"]
+    cfg.agent.tool_parser = f"{__name__}:scripted_parser"
+    tok = make_tiny_tokenizer()
+    data = load_prompt_dataset(toy_rows()).encode(tok, 64)
+    comp = build_components(cfg, policy=tiny_model(tok), tokenizer=tok, reward_runner=RewardRunner([digit_share]),
+                            train_data=data)
+    assert comp.turn_loop is not None and comp.turn_loop.max_iterations == 1
+    batches = []
+    original = trainer_module.collect_rollouts
+
+    def recording(*args, **kwargs):
+        batches.append(original(*args, **kwargs))
+        return batches[-1]
+
+    monkeypatch.setattr(trainer_module, "collect_rollouts", recording)
+    result = trainer_module.train(cfg, comp)
+    assert len(result.history) == 2
+    for metrics in result.history:
+        assert math.isfinite(metrics["grad_norm"]) and math.isfinite(metrics["reward"])
+        assert metrics["tools/call_frequency"] > 0
+        assert metrics["tools/failure_frequency"] == 0.0
+        assert 1.0 < metrics["tools/turns_per_completion"] <= 2.0
+    multi = 0
+    for batch in batches:
+        for i, ids in enumerate(batch.completion_ids):
+            mask = batch.token_mask(i)
+            assert len(mask) == len(ids) == len(batch.sampling_logprobs[i])
+            if 0 in mask:
+                multi += 1
+                first = mask.index(0)
+                span = ids[first : first + mask[first:].index(1)]
+                assert "5" in tok.decode(span)  # add(2, 3), rendered as the tool's message
+                assert mask[0] == 1 and mask[-1] == 1  # the model speaks first and last
+    assert multi > 0
+
+
+@pytest.mark.parametrize("iterations", [0])
+def test_zero_iterations_is_single_turn(iterations):
+    tok = chat_tokenizer()
+    model = tiny_model(tok, seed=2).eval()
+    convs, ids = prompts_for(tok)
+    engine = CohortEngine(model, tok, eos_token_ids=[tok.eos_token_id], block_size=8, max_model_len=512)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=40, stop_token_ids=tuple(range(3, 390)))
+    loop = TurnLoop(tok, [add], max_iterations=iterations, parser=scripted_parser)
+    out = loop.generate(engine, ids, params, prompts=convs)
+    assert all(c.turns == 1 and c.tool_calls == 0 and set(c.mask) == {1} for g in out for c in g)
