@@ -172,11 +172,12 @@ class PolicyUpdater:
                 ref = self._logprobs_of(self.reference, batch, all_rows)
         sums: dict[str, float] = defaultdict(float)
         updates = 0
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step's (first) update uses, as TRL logs it
         with timer("update"):
             for _ in range(self.s.num_iterations):
                 for rows in groups:
                     self._mini_batch_step(batch, rows, old, ref, sums)
                     updates += 1
         metrics = {k: v / updates for k, v in sums.items()}
-        metrics["learning_rate"] = self.scheduler.get_last_lr()[0]
+        metrics["learning_rate"] = lr
         return metrics
