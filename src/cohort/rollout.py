@@ -60,7 +60,9 @@ class RolloutBatch:
 def decode_completions(tokenizer, completions: Sequence[Completion], conversational: bool) -> list[Any]:
     texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
     if conversational:  # TRL's contract: conversational prompts get message-list completions
-        return [[{"role": "assistant", "content": t}] for t in texts]
+        # multi-turn (tools): the turns and tool results as messages, so rewards read the final answer
+        return [c.messages if c.messages is not None else [{"role": "assistant", "content": t}]
+                for c, t in zip(completions, texts)]
     return texts
 
 

@@ -62,6 +62,8 @@ class Completion:
         None means every token is the model's (single-turn generation).
     turns: model turns in the completion; tool_calls / tool_failures: counted by the tool-calling turn
         loop (None when the rollout had no tools).
+    messages: the completion as chat messages (assistant turns with their tool_calls, tool results), set by
+        the turn loop; what reward functions get for conversational prompts (TRL's format). None otherwise.
     """
 
     token_ids: list[int]
@@ -71,6 +73,7 @@ class Completion:
     turns: int = 1
     tool_calls: int | None = None
     tool_failures: int = 0
+    messages: list[dict] | None = None
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,14 @@ def test_turn_loop_runs_tools_masks_their_tokens_and_matches_the_hf_reference():
     assert "5" in text and "unknown tool" in text and "timed out" in text
     assert text.count("<|im_start|>assistant") == 2  # each tool block ends by opening the next turn
     assert all(lp == 0.0 for lp, m in zip(c.logprobs, c.mask) if not m)
+    # what reward functions get for a conversational prompt: TRL's messages, the final answer last
+    assert [m["role"] for m in c.messages] == ["assistant", "tool", "tool", "assistant", "tool", "assistant"]
+    assert [t["function"]["name"] for t in c.messages[0]["tool_calls"]] == ["add", "missing"]
+    assert c.messages[1] == {"role": "tool", "name": "add", "content": "5"}
+    assert "tool_calls" not in c.messages[-1]
+    from cohort.rollout import decode_completions
+
+    assert decode_completions(tok, [c], conversational=True) == [c.messages]
 
 
 def test_trainer_with_a_tool_runs_two_steps_with_tool_metrics_and_masks(tmp_path, monkeypatch):

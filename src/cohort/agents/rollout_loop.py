@@ -2,7 +2,8 @@
 
 `TurnLoop.generate(engine, prompt_ids, params, prompts)` returns what `engine.generate` returns, with each
 completion holding the whole conversation after the prompt (model turns and the tool results between them),
-its per-token loss mask (1 for the model's tokens, 0 for tool results) and its tool counts. Whenever a
+its per-token loss mask (1 for the model's tokens, 0 for tool results), its tool counts and its chat
+messages (assistant turns with their tool_calls, tool results: what rewards read). Whenever a
 completion ends a turn, the loop:
 
 1. parses the turn's tool calls (`parse_tool_calls`; none: the conversation is over);
@@ -37,6 +38,7 @@ class _Conversation:
     messages: list[dict[str, Any]]
     calls: int = 0
     failures: int = 0
+    rounds: list[tuple[list, list]] = field(default_factory=list)  # (calls, results) per turn that made calls
 
 
 @dataclass
@@ -99,7 +101,27 @@ class TurnLoop:
             for j, completion in enumerate(group):
                 conv = convs[(i, j)]
                 completion.tool_calls, completion.tool_failures = conv.calls, conv.failures
+                completion.messages = self._messages(completion, conv)
         return groups
+
+    def _messages(self, completion: Completion, conv: _Conversation) -> list[dict[str, Any]]:
+        """The completion as chat messages: each model turn (with the calls it made), then its tool results.
+        Turn k made the k-th round of calls, if any; the last turn's results are absent when they did not fit."""
+        from cohort.agents.messages import assistant_message, tool_result_messages
+
+        turns: list[list[int]] = []
+        for k, (token, sampled) in enumerate(zip(completion.token_ids, completion.mask or [])):
+            if sampled and (k == 0 or not completion.mask[k - 1]):
+                turns.append([])
+            if sampled:
+                turns[-1].append(token)
+        out: list[dict[str, Any]] = []
+        for k, ids in enumerate(turns):
+            calls, results = conv.rounds[k] if k < len(conv.rounds) else ([], [])
+            out.append(assistant_message(self.tokenizer.decode(ids, skip_special_tokens=True), calls))
+            if k + 1 < len(turns):
+                out += tool_result_messages(results)
+        return out
 
     def _run_tools(self, conv: _Conversation, turn: TurnEnd, calls: list, max_tokens: int,
                    lock: threading.Lock) -> list[int] | None:
@@ -110,6 +132,7 @@ class TurnLoop:
         with lock:  # counts are per conversation, but keep the increments plainly atomic
             conv.calls += len(results)
             conv.failures += sum(1 for r in results if r.failed)
+            conv.rounds.append((list(calls), list(results)))
         text = self.tokenizer.decode(turn.turn_ids, skip_special_tokens=True)
         conv.messages.append(assistant_message(text, calls))
         new = tool_result_messages(results)
