@@ -206,3 +206,16 @@ def test_unknown_generation_and_model_init_kwargs_are_rejected_by_name():
 def test_docs_table_is_generated_from_the_code():
     doc = (ROOT / "docs" / "trl_compat.md").read_text()
     assert markdown_table() in doc, "regenerate: python -m cohort.trl_compat.fields (see docs/trl_compat.md)"
+
+
+def test_trl_command_line_parsers_build_cohorts_config():
+    """TRL scripts parse GRPOConfig from the command line (TrlParser / HfArgumentParser): same flags, same types."""
+    argv = ["--output_dir", "out", "--learning_rate", "2e-5", "--max_steps", "3", "--bf16", "false",
+            "--report_to", "none", "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}', "--reward_weights", "1.0", "2.0",
+            "--scale_rewards", "batch", "--warmup_steps", "0.1", "--lr_scheduler_type", "cosine_with_min_lr"]
+    (args,) = trl.TrlParser((GRPOConfig,)).parse_args_and_config(args=argv)
+    assert isinstance(args, GRPOConfig) and args.learning_rate == 2e-5 and args.bf16 is False
+    assert args.lr_scheduler_kwargs == {"min_lr_rate": 0.1} and args.reward_weights == [1.0, 2.0]
+    cfg = args.to_cohort(num_rows=10)
+    assert cfg.train.warmup_steps == 1 and cfg.advantage.scale_rewards == "batch" and cfg.model.dtype == "float32"
+    assert cfg.reward.reward_weights == [1.0, 2.0] and cfg.train.lr_scheduler_type == "cosine_with_min_lr"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -27,6 +28,12 @@ class _GRPOConfigBase:
     """Methods of `GRPOConfig`; its fields come from `fields.TABLE` (TRL 1.16's names and defaults)."""
 
     def __post_init__(self) -> None:
+        for name in _JSON_FIELDS:  # a command line gives dicts as JSON strings (TRL parses them the same way)
+            value = getattr(self, name)
+            if isinstance(value, str) and value.lstrip().startswith("{"):
+                setattr(self, name, json.loads(value))
+        if isinstance(self.scale_rewards, str) and self.scale_rewards.lower() in ("true", "false"):
+            self.scale_rewards = self.scale_rewards.lower() == "true"
         for name, (default, status) in TABLE.items():
             value = getattr(self, name)
             if _same(value, default):
@@ -112,7 +119,7 @@ class _GRPOConfigBase:
 
 def _same(value: Any, default: Any) -> bool:
     try:
-        return (bool(value == default) and type(value) is type(default)) or (value is None and default is None)
+        return bool(value == default) and isinstance(value, bool) == isinstance(default, bool)
     except Exception:  # (objects without a boolean ==, e.g. a ParallelismConfig)
         return False
 
@@ -291,6 +298,43 @@ _DERIVED = {
 }
 
 
+# TRL's annotations where the default's type does not say it (None defaults, unions), so transformers'
+# HfArgumentParser / TRL's TrlParser build the same command line from cohort's GRPOConfig as from TRL's.
+# Enums (SchedulerType, IntervalStrategy, ...) are their string values here.
+_TYPES: dict[str, Any] = {
+    **dict.fromkeys(["output_dir", "optim_args", "torch_compile_backend", "torch_compile_mode", "run_name",
+                     "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id", "hub_token", "hub_model_id",
+                     "hub_revision", "metric_for_best_model", "dataloader_multiprocessing_context", "ddp_backend",
+                     "fsdp", "resume_from_checkpoint", "cache_implementation", "vllm_structured_outputs_regex",
+                     "vllm_server_base_url", "log_completions_hub_repo", "parallelism_config"], str | None),
+    **dict.fromkeys(["lr_scheduler_type", "optim", "logging_strategy", "eval_strategy", "save_strategy",
+                     "hub_strategy", "include_num_input_tokens_seen", "debug"], str),
+    **dict.fromkeys(["warmup_steps", "logging_steps", "eval_delay", "save_steps"], float),
+    **dict.fromkeys(["lr_scheduler_kwargs", "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs",
+                     "accelerator_config", "fsdp_config", "deepspeed", "model_init_kwargs", "generation_kwargs",
+                     "chat_template_kwargs", "transformers_continuous_batching_config", "liger_kernel_config"],
+                    dict | str | None),
+    **dict.fromkeys(["bf16", "tf32", "activation_checkpointing", "disable_tqdm", "hub_private_repo",
+                     "greater_is_better", "ddp_find_unused_parameters", "ddp_broadcast_buffers", "ddp_static_graph"],
+                    bool | None),
+    **dict.fromkeys(["torch_empty_cache_steps", "eval_accumulation_steps", "save_total_limit", "data_seed",
+                     "dataloader_prefetch_factor", "ddp_bucket_cap_mb", "num_generations_eval",
+                     "generation_batch_size", "steps_per_generation", "vllm_max_model_length",
+                     "max_tool_calling_iterations", "num_completions_to_print", "max_prompt_length"], int | None),
+    **dict.fromkeys(["neftune_noise_alpha", "eval_steps", "router_aux_loss_coef", "min_p", "delta", "epsilon_high",
+                     "vllm_importance_sampling_clip_min", "off_policy_mask_threshold", "vllm_importance_sampling_cap",
+                     "warmup_ratio"], float | None),
+    "optim_target_modules": None | str | list[str], "report_to": None | str | list[str],
+    "label_names": list[str] | None, "reward_weights": list[float] | None, "pad_to_multiple_of": int | str | None,
+    "include_for_metrics": list[str], "scale_rewards": str, "extra": dict,
+}
+_JSON_FIELDS = [name for name, t in _TYPES.items() if t == dict | str | None]
+
+
+def _type(name: str, default: Any) -> Any:
+    return _TYPES.get(name, type(default))
+
+
 def _field(default: Any) -> Any:
     if isinstance(default, list | dict):
         return dataclasses.field(default_factory=lambda d=default: copy.deepcopy(d))
@@ -298,7 +342,7 @@ def _field(default: Any) -> Any:
 
 
 GRPOConfig = dataclasses.make_dataclass(
-    "GRPOConfig", [(name, Any, _field(default)) for name, (default, _) in TABLE.items()],
+    "GRPOConfig", [(name, _type(name, default), _field(default)) for name, (default, _) in TABLE.items()],
     bases=(_GRPOConfigBase,))
 GRPOConfig.__module__ = __name__
 GRPOConfig.__doc__ = ("TRL 1.16's GRPOConfig, field by field with TRL's defaults; see "
