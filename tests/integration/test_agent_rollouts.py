@@ -8,6 +8,7 @@ the sequence, the mask marks the tool tokens, and the trainer trains on the mode
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -107,7 +108,6 @@ def test_trainer_with_a_tool_runs_two_steps_with_tool_metrics_and_masks(tmp_path
     from tests.helpers.toy_task import digit_share
 
     from cohort import trainer as trainer_module
-    from cohort.data import load_prompt_dataset
     from cohort.rewards import RewardRunner
     from cohort.setup import build_components
 
@@ -120,11 +120,17 @@ def test_trainer_with_a_tool_runs_two_steps_with_tool_metrics_and_masks(tmp_path
     cfg.model.chat_template = "chatml_tools"
     cfg.agent.tools = [f"{__name__}:add"]
     cfg.agent.tool_parser = f"{__name__}:scripted_parser"
+    rows = tmp_path / "rows.jsonl"  # conversational prompts, encoded by the trainer's own data setup
+    rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}], "digit": r["digit"]})
+                            + "\n" for r in toy_rows()))
+    cfg.data.source = str(rows)
+    cfg.data.max_prompt_length = 1024
     tok = make_tiny_tokenizer()
-    data = load_prompt_dataset(toy_rows()).encode(tok, 64)
-    comp = build_components(cfg, policy=tiny_model(tok), tokenizer=tok, reward_runner=RewardRunner([digit_share]),
-                            train_data=data)
+    model = tiny_model(tok)
+    model.config.max_position_embeddings = 1024  # the tool schema takes ~500 tokens of the tiny tokenizer
+    comp = build_components(cfg, policy=model, tokenizer=tok, reward_runner=RewardRunner([digit_share]))
     assert comp.turn_loop is not None and comp.turn_loop.max_iterations == 1
+    assert '"name": "add"' in tok.decode(comp.train_data.prompt_ids[0])  # the prompt lists the tool
     batches = []
     original = trainer_module.collect_rollouts
 
