@@ -86,6 +86,12 @@ def test_resume_from_checkpoint_equals_an_uninterrupted_run(tmp_path):
     for a, b in zip(full.model.state_dict().values(), resumed.model.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert [r["reward"] for r in full.result.history[2:]] == [r["reward"] for r in result.history]
+    # from an explicit checkpoint folder, into another output_dir
+    elsewhere = _trainer(tmp_path / "c", tok, max_steps=4)
+    step2 = tmp_path / "b" / "run" / "checkpoints" / "step-000002"
+    assert len(elsewhere.train(resume_from_checkpoint=str(step2)).history) == 2
+    for a, b in zip(full.model.state_dict().values(), elsewhere.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
     with pytest.raises(ConfigError, match="no such checkpoint"):
         _trainer(tmp_path / "c", tok).train(resume_from_checkpoint=str(tmp_path / "nowhere"))
 
@@ -204,3 +210,14 @@ def test_reward_functions_get_what_trl_passes(tmp_path):
     assert seen == [0, 2, 4]
     assert [r["rewards/async_reward/mean"] for r in result.history] == [0.0, 2.0, 4.0]
     assert all(r["spy/calls"] == 1.0 for r in trainer.state.log_history[:3])
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    tok = make_tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                         "{% if add_generation_prompt %}mode {{ mode | default('plain') }}:{% endif %}")
+    rows = [{"prompt": [{"role": "user", "content": f"Say {d}"}], "digit": str(d)} for d in range(4)]
+    trainer = _trainer(tmp_path, tok, train_dataset=rows, max_steps=1, chat_template_kwargs={"mode": "7"})
+    trainer.train()
+    text = tok.decode(trainer._comp.train_data.batch([0]).prompt_ids[0])
+    assert text.endswith("mode 7:"), text
