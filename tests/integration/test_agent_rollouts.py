@@ -170,3 +170,49 @@ def test_zero_iterations_is_single_turn(iterations):
     loop = TurnLoop(tok, [add], max_iterations=iterations, parser=scripted_parser)
     out = loop.generate(engine, ids, params, prompts=convs)
     assert all(c.turns == 1 and c.tool_calls == 0 and set(c.mask) == {1} for g in out for c in g)
+
+
+def test_turns_ended_by_stop_strings_match_the_hf_reference():
+    """A turn cut by a stop string has no end-of-turn token: the continuation starts by closing the turn."""
+    tok = chat_tokenizer()
+    model = tiny_model(tok, seed=2).eval()
+    convs, ids = prompts_for(tok, n=3)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=150, stop_strings=("a", "1", "\n"))
+    results = []
+    for engine in (CohortEngine(model, tok, eos_token_ids=[tok.eos_token_id], block_size=8, max_model_len=1024),
+                   HFGenerateEngine(model, tok)):
+        results.append(TurnLoop(tok, [add], max_iterations=3, parser=scripted_parser).generate(
+            engine, ids, params, prompts=convs))
+    ours, ref = results
+    for group, ref_group in zip(ours, ref):
+        for c, r in zip(group, ref_group):
+            assert c.token_ids == r.token_ids and c.mask == r.mask
+            assert c.turns == 4 and c.tool_calls == 3
+            first_context = c.token_ids[c.mask.index(0)]
+            assert first_context == tok.eos_token_id  # <|im_end|> closes the model's turn, as context
+
+
+def test_each_completion_can_have_its_own_tool_runner():
+    """What environments need: every rollout calls the tools of its own instance."""
+    tok = chat_tokenizer()
+    model = tiny_model(tok, seed=2).eval()
+    convs, ids = prompts_for(tok, n=2)
+
+    class Counter:
+        def __init__(self, k):
+            self.k, self.calls = k, 0
+
+        def run(self, calls):
+            from cohort.agents.tools import ToolResult
+
+            self.calls += len(calls)
+            return [ToolResult(c.name, f"runner {self.k}") for c in calls]
+
+    runners = [Counter(k) for k in range(4)]
+    engine = CohortEngine(model, tok, eos_token_ids=[tok.eos_token_id], block_size=8, max_model_len=1024)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=150, stop_strings=("a", "1", "\n"))
+    out = TurnLoop(tok, [add], max_iterations=1, parser=scripted_parser).generate(
+        engine, ids, params, prompts=convs, runners=runners)
+    for k, c in enumerate(c for g in out for c in g):
+        assert runners[k].calls == c.tool_calls == 1
+        assert c.messages[1]["content"] == f"runner {k}"

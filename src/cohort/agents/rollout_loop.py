@@ -78,9 +78,14 @@ class TurnLoop:
         self._end_of_turn_ids = {vocab[m] for m in end_of_turn_markers(self.tokenizer) if m in vocab}
 
     def generate(self, engine, prompt_ids: Sequence[Sequence[int]], params: SamplingParams,
-                 prompts: Sequence[Any] | None = None) -> list[list[Completion]]:
+                 prompts: Sequence[Any] | None = None, runners: Sequence[Any] | None = None) -> list[list[Completion]]:
         """`params.n` multi-turn completions per prompt (`engine.generate`'s layout), with masks and tool counts.
-        `prompts`: the prompts as messages (or text), the start of each conversation the template renders."""
+        `prompts`: the prompts as messages (or text), the start of each conversation the template renders.
+        `runners`: one tool runner per completion (prompt-major: completion j of prompt i is i * n + j), e.g.
+        `ToolRunner(session.tools)` of each rollout's own environment; None: the loop's runner for all."""
+        if runners is not None and len(runners) != len(prompt_ids) * params.n:
+            raise ValueError(f"got {len(runners)} tool runners for {len(prompt_ids)} prompts x n={params.n}; "
+                             "give one per completion.")
         convs = {(i, j): _Conversation(_prompt_messages(prompts[i] if prompts is not None else None))
                  for i in range(len(prompt_ids)) for j in range(params.n)}
         lock = threading.Lock()
@@ -94,7 +99,8 @@ class TurnLoop:
                 if not calls:
                     return None
                 conv = convs[(turn.prompt_index, turn.sample_index)]
-                return pool.submit(self._run_tools, conv, turn, calls, params.max_tokens, lock)
+                runner = self.runner if runners is None else runners[turn.prompt_index * params.n + turn.sample_index]
+                return pool.submit(self._run_tools, conv, turn, calls, params.max_tokens, lock, runner)
 
             groups = engine.generate_turns(prompt_ids, params, on_turn_end)
         for i, group in enumerate(groups):
@@ -124,11 +130,11 @@ class TurnLoop:
         return out
 
     def _run_tools(self, conv: _Conversation, turn: TurnEnd, calls: list, max_tokens: int,
-                   lock: threading.Lock) -> list[int] | None:
+                   lock: threading.Lock, runner) -> list[int] | None:
         """Runs on the pool: execute the calls, return the continuation ids (None when they do not fit)."""
         from cohort.agents.messages import assistant_message, continuation_ids, tool_result_messages
 
-        results = self.runner.run(calls)
+        results = runner.run(calls)
         with lock:  # counts are per conversation, but keep the increments plainly atomic
             conv.calls += len(results)
             conv.failures += sum(1 for r in results if r.failed)
