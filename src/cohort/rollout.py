@@ -43,6 +43,8 @@ class RolloutBatch:
     metrics: dict[str, float] = field(default_factory=dict)
     # per completion, 1 for the model's tokens and 0 for context (tool results); None (or a None row): all 1
     completion_masks: list[list[int] | None] | None = None
+    # per-sample columns reward functions logged with log_extra (TRL 1.16), written with the sample rows
+    extra_columns: dict[str, list[Any]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -223,6 +225,7 @@ def _assemble(kept, g: int, advantage_kwargs: dict[str, Any], mask_truncated: bo
         completions_text=texts, prompts=prompts, rewards_per_func=result.rewards, rewards=adv.rewards,
         advantages=adv.advantages, loss_mask_keep=keep, metrics=metrics,
         completion_masks=[c.mask for c in completions] if any(c.mask is not None for c in completions) else None,
+        extra_columns={k: v for k, v in getattr(result, "extra", {}).items() if len(v) == len(completions)},
     )
 
 

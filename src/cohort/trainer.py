@@ -268,8 +268,9 @@ def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, 
     comp.train_time_s += metrics["step_time"]
     metrics["train_time"] = comp.train_time_s  # cumulative over resumes: "accuracy after N minutes"
     comp.last_samples = [
-        {"step": step, "prompt": str(p)[-500:], "completion": c, "reward": float(r), "advantage": float(a)}
-        for p, c, r, a in zip(batch.prompts, batch.completions_text, batch.rewards, batch.advantages)
+        {"step": step, "prompt": str(p)[-500:], "completion": c, "reward": float(r), "advantage": float(a),
+         **{name: _cell(column[i]) for name, column in batch.extra_columns.items()}}  # log_extra's columns
+        for i, (p, c, r, a) in enumerate(zip(batch.prompts, batch.completions_text, batch.rewards, batch.advantages))
     ]
     return metrics
 
@@ -281,6 +282,12 @@ def _save(cfg: CohortConfig, comp: Components, run_dir: Path, step: int, sampler
         trainer_state={"step": step, "sampler": sampler.state_dict(), "num_tokens": comp.num_tokens,
                        "train_time_s": comp.train_time_s,
                        "eval_before": result.eval_before, "config": dump_config(cfg)})
+
+
+def _cell(value: Any) -> Any:
+    """A JSON-safe sample cell: strings, ints and finite floats as they are, anything else as text."""
+    ok = isinstance(value, str | int | bool) or (isinstance(value, float) and np.isfinite(value)) or value is None
+    return value if ok else str(value)
 
 
 def _fmt(metrics: dict[str, float]) -> str:

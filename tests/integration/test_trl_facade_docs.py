@@ -194,3 +194,15 @@ def test_peft_lora(model_dir, tmp_path):
     trainer.train()
     trainer.save_model(str(tmp_path / "adapters"))
     assert (tmp_path / "adapters" / "adapter_config.json").is_file()
+
+
+def test_log_extra_columns_of_trls_accuracy_reward_reach_the_samples(model_dir, tmp_path):
+    import json
+
+    from trl.rewards import accuracy_reward
+
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=accuracy_reward, train_dataset=Dataset.from_list(MATH * 2),
+                          args=_small(tmp_path, log_completions=True, max_steps=1))
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(r["solution"] == "4" and "answer_parsed" in r for r in rows)
