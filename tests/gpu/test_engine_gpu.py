@@ -105,3 +105,39 @@ def test_released_kv_pool_keeps_cuda_graphs_valid():
     again = engine.generate(prompts, params)
     assert [[c.token_ids for c in g] for g in first] == [[c.token_ids for c in g] for g in again]
     assert engine.runner.graph_recaptures in (0, 1)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_multi_turn_on_graphs_matches_hf_reference_float32(family):
+    """Continued turns on CUDA: prefix prefill (gather + SDPA) then graph-replayed decode on the kept blocks."""
+    from tests.integration.test_engine_turns import CONTEXT, STOPS, _Tok, scripted
+
+    from cohort.engine.hf_backend import HFGenerateEngine
+
+    model = tiny_model(family).cuda()
+    prompts = random_prompts([7, 12, 5, 20])
+    params = SamplingParams(n=1, temperature=0.0, max_tokens=80, stop_token_ids=STOPS)
+    engine = CohortEngine(model, eos_token_ids=[EOS], block_size=16, max_model_len=160, max_num_seqs=16)
+    assert engine.runner.graphs
+    got = engine.generate_turns(prompts, params, scripted)
+    ref = HFGenerateEngine(model, _Tok(), eos_token_ids=[EOS]).generate_turns(prompts, params, scripted)
+    assert [g[0].token_ids for g in got] == [g[0].token_ids for g in ref]
+    assert [g[0].mask for g in got] == [g[0].mask for g in ref]
+    continued = len(prompts) * (len(CONTEXT[1]) + 1 + len(CONTEXT[2]) + 1)
+    assert engine.stats.prefill_tokens == sum(map(len, prompts)) + continued
+
+
+def test_multi_turn_sampled_logprobs_match_recompute_bf16_and_float32():
+    from tests.integration.test_engine_turns import STOPS, scripted
+
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.1)):
+        model = tiny_model("qwen2").to("cuda", dtype)
+        prompts = random_prompts([4, 30])
+        engine = CohortEngine(model, eos_token_ids=[EOS], block_size=16, max_model_len=160, max_num_seqs=16)
+        out = engine.generate_turns(prompts, SamplingParams(n=4, temperature=0.8, max_tokens=60, seed=1,
+                                                            stop_token_ids=STOPS), scripted)
+        for prompt, group in zip(prompts, out):
+            for c in group:
+                ref = recomputed_logprobs(model, prompt, c.token_ids, 0.8)
+                got = [(a, b) for a, b, m in zip(c.logprobs, ref, c.mask) if m]
+                assert [a for a, _ in got] == pytest.approx([b for _, b in got], abs=tol)
