@@ -228,8 +228,7 @@ FIELDS: list[tuple[str, Any, str]] = [
     ("entropy_coef_max", 1.0, "announce: only used with use_adaptive_entropy, which cohort rejects"),
     ("entropy_coef_delta", 0.005, "announce: only used with use_adaptive_entropy, which cohort rejects"),
     ("entropy_target", 0.2, "announce: only used with use_adaptive_entropy, which cohort rejects"),
-    ("max_tool_calling_iterations", None, "announce: tool calling goes through cohort.agents (tools= on the "
-     "trainer); this cap is read there"),
+    ("max_tool_calling_iterations", None, "generation.max_tool_calling_iterations"),
     ("vllm_importance_sampling_correction", True, "loss.sampler_is_correction"),
     ("vllm_importance_sampling_mode", "sequence_mask", "derived: loss.sampler_is_mode (vespo keeps its "
      "token-level default, as TRL requires for it)"),

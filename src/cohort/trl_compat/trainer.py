@@ -150,7 +150,12 @@ class GRPOTrainer:
                 raise ConfigError(f"train(resume_from_checkpoint={path!r}): no such checkpoint folder.")
             cfg.run.resume = True if path is True else str(path)
         elif not cfg.run.resume:
+            from cohort.run_dir import is_run_dir
+
             cfg.run.overwrite = True  # TRL writes into an existing output_dir
+            if Path(cfg.run.output_dir).is_dir() and is_run_dir(Path(cfg.run.output_dir)):
+                log.warning("output_dir %s holds an earlier cohort run: this train() replaces it (pass "
+                            "resume_from_checkpoint=True to continue it instead).", cfg.run.output_dir)
         if self._comp is None:
             self._comp = self._components()
         if self.args.eval_on_start and self.eval_dataset:
