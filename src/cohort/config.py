@@ -144,6 +144,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.99
+    adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
     # bf16/fp16 weights: keep fp32 master weights and fp32 Adam moments (default), or Adam moments in the
     # weights' dtype as TRL does (6 bytes/param less; the LM-head gradient is then also summed in bf16)

@@ -155,12 +155,12 @@ class HostOffloadAdamW(torch.optim.Optimizer):
 
 
 def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
-                    master_weights: bool = True, offload: bool = False) -> torch.optim.Optimizer:
+                    master_weights: bool = True, offload: bool = False, eps: float = 1e-8) -> torch.optim.Optimizer:
     """AdamW; with low-precision parameters, over fp32 masters unless master_weights=False (then the
     moments live in the parameters' dtype, as in TRL's bf16 runs: 6 bytes per parameter less).
     offload=True (needs master_weights=False or fp32 parameters) keeps the moments in host memory."""
     params = [p for p in model.parameters() if p.requires_grad]
-    kwargs = {"lr": lr, "weight_decay": weight_decay, "betas": betas}
+    kwargs = {"lr": lr, "weight_decay": weight_decay, "betas": betas, "eps": eps}
     if params and params[0].is_cuda:
         kwargs["fused"] = True  # one kernel for all parameters instead of a loop of small ones
     low_precision = bool(params) and params[0].dtype in (torch.bfloat16, torch.float16)

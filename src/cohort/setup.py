@@ -286,7 +286,7 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
     t = cfg.train
     optimizer = build_optimizer(policy, lr=t.learning_rate, weight_decay=t.weight_decay,
                                 betas=(t.adam_beta1, t.adam_beta2), master_weights=t.master_weights,
-                                offload=t.optimizer_offload)
+                                offload=t.optimizer_offload, eps=t.adam_epsilon)
     total_updates = t.max_steps * t.mini_batches * t.num_iterations
     scheduler = build_scheduler(optimizer, kind=t.lr_scheduler_type, warmup_steps=t.warmup_steps,
                                 total_steps=total_updates, kwargs=t.lr_scheduler_kwargs)

@@ -124,12 +124,11 @@ def test_eval_strategy_steps_evaluates_during_training(tmp_path):
 
 def test_push_to_hub_offline_writes_a_local_folder(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    trainer = _trainer(tmp_path, max_steps=1, hub_model_id="me/tiny")
-    trainer.train()
+    trainer = _trainer(tmp_path, max_steps=1, hub_model_id="me/tiny", push_to_hub=True)
     with caplog.at_level(logging.WARNING, logger="cohort.trl_compat"):
-        where = trainer.push_to_hub()
-    assert (tmp_path / "run" / "hub" / "me__tiny" / "config.json").is_file() and where.endswith("me__tiny")
-    assert "HF_HUB_OFFLINE" in caplog.text
+        trainer.train()  # push_to_hub=True: pushed when training ends, as TRL
+    assert (tmp_path / "run" / "hub" / "me__tiny" / "config.json").is_file() and "HF_HUB_OFFLINE" in caplog.text
+    assert trainer.push_to_hub().endswith("me__tiny")
 
 
 def test_optimizers_argument_is_used(tmp_path):

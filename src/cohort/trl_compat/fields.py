@@ -41,7 +41,7 @@ FIELDS: list[tuple[str, Any, str]] = [
     ("weight_decay", 0.0, "train.weight_decay"),
     ("adam_beta1", 0.9, "train.adam_beta1"),
     ("adam_beta2", 0.999, "train.adam_beta2"),
-    ("adam_epsilon", 1e-08, "reject: cohort's AdamW uses eps=1e-8 (TRL's default); leave adam_epsilon at 1e-8"),
+    ("adam_epsilon", 1e-08, "train.adam_epsilon"),
     ("optim_target_modules", None, "reject: cohort trains every parameter that requires grad; "
      "freeze modules on the model object instead"),
     ("gradient_accumulation_steps", 1, "derived: completions per optimiser step = per_device_train_batch_size x "
@@ -113,7 +113,7 @@ FIELDS: list[tuple[str, Any, str]] = [
     ("save_total_limit", None, "run.save_total_limit"),
     ("enable_jit_checkpoint", False, "announce: use extra={'run.time_limit_s': s} to stop at a step boundary "
      "with a checkpoint"),
-    ("push_to_hub", False, "trainer: push_to_hub() after train()"),
+    ("push_to_hub", False, "trainer: True calls push_to_hub() at the end of train(), as TRL"),
     ("hub_token", None, "trainer: used by push_to_hub()"),
     ("hub_private_repo", None, "trainer: used by push_to_hub()"),
     ("hub_model_id", None, "trainer: used by push_to_hub()"),
@@ -172,7 +172,7 @@ FIELDS: list[tuple[str, Any, str]] = [
     ("num_generations_eval", None, "derived: run.eval_num_samples (None: greedy, one per prompt)"),
     ("max_completion_length", 512, "generation.max_completion_length"),
     ("ds3_gather_for_generation", True, "announce: with FSDP the engine reads gathered bf16 weights"),
-    ("shuffle_dataset", True, "trainer: False draws prompts in dataset order"),
+    ("shuffle_dataset", True, "data.shuffle"),
     ("pad_to_multiple_of", "auto", "announce: cohort packs sequences without padding"),
     ("generation_batch_size", None, "derived: train.prompts_per_step = generation_batch_size / num_generations"),
     ("steps_per_generation", None, "derived: train.mini_batches = steps_per_generation / "

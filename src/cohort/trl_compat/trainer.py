@@ -59,7 +59,6 @@ class GRPOTrainer:
             needed = self.config.train.max_steps * self.config.train.prompts_per_step
             self._train_rows = [dict(r) for r in itertools.islice(iter(train_dataset), needed)]
         self.config.reward.funcs = self.reward_funcs
-        self.config.data.shuffle = bool(self.args.shuffle_dataset)
         _model_init(self.args.model_init_kwargs, self.config)
         from cohort.trl_compat.callbacks import CallbackBridge
 
@@ -163,6 +162,8 @@ class GRPOTrainer:
         started = time.monotonic()
         self.result = train(cfg, self._comp, hooks=[self.callback_handler.hook])
         self.callback_handler.finish(time.monotonic() - started)
+        if self.args.push_to_hub:  # TRL pushes the final model when training ends
+            self.push_to_hub()
         return self.result
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"
