@@ -206,3 +206,28 @@ def test_log_extra_columns_of_trls_accuracy_reward_reach_the_samples(model_dir, 
     trainer.train()
     rows = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(r["solution"] == "4" and "answer_parsed" in r for r in rows)
+
+
+def test_trls_own_grpo_script_with_cohorts_classes(model_dir, tmp_path, monkeypatch):
+    """trl/scripts/grpo.py (`trl grpo ...`), its command line parsed by TrlParser into cohort's GRPOConfig and
+    run by cohort's GRPOTrainer: the script's `from trl import GRPOConfig, GRPOTrainer` is the only change."""
+    import json
+
+    import trl
+    from trl.scripts import grpo
+
+    import cohort
+
+    monkeypatch.setattr(trl, "GRPOConfig", cohort.GRPOConfig)
+    monkeypatch.setattr(trl, "GRPOTrainer", cohort.GRPOTrainer)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in MATH * 4))
+    argv = ["--model_name_or_path", model_dir, "--dataset_name", str(data), "--reward_funcs", "accuracy_reward",
+            "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--per_device_train_batch_size", "4",
+            "--num_generations", "4", "--max_completion_length", "16", "--use_cpu", "--report_to", "none",
+            "--logging_steps", "1"]
+    script_args, training_args, model_args, dataset_args = grpo.make_parser().parse_args_and_config(args=argv)
+    assert isinstance(training_args, cohort.GRPOConfig)
+    grpo.main(script_args, training_args, model_args, dataset_args)
+    assert (tmp_path / "out" / "config.json").is_file()  # trainer.save_model(training_args.output_dir)

@@ -231,9 +231,61 @@ class GRPOTrainer:
                         type(exc).__name__, exc, local)
             return str(local)
 
+    # ---------------------------------------------- what TRL's scripts call besides train (trl/scripts/grpo.py)
+    @property
+    def accelerator(self) -> _Accelerator:
+        return _Accelerator()
+
+    @property
+    def hub_model_id(self) -> str:
+        return self.args.hub_model_id or Path(self.config.run.output_dir).name
+
+    def is_world_process_zero(self) -> bool:
+        from cohort import distributed
+
+        return distributed.current().is_main
+
+    is_local_process_zero = is_world_process_zero
+
+    def end(self) -> None:
+        """transformers >= 5.18's end(): cohort's loop closes its loggers itself; nothing is left open."""
+
+    def save_state(self) -> None:
+        self.state.save_to_json(str(Path(self.config.run.output_dir) / "trainer_state.json"))
+
+    def log_metrics(self, split: str, metrics: dict[str, float]) -> None:
+        print(f"***** {split} metrics *****\n" + "\n".join(f"  {k} = {v}" for k, v in sorted(metrics.items())))
+
+    def save_metrics(self, split: str, metrics: dict[str, float], combined: bool = True) -> None:
+        import json
+
+        path = Path(self.config.run.output_dir) / f"{split}_results.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(metrics, indent=4, sort_keys=True))
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add a row to state.log_history and call the callbacks' on_log, as transformers' Trainer.log."""
         self.callback_handler.log(dict(logs))
+
+
+class _Accelerator:
+    """The few `trainer.accelerator` members TRL's scripts use, for cohort's torchrun ranks."""
+
+    def __init__(self):
+        from cohort import distributed
+
+        info = distributed.current()
+        self.process_index, self.num_processes = info.rank, info.world_size
+        self.is_main_process = self.is_local_main_process = info.is_main
+
+    def print(self, *args, **kwargs) -> None:
+        if self.is_main_process:
+            print(*args, **kwargs)
+
+    def wait_for_everyone(self) -> None:
+        from cohort import distributed
+
+        distributed.barrier()
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -276,6 +328,11 @@ def _rows(data: Any, args, what: str) -> list[dict] | None:
 
 def _model_init(kwargs: dict | None, cfg) -> None:
     for key, value in (kwargs or {}).items():
+        if value is None or (key == "revision" and value == "main"):  # TRL's scripts pass their defaults
+            continue
+        if key == "revision":
+            raise ConfigError(f"GRPOConfig(model_init_kwargs={{'revision': {value!r}}}) is not supported by cohort: "
+                              "download that revision (huggingface-cli download --revision) and pass its folder.")
         if key not in _MODEL_INIT_KEYS:
             raise ConfigError(f"GRPOConfig(model_init_kwargs={{{key!r}: ...}}) is not supported by cohort: it takes "
                               f"{', '.join(sorted(_MODEL_INIT_KEYS))}.")
