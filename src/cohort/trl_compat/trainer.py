@@ -66,6 +66,9 @@ class GRPOTrainer:
         self.state = self.callback_handler.state
         self.result = None
         self._comp = None
+        if (tools or environment_factory) and not getattr(getattr(self.config, "agent", None), "tools", None):
+            log.warning("GRPOTrainer(tools=/environment_factory=): the facade does not hand them to cohort's agent "
+                        "rollouts yet; set extra={'agent.tools': [...]} in GRPOConfig for tool calling.")
         self.callback_handler.event("on_init_end")
 
     # --------------------------------------------------------------------------------------- callbacks
