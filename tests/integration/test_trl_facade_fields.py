@@ -219,3 +219,8 @@ def test_trl_command_line_parsers_build_cohorts_config():
     cfg = args.to_cohort(num_rows=10)
     assert cfg.train.warmup_steps == 1 and cfg.advantage.scale_rewards == "batch" and cfg.model.dtype == "float32"
     assert cfg.reward.reward_weights == [1.0, 2.0] and cfg.train.lr_scheduler_type == "cosine_with_min_lr"
+
+
+def test_logging_strategy_no():
+    cfg = GRPOConfig(logging_strategy="no", report_to="tensorboard").to_cohort(num_rows=8)
+    assert cfg.run.logging_steps == 0 and cfg.run.report_to == ["console"]

@@ -71,7 +71,8 @@ class CallbackBridge:
             if "loss" in payload:
                 self._losses.append(float(payload["loss"]))
             last = step >= cfg.train.max_steps
-            if step % max(1, cfg.run.logging_steps) == 0 or last or self.control.should_log:
+            every = cfg.run.logging_steps
+            if (every and (step % every == 0 or last)) or self.control.should_log:
                 self.log({k: v for k, v in payload.items() if not k.startswith("eval/")})
             evals = {f"eval_{k[5:]}": v for k, v in payload.items() if k.startswith("eval/")}
             if evals:

@@ -187,6 +187,9 @@ def _strategy(field_name: str, allowed: tuple[str, ...], hint: str):
 
 
 def _logging_steps(a, cfg, value, *, per_gen, total, **_):
+    if str(getattr(a.logging_strategy, "value", a.logging_strategy)) == "no":
+        cfg.run.logging_steps = 0  # no on_log rows but the closing one, as TRL
+        return
     steps = math.ceil(total * value) if 0 < value < 1 else value
     cfg.run.logging_steps = _in_steps(steps, per_gen)
 
@@ -194,6 +197,9 @@ def _logging_steps(a, cfg, value, *, per_gen, total, **_):
 def _report_to(a, cfg, value, **_):
     names = [value] if isinstance(value, str) else list(value or [])
     names = [n.strip() for item in names for n in str(item).split(",") if n.strip()]
+    if str(getattr(a.logging_strategy, "value", a.logging_strategy)) == "no":
+        cfg.run.report_to = ["console"]  # logging_strategy="no": cohort's step lines only
+        return
     if names == ["all"]:
         cfg.run.report_to = ["all"]
         return

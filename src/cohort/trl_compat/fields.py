@@ -73,8 +73,8 @@ FIELDS: list[tuple[str, Any, str]] = [
      "generation.release_kv_during_update)"),
     ("auto_find_batch_size", False, "reject: the generation batch must hold whole groups (TRL rejects it too); "
      "lower per_device_train_batch_size, or let extra={'train.token_budget': n} cap micro-batches"),
-    ("logging_strategy", "steps", "derived: 'steps' logs every logging_steps; 'no' keeps only the console; "
-     "'epoch' is rejected (use logging_steps)"),
+    ("logging_strategy", "steps", "derived: 'steps' logs every logging_steps; 'no' keeps only cohort's console "
+     "lines and no on_log rows but the closing one; 'epoch' is rejected (use logging_steps)"),
     ("logging_steps", 10, "derived: run.logging_steps in cohort steps; callbacks' on_log and "
      "state.log_history get every logging_steps optimiser steps"),
     ("logging_first_step", False, "announce: cohort logs the first step like every other"),
