@@ -82,8 +82,23 @@ def save_checkpoint(
     """
     if keep_last is not None and keep_last < 1:
         raise ConfigError(f"keep_last={keep_last!r}: keep at least 1 checkpoint, or pass None to keep all")
-    if _sharded(model):
-        return _save_sharded(run_dir, step, model, tokenizer, optimizer, scheduler, trainer_state, keep_last)
+    try:
+        if _sharded(model):
+            return _save_sharded(run_dir, step, model, tokenizer, optimizer, scheduler, trainer_state, keep_last)
+        return _save_unsharded(run_dir, step, model, tokenizer, optimizer, scheduler, trainer_state, keep_last)
+    except OSError as e:  # disk full, permission, a vanished mount: the temporary is gone, `latest` unchanged
+        previous = latest_checkpoint(run_dir)
+        kept = (f"the last good checkpoint {str(previous)!r} and `latest` are unchanged" if previous is not None
+                else "no earlier checkpoint exists")
+        raise CheckpointError(
+            f"saving checkpoint step {step} into {str(checkpoint_path(run_dir, step))!r} failed: "
+            f"{type(e).__name__}: {e}; {kept}. Free disk space (run.save_total_limit, run.save_only_model) or fix "
+            "the folder's permissions, then continue with --resume"
+        ) from e
+
+
+def _save_unsharded(run_dir: str | os.PathLike, step: int, model: Any, tokenizer: Any, optimizer: Any,
+                    scheduler: Any, trainer_state: Mapping[str, Any], keep_last: int | None) -> Path:
     state_text = _trainer_state_json(step, trainer_state)  # fail on bad state before writing anything
     root = Path(run_dir) / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
@@ -306,6 +321,49 @@ def _prune(root: Path, keep_last: int, protect: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def checkpoint_size(path: str | os.PathLike) -> dict[str, int]:
+    """Bytes on disk of a checkpoint folder: {"total", "optimizer" (optimizer.pt or dcp/ optimizer shards
+    cannot be told apart from the model's there, so dcp/ counts as "sharded state")}."""
+    path = Path(path)
+    total = 0
+    for dirpath, _dirnames, filenames in os.walk(path):
+        for name in filenames:
+            total += os.path.getsize(os.path.join(dirpath, name))
+    optimizer = path / OPTIMIZER_FILE
+    return {"total": total, "optimizer": optimizer.stat().st_size if optimizer.is_file() else 0}
+
+
+def describe_size(path: str | os.PathLike) -> str:
+    """One line for the log: a checkpoint's size on disk and how much of it is optimizer state."""
+    size = checkpoint_size(path)
+    text = f"{_human_bytes(size['total'])} on disk"
+    if size["optimizer"]:
+        text += f" ({_human_bytes(size['optimizer'])} of it optimizer state; run.save_only_model=true leaves it out)"
+    elif not has_optimizer_state(path):
+        text += " (weights only: run.save_only_model)"
+    return text
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def has_optimizer_state(path: str | os.PathLike) -> bool:
+    """Whether a checkpoint holds optimizer state (not when saved with run.save_only_model)."""
+    path = Path(path)
+    if (path / OPTIMIZER_FILE).is_file():
+        return True
+    from cohort.distributed import dcp
+
+    if dcp.has_sharded_state(path):
+        return any(k.startswith("optim.") for k in dcp._saved_keys(path / dcp.DCP_DIR))
+    return False
+
+
 # ------------------------------------------------------------------------------------------------ find
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint of a run, or None if it has none.
@@ -366,7 +424,10 @@ def load_checkpoint(
         scheduler.load_state_dict(_torch_load(path / SCHEDULER_FILE, map_location, "scheduler"))
     if restore_rng:
         _set_rng_state(_torch_load(_rng_file(path, dcp.rank()), "cpu", "RNG"))
-    return json.loads(state_file.read_text(encoding="utf-8"))
+    try:
+        return json.loads(state_file.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise _damaged(state_file, e) from e
 
 
 def _rng_file(path: Path, rank: int) -> Path:
@@ -391,7 +452,7 @@ def _refuse_unsharded_optimizer(path: Path) -> None:
 def _read_full_weights(path: Path) -> dict[str, torch.Tensor]:
     """An unsharded checkpoint's weights: the PEFT adapter (PEFT's key names) or the whole model."""
     adapter = path / "adapter_model.safetensors"
-    return load_file(adapter) if adapter.is_file() else _read_safetensors(path)
+    return _load_safetensors(adapter) if adapter.is_file() else _read_safetensors(path)
 
 
 def _torch_load(file: Path, map_location: Any, what: str) -> Any:
@@ -400,8 +461,27 @@ def _torch_load(file: Path, map_location: Any, what: str) -> Any:
             f"checkpoint {str(file.parent)!r} has no {file.name}, so the {what} state cannot be restored; "
             f"it was saved without one (pass {what}=None to load_checkpoint to skip it)"
         )
-    # weights_only: our files hold only tensors and plain containers, so the safe loader suffices.
-    return torch.load(file, map_location=map_location, weights_only=True)
+    # weights_only: our files hold only tensors and plain containers, so the safe loader suffices (and a
+    # tampered file cannot run code).
+    try:
+        return torch.load(file, map_location=map_location, weights_only=True)
+    except Exception as e:  # truncated (EOFError, RuntimeError), garbage (UnpicklingError), unsafe globals
+        raise _damaged(file, e) from e
+
+
+def _damaged(file: Path, e: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint file {str(file)!r} cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        "): it is truncated or damaged (a copy cut short, a full disk). Resume from an earlier checkpoint "
+        "(run.resume=<path to checkpoints/step-NNNNNN>) or delete this checkpoint folder"
+    )
+
+
+def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(file)
+    except Exception as e:  # SafetensorError (truncated header or data), OSError
+        raise _damaged(file, e) from e
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -410,11 +490,11 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         state: dict[str, torch.Tensor] = {}
         for shard in shards:
-            state.update(load_file(path / shard))
+            state.update(_load_safetensors(path / shard))
         return state
     single = path / "model.safetensors"
     if single.is_file():
-        return load_file(single)
+        return _load_safetensors(single)
     raise CheckpointError(f"checkpoint {str(path)!r} has no model.safetensors (nor a sharded index)")
 
 
@@ -449,7 +529,7 @@ def _load_adapter_weights(path: Path, model: Any) -> None:
         raise CheckpointError(
             f"checkpoint {str(path)!r} holds a PEFT adapter but `peft` is not installed: pip install peft"
         ) from e
-    result = set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
+    result = set_peft_model_state_dict(model, _load_safetensors(path / "adapter_model.safetensors"))
     unexpected = list(getattr(result, "unexpected_keys", []) or [])
     if unexpected:
         raise CheckpointError(

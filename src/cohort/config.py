@@ -146,6 +146,9 @@ class TrainConfig:
     adam_beta2: float = 0.99
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
+    # a non-finite loss or gradient norm skips that optimiser update (counted as skipped_updates); this many
+    # in a row stop the run with an error (exit 2) naming the step
+    max_nonfinite_updates: int = 3
     # bf16/fp16 weights: keep fp32 master weights and fp32 Adam moments (default), or Adam moments in the
     # weights' dtype as TRL does (6 bytes/param less; the LM-head gradient is then also summed in bf16)
     master_weights: bool = True
@@ -180,6 +183,9 @@ class RunConfig:
     logging_steps: int = 1
     save_steps: int = 0  # 0: only at the end
     save_total_limit: int | None = 2
+    # TRL's name: checkpoints without optimizer state (about 2/3 smaller with Adam); --resume then loads the
+    # weights, data position, schedule and RNG, and Adam's moments restart from zero (it says so)
+    save_only_model: bool = False
     report_to: list[str] | None = None  # None: console, jsonl, and TensorBoard when installed; or wandb, trackio
     log_completions: bool = False
     eval_steps: int = 0  # 0: evaluate only before and after training
@@ -247,6 +253,10 @@ class CohortConfig:
         _require(g.temperature >= 0, "generation.temperature", g.temperature, "use 0 (greedy) or more")
         _require(0 < g.top_p <= 1, "generation.top_p", g.top_p, "use a value in (0, 1]")
         _require(t.token_budget >= 1, "train.token_budget", t.token_budget, "use a positive token count")
+        _require(isinstance(t.max_nonfinite_updates, int) and t.max_nonfinite_updates >= 1,
+                 "train.max_nonfinite_updates", t.max_nonfinite_updates,
+                 "use 1 or more: how many optimiser updates in a row may be skipped for a non-finite loss or "
+                 "gradient norm before the run stops")
         _require(self.reward.max_oversample >= 1, "reward.max_oversample", self.reward.max_oversample,
                  "use 1 (draw only the missing prompts) or more")
         _require(self.reward.max_resample_tries >= 1, "reward.max_resample_tries", self.reward.max_resample_tries,

@@ -140,10 +140,11 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo, hooks: S
             max_completion_length=cfg.generation.max_completion_length,
             num_generations=cfg.generation.num_generations, chunk_tokens=t.logprob_chunk_tokens,
             lm_head_grad_fp32=t.master_weights, sharded=t.sharding == "fsdp",
-            reduce_every_micro_batch=t.fsdp_reduce_every_micro_batch),
+            reduce_every_micro_batch=t.fsdp_reduce_every_micro_batch,
+            max_nonfinite_updates=t.max_nonfinite_updates),
         grad_reducer=_grad_reducer(cfg, comp))
     result, started = TrainResult(run_dir=run_dir), time.monotonic()
-    start_step = _resume(cfg, comp, run_dir, sampler, result, echo) if cfg.run.resume else 0
+    start_step = _resume(cfg, comp, run_dir, sampler, result, echo, updater) if cfg.run.resume else 0
     logger = MetricLogger(run_dir, total_steps=t.max_steps, report_to=cfg.run.report_to,
                           start_step=start_step) if main else _NoLogger()
     step, stopped = start_step, False
@@ -173,7 +174,9 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo, hooks: S
             writer = main or t.sharding == "fsdp"
             if writer and ((cfg.run.save_steps and step % cfg.run.save_steps == 0) or last or out_of_time):
                 with distributed.phase("save", step):
-                    saved = _save(cfg, comp, run_dir, step, sampler, result)
+                    saved = _save(cfg, comp, run_dir, step, sampler, result, updater)
+                if saved is not None:  # (the benchmarks replace _save by a no-op)
+                    echo(f"checkpoint {saved.name}: {ckpt.describe_size(saved)}")
                 _emit(hooks, "save", step, {"path": saved})
             if out_of_time and not last:
                 echo(f"run.time_limit_s={cfg.run.time_limit_s} reached after step {step}: checkpoint saved; "
@@ -195,13 +198,22 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo, hooks: S
     return result
 
 
-def _resume(cfg: CohortConfig, comp: Components, run_dir: Path, sampler, result: TrainResult, echo) -> int:
+def _resume(cfg: CohortConfig, comp: Components, run_dir: Path, sampler, result: TrainResult, echo,
+            updater: PolicyUpdater | None = None) -> int:
     """Load the newest complete checkpoint into the live objects; returns its step (0 when none)."""
     # run.resume: true resumes from the newest checkpoint, a path from that checkpoint folder
     latest = ckpt.latest_checkpoint(run_dir) if cfg.run.resume is True else Path(cfg.run.resume)
     if latest is None:
         return 0
-    state = ckpt.load_checkpoint(latest, model=comp.policy, optimizer=comp.optimizer, scheduler=comp.scheduler)
+    with_optimizer = ckpt.has_optimizer_state(latest)
+    if not with_optimizer:  # saved with run.save_only_model: weights only, Adam restarts (docs/training.md)
+        echo(f"{latest} holds no optimizer state (saved with run.save_only_model=true): resuming the weights, "
+             "data position, learning-rate schedule and RNG; Adam's moments restart from zero, so the run "
+             "will not match an uninterrupted one exactly")
+    state = ckpt.load_checkpoint(latest, model=comp.policy, optimizer=comp.optimizer if with_optimizer else None,
+                                 scheduler=comp.scheduler)
+    if updater is not None:
+        updater.nonfinite_streak = int(state.get("nonfinite_streak", 0))
     comp.num_tokens = int(state.get("num_tokens", 0))
     comp.train_time_s = float(state.get("train_time_s", 0.0))
     sampler.load_state_dict(state["sampler"])
@@ -253,6 +265,7 @@ def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, 
     if cfg.generation.release_kv_during_update and hasattr(comp.engine, "release_kv_cache"):
         comp.engine.release_kv_cache()  # its next generate takes it back
     with distributed.phase("update", step):
+        updater.step = step
         metrics.update(updater.update(batch, timer))
         with timer("sync_weights"):
             comp.engine.sync_weights()
@@ -268,20 +281,48 @@ def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, 
     comp.train_time_s += metrics["step_time"]
     metrics["train_time"] = comp.train_time_s  # cumulative over resumes: "accuracy after N minutes"
     comp.last_samples = [
-        {"step": step, "prompt": str(p)[-500:], "completion": c, "reward": float(r), "advantage": float(a),
+        {"step": step, "prompt": _sample_prompt(p), "completion": c, "reward": float(r), "advantage": float(a),
          **{name: _cell(column[i]) for name, column in batch.extra_columns.items()}}  # log_extra's columns
         for i, (p, c, r, a) in enumerate(zip(batch.prompts, batch.completions_text, batch.rewards, batch.advantages))
     ]
     return metrics
 
 
-def _save(cfg: CohortConfig, comp: Components, run_dir: Path, step: int, sampler, result: TrainResult) -> Path:
+def _save(cfg: CohortConfig, comp: Components, run_dir: Path, step: int, sampler, result: TrainResult,
+          updater: PolicyUpdater | None = None) -> Path:
     return ckpt.save_checkpoint(
-        run_dir, step, model=comp.policy, tokenizer=comp.tokenizer, optimizer=comp.optimizer,
+        run_dir, step, model=comp.policy, tokenizer=comp.tokenizer,
+        optimizer=None if cfg.run.save_only_model else comp.optimizer,
         scheduler=comp.scheduler, keep_last=cfg.run.save_total_limit,
         trainer_state={"step": step, "sampler": sampler.state_dict(), "num_tokens": comp.num_tokens,
                        "train_time_s": comp.train_time_s,
+                       "nonfinite_streak": updater.nonfinite_streak if updater is not None else 0,
                        "eval_before": result.eval_before, "config": dump_config(cfg)})
+
+
+def _sample_prompt(prompt: Any, keep: int = 500) -> Any:
+    """A prompt as samples.jsonl stores it: plain text (its last `keep` characters), or, when conversational,
+    the messages as a JSON list of {role, content} (each content's last `keep` characters)."""
+    if isinstance(prompt, str):
+        return prompt[-keep:]
+    if isinstance(prompt, list | tuple) and all(isinstance(m, dict) for m in prompt):
+        messages = []
+        for m in prompt:
+            content = m.get("content")
+            row = {"role": str(m.get("role", "")),
+                   "content": content[-keep:] if isinstance(content, str) else _json_safe(content)}
+            messages.append({**{k: _json_safe(v) for k, v in m.items() if k not in ("role", "content")}, **row})
+        return messages
+    return str(prompt)[-keep:]
+
+
+def _json_safe(value: Any) -> Any:
+    """Nested lists and dicts of JSON cells (multimodal content parts, tool calls); anything else as text."""
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return _cell(value)
 
 
 def _cell(value: Any) -> Any:

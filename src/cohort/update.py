@@ -17,6 +17,8 @@ policy, the loss uses the current logprobs detached, exactly as TRL does.
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ import torch
 
 from cohort import distributed
 from cohort.algorithms import LossInputs, reduce_metrics
+from cohort.errors import CohortError
 from cohort.packing import packed_forward_logprobs, split_micro_batches, spread_micro_batches
 from cohort.rollout import RolloutBatch
 
@@ -42,6 +45,11 @@ class UpdateSettings:
     lm_head_grad_fp32: bool = True  # False with train.master_weights=false: the low-memory setting
     sharded: bool = False  # FSDP: gradients are reduced by FSDP, every rank runs the same number of passes
     reduce_every_micro_batch: bool = True  # FSDP: reduce-scatter after each micro-batch, or after the last only
+    max_nonfinite_updates: int = 3  # train.max_nonfinite_updates: skipped updates in a row before the run stops
+
+
+class NonFiniteUpdateError(CohortError):
+    """train.max_nonfinite_updates optimiser updates in a row had a non-finite loss or gradient norm."""
 
 
 def pad_rows(rows: Sequence[torch.Tensor], width: int, value: float = 0.0) -> torch.Tensor:
@@ -59,6 +67,9 @@ class PolicyUpdater:
         # data parallel without sharding: sums gradients over ranks while the last backward runs
         self.grad_reducer = grad_reducer
         self.params = [p for p in policy.parameters() if p.requires_grad]
+        # optimiser updates skipped in a row for a non-finite loss or gradient norm (kept in checkpoints)
+        self.nonfinite_streak = 0
+        self.step = 0  # the training step being updated, for the error message
 
     def _micro_batches(self, lengths: list[int]) -> list[list[int]]:
         """Token-budget micro-batches; sharded, every rank runs as many as the rank that needs the most
@@ -96,6 +107,7 @@ class PolicyUpdater:
         lengths = [len(batch.prompt_ids[r]) + len(batch.completion_ids[r]) for r in rows]
         self.policy.train()
         parts: list[dict] = []
+        finite = torch.ones((), dtype=torch.bool, device=self.device)  # read once, after the last backward
         micro_batches = self._micro_batches(lengths)
         for m, micro in enumerate(micro_batches):
             idx = [rows[i] for i in micro] or rows[:1]  # empty (sharded padding): a zero-weight pass
@@ -125,13 +137,32 @@ class PolicyUpdater:
             (out.loss if micro else out.loss * 0.0).backward()
             if micro:
                 parts.append(out.metrics)
+                finite &= torch.isfinite(out.loss.detach()).to(finite.device)
         local = reduce_metrics(parts)  # partial sums of this rank -> summed over ranks (min/max by min/max)
         for k, v in distributed.reduce_metrics(local, summed=tuple(local)).items():
             sums[k] += float(v)
-        sums["grad_norm"] += self._reduce_and_clip()
-        self.optimizer.step()
-        self.scheduler.step()
+        grad_norm = self._reduce_and_clip()
+        sums["grad_norm"] += grad_norm
+        # every rank takes the same decision: a NaN on one rank's loss skips the update everywhere
+        skip = distributed.any_rank(not (bool(finite) and math.isfinite(grad_norm)))
+        if skip:  # no optimizer.step(): weights and Adam's state stay as they are; the gradients go below
+            sums["skipped_updates"] += 1
+            self.nonfinite_streak += 1
+        else:
+            self.optimizer.step()
+            self.nonfinite_streak = 0
+        with warnings.catch_warnings():  # a skipped first update: torch warns of a scheduler step before any
+            warnings.simplefilter("ignore", UserWarning)  # optimizer step, on purpose here
+            self.scheduler.step()  # the schedule counts updates, taken or skipped (as with AMP's skipped steps)
         self.optimizer.zero_grad(set_to_none=True)
+        if self.nonfinite_streak >= self.s.max_nonfinite_updates:
+            raise NonFiniteUpdateError(
+                f"step {self.step}: the loss or gradient norm was non-finite (NaN or inf) in "
+                f"{self.nonfinite_streak} optimiser updates in a row (train.max_nonfinite_updates="
+                f"{self.s.max_nonfinite_updates}); each was skipped, so the weights and optimizer state are those "
+                "of the last finite update. Look for NaN rewards or advantages, lower train.learning_rate, keep "
+                "train.max_grad_norm set, or raise train.max_nonfinite_updates; --resume continues from the last "
+                "checkpoint")
 
     def _reduce_and_clip(self) -> float:
         """Gradients summed over ranks (FSDP has reduce-scattered them already), then clipped; the norm."""
@@ -178,6 +209,8 @@ class PolicyUpdater:
                 for rows in groups:
                     self._mini_batch_step(batch, rows, old, ref, sums)
                     updates += 1
+        skipped = sums.pop("skipped_updates", 0.0)
         metrics = {k: v / updates for k, v in sums.items()}
         metrics["learning_rate"] = lr
+        metrics["skipped_updates"] = skipped  # optimiser updates of this step skipped for a non-finite value
         return metrics

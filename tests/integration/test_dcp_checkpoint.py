@@ -347,8 +347,11 @@ def test_a_save_failing_on_one_rank_raises_on_every_rank_and_changes_nothing(out
     # inside DCP's write on rank 1: DCP tells rank 0, both raise
     assert all(o["dcp-write"].startswith("CheckpointError") for o in outcomes), outcomes
     assert "rank 1: OSError: injected: disk full on rank 1" in outcomes[0]["dcp-write"]
-    # rank 0's Hugging Face export: rank 0 raises its error, rank 1 hears of it
-    assert outcomes[0]["hf-export"] == "OSError: injected: disk full on rank 0"
+    # rank 0's Hugging Face export: rank 0 raises its error as a CheckpointError naming the folder and the cause,
+    # rank 1 hears of it
+    assert outcomes[0]["hf-export"].startswith("CheckpointError"), outcomes[0]["hf-export"]
+    assert "OSError: injected: disk full on rank 0" in outcomes[0]["hf-export"]
+    assert "step-000003" in outcomes[0]["hf-export"] and "`latest` are unchanged" in outcomes[0]["hf-export"]
     assert outcomes[1]["hf-export"].startswith("CheckpointError") and "injected" in outcomes[1]["hf-export"]
     # a trainer_state that is not JSON: refused before anything is written, on every rank
     assert outcomes[0]["trainer-state"].startswith("ConfigError")

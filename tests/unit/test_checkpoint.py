@@ -10,7 +10,7 @@ from tests.helpers.tiny_models import tiny_llama
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from cohort import checkpoint as ckpt
-from cohort.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from cohort.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from cohort.errors import ConfigError
 
 
@@ -109,7 +109,8 @@ def test_crash_mid_write_keeps_previous_checkpoint_latest(tmp_path, monkeypatch)
         return real_save(obj, f, *a, **k)
 
     monkeypatch.setattr(ckpt.torch, "save", failing_save)
-    with pytest.raises(OSError, match="simulated"):
+    # a CheckpointError naming the folder and the cause (the CLI's exit-2 message, not a traceback)
+    with pytest.raises(CheckpointError, match=r"step-000002.*OSError: disk full \(simulated\)"):
         save_checkpoint(tmp_path, 2, model=model, optimizer=opt, scheduler=sched, trainer_state={"x": 2})
     monkeypatch.undo()
 

@@ -176,7 +176,11 @@ def load_sharded_state(path: Path, model: torch.nn.Module, optimizer: torch.opti
     try:
         dcp.load(state, checkpoint_id=directory)
     except CheckpointException as e:
-        raise CheckpointError(f"checkpoint {str(path)!r}: reading its sharded state failed: {_failures(e)}") from e
+        damaged = _damaged_files(directory)
+        named = (f"damaged file(s): {'; '.join(damaged)}: they are truncated or damaged (a copy cut short, a full "
+                 "disk); resume from an earlier checkpoint or delete this one. " if damaged else "")
+        raise CheckpointError(f"checkpoint {str(path)!r}: reading its sharded state failed: {named}"
+                              f"{_failures(e)}") from e
     # strict=False: the keys were checked above, and a PEFT state leaves out the frozen base on purpose.
     options = _options(model, strict=False)
     if optimizer is not None:
@@ -184,6 +188,27 @@ def load_sharded_state(path: Path, model: torch.nn.Module, optimizer: torch.opti
                        optim_state_dict=state[_OPTIM_KEY], options=options)
     else:
         set_model_state_dict(model, state[_MODEL_KEY], options=options)
+
+
+def _damaged_files(directory: Path) -> list[str]:
+    """The shard files of a DCP checkpoint that are missing or shorter than its metadata says."""
+    try:
+        storage = FileSystemReader(directory).read_metadata().storage_data or {}
+    except Exception:  # unreadable metadata is reported by _saved_keys
+        return []
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        name = getattr(info, "relative_path", None)
+        if name:
+            needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    damaged = []
+    for name, size in sorted(needed.items()):
+        file = directory / name
+        if not file.is_file():
+            damaged.append(f"{str(file)!r} is missing")
+        elif file.stat().st_size < size:
+            damaged.append(f"{str(file)!r} has {file.stat().st_size} bytes of {size}")
+    return damaged
 
 
 def _saved_keys(directory: Path) -> set[str]:
