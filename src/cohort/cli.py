@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,20 +24,27 @@ from cohort.errors import CohortError, ConfigError
 def _train(args: argparse.Namespace) -> int:
     from cohort import distributed
     from cohort.config import dump_config, load_config
+    from cohort.preflight import check_paths
     from cohort.trainer import train
 
     cfg = load_config(args.recipe, args.overrides)
-    # torchrun: one process per GPU, data parallel; every collective times out after train.dist_timeout_s
-    info = distributed.init_from_env(timeout_s=cfg.train.dist_timeout_s)
     if args.resume:  # continuing a run never wipes it, whatever the recipe says about overwrite
         cfg.run.resume, cfg.run.overwrite = True, False
     if args.overwrite:
         cfg.run.overwrite = True
     if args.print_config:
-        if info.is_main:
+        if os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 alone prints
             print(dump_config(cfg))
         return 0
-    result = train(cfg)
+    check_paths(cfg)  # model path, run directory, resume checkpoint: before any model loads or file changes
+    # torchrun: one process per GPU, data parallel; every collective times out after train.dist_timeout_s
+    info = distributed.init_from_env(timeout_s=cfg.train.dist_timeout_s)
+    try:
+        result = train(cfg)
+    except KeyboardInterrupt:
+        if info.is_main:
+            print(interrupted_message(cfg, args), file=sys.stderr)
+        return 130
     if not info.is_main:  # rank 0 alone reports and writes the run directory (curves included)
         return 0
     if result.stopped_at is not None:
@@ -56,12 +64,42 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def continue_command(args: argparse.Namespace, *, resume: bool = True) -> str:
+    """The command line that continues this run: the same recipe and overrides, plus --resume."""
+    import shlex
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    head = f"torchrun --nproc-per-node {world} -m cohort.cli train" if world > 1 else "cohort train"
+    parts = ([args.recipe] if args.recipe else []) + list(args.overrides or [])
+    return " ".join([head, *(shlex.quote(p) for p in parts), *(["--resume"] if resume else [])])
+
+
+def interrupted_message(cfg, args: argparse.Namespace) -> str:
+    """What Ctrl-C prints: the newest checkpoint (if any) and the exact command that continues the run."""
+    from cohort.checkpoint import latest_checkpoint
+    from cohort.run_dir import run_has_progress
+
+    out = Path(cfg.run.output_dir).expanduser()
+    latest = latest_checkpoint(out) if out.is_dir() else None
+    if latest is not None:
+        return (f"cohort: interrupted. The newest checkpoint is {latest}; continue from it with:\n"
+                f"  {continue_command(args)}")
+    if out.is_dir() and run_has_progress(out):
+        return (f"cohort: interrupted before the first checkpoint; {out} holds metrics but nothing to resume from. "
+                f"Start again with:\n  {continue_command(args, resume=False)} --overwrite")
+    return (f"cohort: interrupted before the first checkpoint (nothing was kept). Start again with:\n"
+            f"  {continue_command(args, resume=False)}")
+
+
 def _eval(args: argparse.Namespace) -> int:
     from cohort.config import load_config
     from cohort.evaluation import evaluate
+    from cohort.preflight import check_data_paths, check_model_path
     from cohort.setup import build_components
 
     cfg = load_config(args.recipe, args.overrides)
+    check_model_path(cfg.model.name_or_path, cfg.model.gguf_file)
+    check_data_paths(cfg)
     if args.samples and not Path(args.samples).resolve().parent.is_dir():  # fail before the evaluation runs
         raise ConfigError(f"--samples={args.samples!r}: its folder does not exist; create it or pass another path")
     if not (cfg.data.eval_source or cfg.data.eval_size):
@@ -81,18 +119,31 @@ def _eval(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from cohort.config import CohortConfig
     from cohort.model import load_policy
-    from cohort.setup import build_engine, resolve_device, resolve_dtype, sampling_params_for
+    from cohort.setup import (
+        build_engine,
+        prompt_token_limit,
+        resolve_device,
+        resolve_dtype,
+        sampling_params_for,
+    )
 
     cfg = CohortConfig()
     cfg.generation.max_completion_length = args.max_tokens
     cfg.generation.temperature = args.temperature
     device = resolve_device(args.device)
     model, tok = load_policy(args.model, dtype=resolve_dtype("auto", device), device=device)
-    engine = build_engine(cfg, model, tok, device)
+    encoded = []
     for prompt in args.prompts:
         text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                        add_generation_prompt=True) if tok.chat_template else prompt
-        ids = tok(text, add_special_tokens=False)["input_ids"]
+        encoded.append(tok(text, add_special_tokens=False)["input_ids"])
+    cfg.data.max_prompt_length = max(len(ids) for ids in encoded)  # the engine is sized for these prompts
+    limit = prompt_token_limit(cfg, model)
+    if limit < cfg.data.max_prompt_length:
+        raise ConfigError(f"--max-tokens={args.max_tokens}: a prompt of {cfg.data.max_prompt_length} tokens plus "
+                          f"{args.max_tokens} exceeds the model's context; lower --max-tokens or shorten the prompt")
+    engine = build_engine(cfg, model, tok, device)
+    for ids in encoded:
         params = sampling_params_for(cfg, tok, n=args.n, seed=args.seed)
         for j, c in enumerate(engine.generate([ids], params)[0]):
             print(f"--- [{j}] ({c.finish_reason}, {len(c.token_ids)} tokens)")
@@ -155,15 +206,55 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# options of train / eval that take a value (the next argument, or --opt=value), and every flag they know
+_VALUE_OPTIONS = {"train": (), "eval": ("--samples",)}
+_FLAGS = {"train": ("--resume", "--overwrite", "--print-config", "-h", "--help"),
+          "eval": ("--samples", "-h", "--help")}
+
+
+def _check_flag(command: str, flag: str) -> None:
+    import difflib
+
+    name = flag.split("=", 1)[0]
+    if name not in _FLAGS[command]:
+        close = difflib.get_close_matches(name, _FLAGS[command], n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else f"{command} takes {', '.join(_FLAGS[command][:-2])}"
+        raise ConfigError(f"cohort {command}: unknown flag {flag!r}: {hint} (settings are section.field=value)")
+
+
 def _argv_with_recipe_fix(argv: list[str]) -> list[str]:
-    """Let `cohort train key=value` work without a recipe: a first positional holding '=' is an override."""
-    if len(argv) >= 2 and argv[0] in ("train", "eval") and "=" in argv[1] and not argv[1].startswith("-"):
-        return [argv[0], "", *argv[1:]]
-    return argv
+    """`cohort train|eval`: flags may stand anywhere among the overrides (`cohort train r.yaml --resume
+    train.max_steps=6`): they are moved in front of the positionals. A first positional holding '=' is an
+    override, so `cohort train key=value` works without a recipe."""
+    if not argv or argv[0] not in _VALUE_OPTIONS:
+        return argv
+    flags, positionals, rest = [], [], argv[1:]
+    i = 0
+    while i < len(rest):
+        a = rest[i]
+        if a == "--":  # everything after it is positional
+            positionals += rest[i + 1:]
+            break
+        if a.startswith("-") and not ("=" in a and not a.startswith("--")):
+            _check_flag(argv[0], a)
+            flags.append(a)
+            if a in _VALUE_OPTIONS[argv[0]] and i + 1 < len(rest):
+                flags.append(rest[i + 1])
+                i += 1
+        else:
+            positionals.append(a)
+        i += 1
+    if positionals and "=" in positionals[0]:
+        positionals.insert(0, "")
+    return [argv[0], *flags, *positionals]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = _argv_with_recipe_fix(list(sys.argv[1:] if argv is None else argv))
+    try:
+        argv = _argv_with_recipe_fix(list(sys.argv[1:] if argv is None else argv))
+    except CohortError as exc:
+        print(f"cohort: error: {exc}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     if getattr(args, "recipe", None) == "":
         args.recipe = None

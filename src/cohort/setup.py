@@ -109,10 +109,52 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
         if ok:
             return CohortEngine(policy, tokenizer, eos_token_ids=_eos_ids(tokenizer),
                                 kv_cache_fraction=kv_cache_fraction or cfg.generation.kv_cache_fraction,
-                                fuse_projections=cfg.generation.fuse_projections, device=device)
+                                fuse_projections=cfg.generation.fuse_projections, device=device,
+                                max_model_len=engine_model_len(cfg, policy))
         echo(f"cohort engine does not support this model ({why}); falling back to Hugging Face generate")
     return HFGenerateEngine(policy, tokenizer, eos_token_ids=_eos_ids(tokenizer),
                             batch_size=cfg.generation.generation_batch_size)
+
+
+def model_context(cfg: CohortConfig, policy) -> int | None:
+    """The context limit, prompt + completion: generation.max_model_len, else the model's
+    max_position_embeddings (None when the model does not say). A limit above the model's context fails."""
+    conf = getattr(policy, "config", None)
+    native = getattr(conf, "max_position_embeddings", None)
+    native = int(native) if isinstance(native, int) and native > 0 else None
+    chosen = cfg.generation.max_model_len
+    if chosen is not None and native is not None and chosen > native:
+        raise ConfigError(f"generation.max_model_len={chosen} is not valid: the model's context "
+                          f"(max_position_embeddings) is {native} tokens; use at most {native}, or leave it unset.")
+    return chosen or native
+
+
+def longest_completion(cfg: CohortConfig) -> int:
+    return max(cfg.generation.max_completion_length, cfg.run.eval_max_completion_length or 0)
+
+
+def prompt_token_limit(cfg: CohortConfig, policy, completion_length: int | None = None) -> int:
+    """The longest prompt the run can take: data.max_prompt_length, lowered so the prompt fits the context
+    beside `completion_length` (default generation.max_completion_length). Too little room is a ConfigError."""
+    context = model_context(cfg, policy)
+    completion = completion_length or cfg.generation.max_completion_length
+    if context is None:
+        return cfg.data.max_prompt_length
+    if context - completion < 1:
+        field = ("generation.max_completion_length" if completion == cfg.generation.max_completion_length
+                 else "run.eval_max_completion_length")
+        raise ConfigError(f"{field}={completion} is not valid: it leaves no room for a prompt in the context of "
+                          f"{context} tokens (generation.max_model_len or the model's max_position_embeddings); "
+                          "lower it (e.g. to a quarter of the context).")
+    return min(cfg.data.max_prompt_length, context - completion)
+
+
+def engine_model_len(cfg: CohortConfig, policy) -> int | None:
+    """What the engine is sized for: the longest prompt plus the longest completion, within the context
+    (a smaller max_model_len keeps the engine's block tables and position tables small)."""
+    context = model_context(cfg, policy)
+    need = cfg.data.max_prompt_length + longest_completion(cfg)
+    return need if context is None else min(context, need)
 
 
 def _eos_ids(tokenizer) -> list[int]:
@@ -135,21 +177,44 @@ def _rewards(cfg: CohortConfig) -> RewardRunner:
                         on_error=cfg.reward.on_error)
 
 
-def _turn_loop(cfg: CohortConfig, tokenizer):
-    """agent.tools: the turn loop that runs them between model turns; None without tools (single-turn)."""
+def _environments(cfg: CohortConfig):
+    """agent.environment_factory: the run's `Environments` (one probe instance of each, so an environment without
+    `reset` or with a tool method lacking hints/docstring fails here, before any model loads); None without."""
+    if cfg.agent.environment_factory is None:
+        return None
+    from cohort.agents.environments import Environments
+
+    return Environments(cfg.agent.environment_factory, tools=list(cfg.agent.tools))
+
+
+def _with_environment_rewards(runner: RewardRunner, environments) -> RewardRunner:
+    """TRL 1.16: each environment class with get_reward is one more reward function (weight 1, named after the
+    class), reading the `environments` column (each rollout's instance); its column reaches the advantages."""
+    funcs = environments.reward_functions() if environments is not None else []
+    if not funcs:
+        return runner
+    return RewardRunner(list(runner.funcs) + funcs, runner.weights.tolist() + [1.0] * len(funcs),
+                        timeout_s=runner.timeout_s, on_error=runner.on_error)
+
+
+def _turn_loop(cfg: CohortConfig, tokenizer, environments=None):
+    """agent.tools (or agent.environment_factory): the turn loop that runs them between model turns; None
+    without tools (single-turn). With environments, every rollout calls its own instance's methods."""
     a = cfg.agent
-    if not a.tools:
+    if not a.tools and environments is None:
         return None
     from cohort.agents.rollout_loop import TurnLoop
     from cohort.agents.templates import check_renders_tools
     from cohort.data.sources import import_object
 
     check_renders_tools(tokenizer)  # model.chat_template=chatml_tools gives a model without tool support one
-    return TurnLoop(tokenizer, list(a.tools), max_iterations=cfg.generation.max_tool_calling_iterations,
-                    tool_timeout_s=a.tool_timeout_s, parser=import_object(a.tool_parser) if a.tool_parser else None)
+    tools = environments.all_tools if environments is not None else list(a.tools)
+    return TurnLoop(tokenizer, tools, max_iterations=cfg.generation.max_tool_calling_iterations,
+                    tool_timeout_s=a.tool_timeout_s, parser=import_object(a.tool_parser) if a.tool_parser else None,
+                    environments=environments)
 
 
-def _data(cfg: CohortConfig, tokenizer, echo, tools=None):
+def _data(cfg: CohortConfig, tokenizer, echo, tools=None, policy=None):
     d = cfg.data
     common = {"prompt_column": d.prompt_column, "system_prompt": d.system_prompt}
     train = load_prompt_dataset(d.source, split=d.split, **common, **d.options)
@@ -173,9 +238,15 @@ def _data(cfg: CohortConfig, tokenizer, echo, tools=None):
         evald = None
     # with tools, the chat template lists their schemas in the prompt (apply_chat_template(..., tools=...))
     kwargs = {"chat_template_kwargs": {"tools": [t.schema for t in tools]}} if tools else {}
-    train = train.encode(tokenizer, d.max_prompt_length, truncation=d.truncation, **kwargs)
+    train_limit = prompt_token_limit(cfg, policy)
+    eval_limit = prompt_token_limit(cfg, policy, longest_completion(cfg))
+    if train_limit < d.max_prompt_length:
+        echo(f"data: prompts capped at {train_limit} tokens (data.max_prompt_length={d.max_prompt_length}, lowered "
+             f"to the context {model_context(cfg, policy)} - generation.max_completion_length="
+             f"{cfg.generation.max_completion_length}); longer ones: data.truncation={d.truncation}")
+    train = train.encode(tokenizer, train_limit, truncation=d.truncation, **kwargs)
     if evald is not None:
-        evald = evald.encode(tokenizer, d.max_prompt_length, truncation=d.truncation, **kwargs)
+        evald = evald.encode(tokenizer, eval_limit, truncation=d.truncation, **kwargs)
         if cfg.run.eval_max_prompts:
             evald = evald.head(cfg.run.eval_max_prompts)
     echo(f"data: {len(train)} training prompts" + (f", {len(evald)} held-out" if evald is not None else "")
@@ -184,6 +255,21 @@ def _data(cfg: CohortConfig, tokenizer, echo, tools=None):
         raise ConfigError(f"data.source={d.source!r} gave {len(train)} prompts, fewer than "
                           f"train.prompts_per_step={cfg.train.prompts_per_step}; use more data or fewer prompts.")
     return train, evald
+
+
+def _fit_to_context(cfg: CohortConfig, policy, train_data, eval_data, echo):
+    out = []
+    for data, limit in ((train_data, prompt_token_limit(cfg, policy)),
+                        (eval_data, prompt_token_limit(cfg, policy, longest_completion(cfg)))):
+        if getattr(data, "prompt_ids", None) is not None and hasattr(data, "fit"):
+            fitted = data.fit(limit, cfg.data.truncation)
+            if fitted is not data:
+                echo(f"data: prompts longer than {limit} tokens (the context {model_context(cfg, policy)} minus the "
+                     f"completion length) {'dropped' if cfg.data.truncation == 'drop' else 'truncated'}; "
+                     f"{fitted.stats_line()}")
+            data = fitted
+        out.append(data)
+    return out[0], out[1]
 
 
 def _check_memory(cfg: CohortConfig, policy, device: torch.device, with_reference: bool, echo, *,
@@ -249,6 +335,7 @@ def _shard(cfg: CohortConfig, policy, reference, device: torch.device):
 def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_runner=None,
                      train_data=None, eval_data=None, echo=print) -> Components:
     cfg.validate()
+    environments = _environments(cfg)  # before the model: a bad environment fails fast
     device = resolve_device(distributed.local_device(cfg.train.device))
     dtype = resolve_dtype(cfg.model.dtype, device)
     if policy is None:
@@ -268,10 +355,13 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
         enable = getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
         enable()
     loss_fn = build_policy_loss(cfg.loss.loss_type, cfg.loss.loss_params())
-    reward_runner = reward_runner or _rewards(cfg)
-    turn_loop = _turn_loop(cfg, tokenizer)
+    reward_runner = _with_environment_rewards(reward_runner or _rewards(cfg), environments)
+    turn_loop = _turn_loop(cfg, tokenizer, environments)
     if train_data is None:
-        train_data, eval_data = _data(cfg, tokenizer, echo, tools=turn_loop.tools if turn_loop else None)
+        train_data, eval_data = _data(cfg, tokenizer, echo, tools=turn_loop.tools if turn_loop else None,
+                                      policy=policy)
+    else:  # handed-in data (facade, tests): prompts that cannot fit beside the completion are cut here too
+        train_data, eval_data = _fit_to_context(cfg, policy, train_data, eval_data, echo)
     reference = None
     if float(getattr(loss_fn, "beta", 0.0) or 0.0) != 0.0:
         reference = frozen_copy(policy)
@@ -306,6 +396,7 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
         reward_runner=reward_runner, optimizer=optimizer, scheduler=scheduler,
         sampling_params=sampling_params_for(cfg, tokenizer, n=cfg.generation.num_generations, seed=None),
         advantage_kwargs={"scale_rewards": a.scale_rewards, "estimator": a.estimator,
-                          "reward_weights": cfg.reward.reward_weights,
+                          "reward_weights": (reward_runner.weights.tolist() if environments is not None
+                                             and environments.reward_classes else cfg.reward.reward_weights),
                           "multi_objective_aggregation": a.multi_objective_aggregation},
         device=device, turn_loop=turn_loop)

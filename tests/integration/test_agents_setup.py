@@ -21,7 +21,8 @@ def _cfg(tmp_path, *overrides):
                               for d in range(4)))
     cfg = apply_overrides(CohortConfig(), [f"data.source={rows}", "data.system_prompt=Be brief.",
                                            f"run.output_dir={tmp_path / 'run'}", "run.report_to=[jsonl]",
-                                           "generation.num_generations=2", "train.prompts_per_step=2", *overrides])
+                                           "generation.num_generations=2", "train.prompts_per_step=2",
+                                           "generation.max_completion_length=16", *overrides])  # tiny model: 256 ctx
     return cfg
 
 

@@ -184,6 +184,38 @@ class PromptDataset(Sequence):
         return PromptDataset(kept_rows, self.source, kept_ids, stats)
 
 
+    def fit(self, max_prompt_length: int, truncation: Truncation = "left") -> PromptDataset:
+        """An encoded dataset whose prompts fit `max_prompt_length` tokens: longer ones truncated on the left or
+        dropped, counted in `stats` (added to what `encode` counted). Used when the engine's context minus the
+        completion length is tighter than the limit the prompts were encoded with."""
+        if self.prompt_ids is None:
+            raise ValueError("fit() needs an encoded dataset; call encode() first")
+        if max_prompt_length < 1:
+            raise ConfigError(f"max_prompt_length={max_prompt_length} must be >= 1.")
+        if all(len(ids) <= max_prompt_length for ids in self.prompt_ids):
+            return self
+        s = self.stats
+        stats = EncodeStats(num_prompts=s.num_prompts, num_truncated=s.num_truncated, num_dropped=s.num_dropped,
+                            max_prompt_length=max_prompt_length, longest_prompt_tokens=s.longest_prompt_tokens)
+        kept_rows, kept_ids = [], []
+        for row, ids in zip(self.rows, self.prompt_ids, strict=True):
+            if len(ids) > max_prompt_length:
+                if truncation == "drop":
+                    stats.num_dropped += 1
+                    continue
+                ids = ids[-max_prompt_length:]
+                stats.num_truncated += 1
+            kept_rows.append(row)
+            kept_ids.append(ids)
+        if not kept_rows:
+            raise ConfigError(
+                f"Dataset {self.source!r}: all {len(self.rows)} prompts are longer than {max_prompt_length} tokens "
+                f"(the context left beside the completion) and were dropped. Use data.truncation=left, raise "
+                "generation.max_model_len or lower generation.max_completion_length."
+            )
+        return PromptDataset(kept_rows, self.source, kept_ids, stats)
+
+
 def _tokenize_prompt(tokenizer: Any, prompt: Any, source: str, index: int, template_kwargs: dict[str, Any]) -> list[int]:
     if isinstance(prompt, str):
         return list(tokenizer(prompt)["input_ids"])

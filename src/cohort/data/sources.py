@@ -130,10 +130,18 @@ def _rows_from_path(path: Path, *, split: str, **kwargs: Any) -> list[dict[str, 
     if path.is_dir():
         return _rows_from_folder(path, split=split, **kwargs)
     if suffix == ".jsonl":
+        rows = []
         with path.open(encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    rows.append(_json_value(line, path, f" line {number}"))
+        if not all(isinstance(r, Mapping) for r in rows):
+            bad = next(i for i, r in enumerate(rows) if not isinstance(r, Mapping))
+            raise ConfigError(f"data.source={str(path)!r}: row {bad + 1} is a {type(rows[bad]).__name__}, not a "
+                              "JSON object; write one {\"prompt\": ...} object per line.")
+        return rows
     if suffix == ".json":
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = _json_value(path.read_text(encoding="utf-8"), path, "")
         if isinstance(data, Mapping) and isinstance(data.get("data"), list):
             data = data["data"]  # the {"data": [...]} layout many exports use
         return _rows_from_object(data, str(path))
@@ -146,6 +154,14 @@ def _rows_from_path(path: Path, *, split: str, **kwargs: Any) -> list[dict[str, 
         with path.open(encoding="utf-8", newline="") as f:
             return [dict(r) for r in csv.DictReader(f)]
     raise ConfigError(f"Cannot read {str(path)!r}: unknown extension {suffix!r}; use .jsonl, .json, .parquet or .csv.")
+
+
+def _json_value(text: str, path: Path, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"data.source={str(path)!r}{where} is not valid JSON ({exc.msg} at column {exc.colno}); "
+                          "fix that line (a .jsonl file holds one JSON object per line).") from None
 
 
 def _rows_from_folder(path: Path, *, split: str, **kwargs: Any) -> list[dict[str, Any]]:
@@ -204,12 +220,14 @@ def reasoning_gym_rows(task: str, *, seed: int = 0, size: int = 500, **config: A
 
 def _check_prompt_column(rows: list[dict[str, Any]], name: str) -> None:
     if not rows:
-        raise ConfigError(f"Dataset {name!r} is empty (0 rows); check the path, split or size.")
+        raise ConfigError(f"Dataset {name!r} (data.source) is empty (0 rows); check the path, data.split or the "
+                          "size option.")
     found = list(rows[0])
     if "prompt" in found:
         return
     hint = next((c for c in found if c.lower() in _PROMPT_LIKE), None)
-    fix = f"pass prompt_column={hint!r}" if hint else "pass prompt_column='<your column>'"
+    fix = (f"set data.prompt_column={hint} (prompt_column={hint!r} from Python)" if hint
+           else "set data.prompt_column=<your column> (prompt_column= from Python)")
     raise ConfigError(
         f"Dataset {name!r} has no 'prompt' column (columns found: {found}). A prompt column is required: "
         f"{fix}, or columns={{'<old>': 'prompt'}} to rename it."

@@ -1,0 +1,385 @@
+"""The bad-input matrix (issue 14): every case is a `cohort` command line a person could type, and each must end
+with exit status 2, one `cohort: error:` line naming the field, the value and the fix (no traceback), no model
+loaded where the mistake is visible without one, and no run directory created or changed.
+
+docs/bad_inputs.md is generated from CASES (`python -m tests.integration.test_bad_inputs` rewrites it) and
+`test_doc_matches_cases` fails when the two drift apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "bad_inputs.md"
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    area: str
+    args: tuple[str, ...]  # after `cohort train <toy defaults>`; {ws} is the workspace folder, {run} the run dir
+    expect: tuple[str, ...]  # fragments of the error: the field, the value and the fix
+    loads_model: bool = False  # the mistake only shows once the model (or a reward) has run
+    command: str = "train"  # train | eval | raw (args are the whole command line)
+    run_dir: str = "none"  # none: no run directory before; run: a finished run; user: a folder of user files
+
+
+C = Case
+CASES: list[Case] = [
+    # ---- config: ranges, enums, cross-field rules
+    C("negative learning rate", "config", ("train.learning_rate=-1e-6",),
+      ("train.learning_rate=-1e-06", "use a positive learning rate")),
+    C("scale_rewards typo", "config", ("advantage.scale_rewards=grouped",),
+      ("advantage.scale_rewards='grouped'", "did you mean 'group'?")),
+    C("estimator typo", "config", ("advantage.estimator=rlo",), ("advantage.estimator='rlo'", "did you mean 'rloo'?")),
+    C("aggregation typo", "config", ("advantage.multi_objective_aggregation=sum_then_normalise",),
+      ("advantage.multi_objective_aggregation='sum_then_normalise'", "did you mean 'sum_then_normalize'?")),
+    C("rloo with normalize_then_sum", "config",
+      ("advantage.estimator=rloo", "advantage.multi_objective_aggregation=normalize_then_sum"),
+      ("advantage.multi_objective_aggregation='normalize_then_sum'", "needs 'sum_then_normalize'")),
+    C("negative temperature", "config", ("generation.temperature=-0.5",),
+      ("generation.temperature=-0.5", "use 0 (greedy) or more")),
+    C("negative top_k", "config", ("generation.top_k=-1",), ("generation.top_k=-1", "use 0 (off)")),
+    C("min_p above 1", "config", ("generation.min_p=1.5",), ("generation.min_p=1.5", "use a value in [0, 1]")),
+    C("zero repetition penalty", "config", ("generation.repetition_penalty=0",),
+      ("generation.repetition_penalty=0.0", "use a positive number")),
+    C("top_p zero", "config", ("generation.top_p=0",), ("generation.top_p=0.0", "use a value in (0, 1]")),
+    C("one generation per prompt", "config", ("generation.num_generations=1",),
+      ("generation.num_generations=1", "use 2 or more")),
+    C("mini-batches do not divide", "config", ("train.prompts_per_step=3", "train.mini_batches=2"),
+      ("train.mini_batches=2", "divide train.prompts_per_step=3")),
+    C("zero steps", "config", ("train.max_steps=0",), ("train.max_steps=0", "use 1 or more")),
+    C("zero training time", "config", ("train.max_train_time_s=0",),
+      ("train.max_train_time_s=0.0", "use a positive number of seconds")),
+    C("adam beta2 of 1", "config", ("train.adam_beta2=1.0",), ("train.adam_beta2=1.0", "use a value in [0, 1)")),
+    C("zero gradient clip", "config", ("train.max_grad_norm=0",), ("train.max_grad_norm=0.0", "positive clipping norm")),
+    C("negative weight decay", "config", ("train.weight_decay=-0.1",), ("train.weight_decay=-0.1", "use 0 or a positive")),
+    C("scheduler typo", "config", ("train.lr_scheduler_type=cosin",),
+      ("train.lr_scheduler_type='cosin'", "use 'constant' or 'cosine'")),
+    C("sharding typo", "config", ("train.sharding=fdsp",), ("train.sharding='fdsp'", "did you mean 'fsdp'?")),
+    C("unknown device", "config", ("train.device=gpu",), ("train.device='gpu'", "use auto, cpu, cuda")),
+    C("dtype typo", "config", ("model.dtype=bf61",), ("model.dtype='bf61'", "did you mean 'bf16'?")),
+    C("unknown key", "config", ("train.max_stpes=3",), ("train.max_stpes", "Did you mean 'max_steps'?")),
+    C("unknown loss parameter", "config", ("loss.epsilonn=0.3",), ("epsilonn", "epsilon", "loss.<name>=value")),
+    C("not a number", "config", ("train.max_steps=abc",), ("train.max_steps='abc'", "give a number")),
+    C("truncation side", "config", ("data.truncation=right",), ("data.truncation='right'", "use one of 'left', 'drop'")),
+    C("zero prompt length", "config", ("data.max_prompt_length=0",), ("data.max_prompt_length=0", "positive token count")),
+    C("context below completion", "config", ("generation.max_model_len=4",),
+      ("generation.max_model_len=4", "must exceed the longest completion")),
+    C("eval steps without eval data", "config", ("run.eval_steps=5",), ("run.eval_steps=5", "set data.eval_size")),
+    C("keep no checkpoint", "config", ("run.save_total_limit=0",), ("run.save_total_limit=0", "keep at least 1")),
+    C("report_to typo", "config", ("run.report_to=[jsonll]",), ("run.report_to=['jsonll']", "did you mean 'jsonl'?")),
+    C("kv cache fraction above 1", "config", ("generation.kv_cache_fraction=1.5",),
+      ("generation.kv_cache_fraction=1.5", "in (0, 1]")),
+    C("negative LoRA rank", "config", ("model.lora_r=-4",), ("model.lora_r=-4", "positive LoRA rank")),
+    C("resume and overwrite", "config", ("run.resume=true", "run.overwrite=true"),
+      ("run.overwrite=True", "choose one")),
+    # ---- data: the source's options, files, columns
+    C("option typo (reasoning-gym)", "data", ("data.source=reasoning_gym:chain_sum", "data.options.conversatonal=true"),
+      ("data.options.conversatonal=True", "data.source='reasoning_gym:chain_sum'", "did you mean 'conversational'?")),
+    C("unknown task setting", "data", ("data.source=reasoning_gym:chain_sum", "data.options.min_term=2"),
+      ("data.options.min_term=2", "did you mean 'min_terms'?")),
+    C("task settings out of range", "data",
+      ("data.source=reasoning_gym:chain_sum", "data.options.min_terms=5", "data.options.max_terms=2"),
+      ("data.options=", "max_terms must be >= min_terms", "fix that setting")),
+    C("task name typo", "data", ("data.source=reasoning_gym:chain_sun",),
+      ("data.source='reasoning_gym:chain_sun'", "did you mean 'reasoning_gym:chain_sum'?")),
+    C("option typo (jsonl file)", "data", ("data.options.conversatonal=true",),
+      ("data.options.conversatonal=True", "toy.jsonl", "did you mean 'conversational'?")),
+    C("option typo (python function)", "data", ("data.source=tests.helpers.toy_task:toy_rows", "data.options.copiez=3"),
+      ("data.options.copiez=3", "did you mean 'copies'?")),
+    C("option that is a field", "data", ("data.options.prompt_column=question",),
+      ("data.options.prompt_column='question'", "set data.prompt_column instead")),
+    C("eval options without eval source", "data", ("data.eval_options.size=10",),
+      ("data.eval_options={'size': 10}", "set data.eval_source too")),
+    C("missing data file", "data", ("data.source=/no/such/prompts.jsonl",),
+      ("data.source='/no/such/prompts.jsonl'", "does not exist", "check the path")),
+    C("unknown file type", "data", ("data.source={ws}/prompts.txt",), ("prompts.txt", "cohort reads .jsonl")),
+    C("broken JSON line", "data", ("data.source={ws}/broken.jsonl",), ("broken.jsonl", "line 2 is not valid JSON")),
+    C("empty data file", "data", ("data.source={ws}/empty.jsonl",), ("empty.jsonl", "is empty (0 rows)", "check the path")),
+    C("no prompt column", "data", ("data.source={ws}/noprompt.jsonl",),
+      ("noprompt.jsonl", "columns found: ['question', 'digit']", "set data.prompt_column=question")),
+    # ---- rewards
+    C("reward name typo", "rewards", ("reward.funcs=[acuracy]",), ("reward.funcs[0]='acuracy'", "did you mean 'accuracy'?")),
+    C("reward function missing", "rewards", ("reward.funcs=[tests.helpers.toy_task:digit_shar]",),
+      ("reward.funcs[0]='tests.helpers.toy_task:digit_shar'", "has no attribute")),
+    C("reward module missing", "rewards", ("reward.funcs=[no_such_pkg.rewards:score]",),
+      ("reward.funcs[0]='no_such_pkg.rewards:score'", "Is it on PYTHONPATH?")),
+    C("reward setting typo", "rewards", ("reward.funcs=[{soft_overlong_punishment: {max_completion_lenn: 4}}]",),
+      ("soft_overlong_punishment.max_completion_lenn=4", "did you mean 'max_completion_length'?")),
+    C("no reward function", "rewards", ("reward.funcs=[]",), ("reward.funcs=[]", "give at least one reward function")),
+    C("negative reward weight", "rewards", ("reward.reward_weights=[-1.0]",),
+      ("reward.reward_weights=[-1.0]", "use finite weights >= 0")),
+    C("one weight too many", "rewards", ("reward.reward_weights=[1.0, 2.0]",),
+      ("reward.reward_weights=[1.0, 2.0]", "one weight per reward function")),
+    C("reward on_error typo", "rewards", ("reward.on_error=ignore",), ("reward.on_error='ignore'", "use one of 'raise'")),
+    C("reward returns too few", "rewards", ("reward.funcs=[tests.helpers.toy_task:wrong_length]",),
+      ("wrong_length", "values"), loads_model=True),
+    C("reward raises", "rewards", ("reward.funcs=[tests.helpers.toy_task:raises]",),
+      ("raises", "reward backend unavailable"), loads_model=True),
+    # ---- model paths and the context
+    C("missing model folder", "model", ("model.name_or_path=/no/such/model",),
+      ("model.name_or_path='/no/such/model'", "does not exist", "check the path")),
+    C("model path is a data file", "model", ("model.name_or_path={ws}/toy.jsonl",),
+      ("toy.jsonl", "is a file, not a model folder", "config.json")),
+    C("folder without config.json", "model", ("model.name_or_path={ws}/not_a_model",),
+      ("not_a_model", "folder without config.json", "Hugging Face model folder")),
+    C("missing gguf file", "model", ("model.gguf_file=/no/such/model.gguf",),
+      ("model.gguf_file='/no/such/model.gguf'", "does not exist")),
+    C("completion longer than the context", "model", ("generation.max_completion_length=300",),
+      ("generation.max_completion_length=300", "context of 256 tokens", "lower it"), loads_model=True),
+    C("context above the model's", "model", ("generation.max_model_len=512",),
+      ("generation.max_model_len=512", "max_position_embeddings) is 256", "use at most 256"), loads_model=True),
+    # ---- tools
+    C("tool import path", "tools", ("agent.tools=[tests.helpers.toy_task:no_tool]",),
+      ("agent.tools[0]='tests.helpers.toy_task:no_tool'", "has no attribute")),
+    C("tool parser import path", "tools", ("agent.tool_parser=no_such_pkg:parse",),
+      ("agent.tool_parser='no_such_pkg:parse'", "Is it on PYTHONPATH?")),
+    # ---- the command line and the run directory
+    C("flag typo", "cli", ("--resum",), ("unknown flag '--resum'", "did you mean --resume?")),
+    C("missing recipe", "cli", ("train", "{ws}/no_such_recipe.yaml"), ("no_such_recipe.yaml", "does not exist"),
+      command="raw"),
+    C("recipe is not YAML", "cli", ("train", "{ws}/broken.yaml"), ("broken.yaml", "is not valid YAML"), command="raw"),
+    C("recipe is a list", "cli", ("train", "{ws}/list.yaml"), ("list.yaml", "must be a mapping of sections"),
+      command="raw"),
+    C("override without '='", "cli", ("train", "{ws}/ok.yaml", "max_steps"),
+      ("'max_steps'", "must look like section.field=value"), command="raw"),
+    C("section without field", "cli", ("train=3",), ("'train' names a section", "set one of its fields")),
+    C("run directory in use", "cli", (), ("run.output_dir=", "already exists and is not empty", "pass --resume"),
+      run_dir="run"),
+    C("overwrite a folder that is no run", "cli", ("--overwrite",),
+      ("run.overwrite=True refuses to delete", "does not look like a cohort run"), run_dir="user"),
+    C("resume from a missing checkpoint", "cli", ("run.resume=/no/such/step-000004",),
+      ("run.resume='/no/such/step-000004'", "does not exist", "give a checkpoint folder")),
+    C("bad override after --resume", "cli", ("--resume", "train.max_stpes=6"),
+      ("train.max_stpes", "Did you mean 'max_steps'?"), run_dir="run"),
+    C("eval samples folder missing", "cli", ("--samples", "{ws}/no/such/answers.jsonl"),
+      ("--samples=", "its folder does not exist"), command="eval"),
+]
+
+
+# ----------------------------------------------------------------------------------------------- the doc
+def render_doc() -> str:
+    lines = [
+        "# Bad inputs: what cohort says",
+        "",
+        "Every row is a command a person could type; each ends with exit status 2 and one `cohort: error:` line",
+        "that names the field, the value and the fix, without a traceback, and leaves no run directory created",
+        "or changed. Rows marked *model* fail after the (tiny) model loads, because the mistake shows only then;",
+        "every other row fails before any model, data or run directory is touched.",
+        "",
+        "Generated from `CASES` in `tests/integration/test_bad_inputs.py` (`python -m tests.integration.test_bad_inputs`",
+        "rewrites this file; `test_doc_matches_cases` fails when they differ). The toy defaults every `train` row",
+        "starts from: a tiny model folder, `data.source=<ws>/toy.jsonl`, 2 steps of 2 prompts x 2 completions.",
+        "",
+        "| # | area | input | the message names | when |",
+        "|---|---|---|---|---|",
+    ]
+    for i, c in enumerate(CASES, 1):
+        head = {"train": "cohort train ", "eval": "cohort eval ", "raw": "cohort "}[c.command]
+        shown = " ".join(a.replace("{ws}", "<ws>") for a in c.args)
+        if c.run_dir != "none":
+            shown += f"  (run.output_dir: {'an earlier run' if c.run_dir == 'run' else 'a folder of user files'})"
+        expect = "; ".join(f"`{e}`" for e in c.expect).replace("|", "\\|")
+        cell = f"`{head}{shown}`".replace("|", "\\|")
+        lines.append(f"| {i} | {c.area} | {cell} | {expect} | {'model' if c.loads_model else 'before any work'} |")
+    return "\n".join(lines) + "\n"
+
+
+def test_doc_matches_cases():
+    assert DOC.is_file() and DOC.read_text() == render_doc(), (
+        "docs/bad_inputs.md is out of date: run `python -m tests.integration.test_bad_inputs`")
+
+
+def test_matrix_is_large_and_unique():
+    assert len(CASES) >= 40
+    assert len({c.id for c in CASES}) == len(CASES)
+    assert {c.area for c in CASES} >= {"config", "data", "rewards", "model", "tools", "cli"}
+
+
+# ----------------------------------------------------------------------------------------- the fixture
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    from tests.helpers.toy_task import write_toy_workspace
+
+    root = tmp_path_factory.mktemp("bad")
+    model_dir, toy = write_toy_workspace(root)
+    (root / "prompts.txt").write_text("What is 2 + 2?\n")
+    (root / "broken.jsonl").write_text('{"prompt": "Say 1", "digit": "1"}\n{"prompt": "Say 2", "digit": \n')
+    (root / "empty.jsonl").write_text("")
+    (root / "noprompt.jsonl").write_text(json.dumps({"question": "hi", "digit": "1"}) + "\n")
+    (root / "not_a_model").mkdir()
+    (root / "not_a_model" / "notes.txt").write_text("weights are elsewhere")
+    (root / "broken.yaml").write_text("train: {max_steps: 3\n")
+    (root / "list.yaml").write_text("- train\n- data\n")
+    (root / "ok.yaml").write_text(f"model:\n  name_or_path: {model_dir}\ndata:\n  source: {toy}\n")
+    # an earlier run's files (config, metrics, a checkpoint), to check that a refused command leaves them
+    # byte for byte as they were (tests/integration/test_cli_errors.py trains and resumes for real)
+    earlier = root / "earlier_run"
+    step = earlier / "checkpoints" / "step-000002"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text(json.dumps({"step": 2}))
+    (earlier / "checkpoints" / "latest").write_text("step-000002")
+    (earlier / "config.yaml").write_text("train:\n  max_steps: 2\n")
+    (earlier / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    user = root / "user_files"
+    user.mkdir()
+    (user / "thesis.tex").write_text("do not delete")
+    import cohort.setup  # noqa: F401  (imports paid once, not by the first case)
+
+    return {"root": root, "model": model_dir, "toy": toy, "run": earlier, "user": user}
+
+
+def _defaults(model_dir, toy, out) -> list[str]:
+    return [f"model.name_or_path={model_dir}", f"data.source={toy}", "reward.funcs=[tests.helpers.toy_task:digit_share]",
+            "train.max_steps=2", "train.prompts_per_step=2", "generation.num_generations=2",
+            "generation.max_completion_length=4", f"run.output_dir={out}", "run.report_to=[jsonl]"]
+
+
+def _snapshot(path: Path) -> dict[str, str] | None:
+    if not path.exists():
+        return None
+    return {str(p.relative_to(path)): (hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir")
+            + f":{p.stat().st_mtime_ns}" for p in sorted(path.rglob("*"))}
+
+
+_TIMES: dict[str, float] = {}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case: Case, workspace, tmp_path, capsys, monkeypatch):
+    from cohort import setup
+    from cohort.cli import main
+
+    loads = []
+    real_load = setup.load_policy
+    monkeypatch.setattr(setup, "load_policy", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    out = {"none": tmp_path / "run", "run": workspace["run"], "user": workspace["user"]}[case.run_dir]
+    before = _snapshot(out)
+    args = [a.replace("{ws}", str(workspace["root"])) for a in case.args]
+    if case.command == "train":
+        argv = ["train", *_defaults(workspace["model"], workspace["toy"], out), *args]
+    elif case.command == "eval":
+        argv = ["eval", f"model.name_or_path={workspace['model']}", f"data.source={workspace['toy']}", *args]
+    else:
+        argv = args
+    started = time.perf_counter()
+    code = main(argv)
+    _TIMES[case.id] = time.perf_counter() - started
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "cohort: error:" in err and "Traceback" not in err, err
+    message = err[err.index("cohort: error:"):]  # a model load may print a progress bar before it
+    assert message.count("\n") == 1, f"one line expected: {message}"
+    for fragment in case.expect:
+        assert fragment in message, (fragment, message)
+    assert _snapshot(out) == before, f"{case.id}: the run directory {out} was created or changed"
+    assert bool(loads) == case.loads_model, f"{case.id}: model loaded: {bool(loads)}"
+    if not case.loads_model:
+        assert _TIMES[case.id] < 3.0, f"{case.id} took {_TIMES[case.id]:.1f} s before failing"
+
+
+def test_matrix_runs_fast():
+    if len(_TIMES) < len(CASES):
+        pytest.skip("the matrix did not run in this session")
+    total = sum(_TIMES.values())
+    assert total < 30, f"the bad-input matrix took {total:.1f} s"
+
+
+if __name__ == "__main__":
+    DOC.write_text(render_doc())
+    print(f"wrote {DOC} ({len(CASES)} cases)", file=sys.stderr)
+
+
+# ------------------------------------------------------------------------- the CLI a person expects
+def test_flags_anywhere_among_the_overrides():
+    from cohort.cli import _argv_with_recipe_fix, build_parser
+
+    for argv in (["train", "r.yaml", "--resume", "train.max_steps=6"],
+                 ["train", "--resume", "r.yaml", "train.max_steps=6"],
+                 ["train", "r.yaml", "train.max_steps=6", "--resume"]):
+        args = build_parser().parse_args(_argv_with_recipe_fix(argv))
+        assert (args.recipe, args.overrides, args.resume) == ("r.yaml", ["train.max_steps=6"], True), argv
+    args = build_parser().parse_args(_argv_with_recipe_fix(["train", "train.max_steps=6", "--overwrite"]))
+    assert (args.recipe, args.overrides, args.overwrite) == ("", ["train.max_steps=6"], True)
+    args = build_parser().parse_args(_argv_with_recipe_fix(["eval", "r.yaml", "--samples", "a.jsonl", "x.y=1"]))
+    assert (args.recipe, args.overrides, args.samples) == ("r.yaml", ["x.y=1"], "a.jsonl")
+
+
+def test_ctrl_c_names_the_checkpoint_and_the_command_that_continues(workspace, tmp_path, capsys, monkeypatch):
+    import shlex
+
+    from cohort import trainer
+    from cohort.cli import main
+
+    out = tmp_path / "run"
+    recipe = workspace["root"] / "ok.yaml"
+    overrides = [a for a in _defaults(workspace["model"], workspace["toy"], out) if not a.startswith(("model.", "data."))]
+    overrides = [a.replace("train.max_steps=2", "train.max_steps=3") for a in overrides] + ["run.save_steps=1"]
+    real_step = trainer._step
+
+    def interrupted_at_2(cfg, comp, sampler, updater, step, *rest, **kw):
+        if step == 2:
+            raise KeyboardInterrupt
+        return real_step(cfg, comp, sampler, updater, step, *rest, **kw)
+
+    monkeypatch.setattr(trainer, "_step", interrupted_at_2)
+    assert main(["train", str(recipe), *overrides]) == 130
+    err = capsys.readouterr().err
+    assert "step-000001" in err, err
+    command = err.strip().splitlines()[-1].strip()
+    assert command == f"cohort train {shlex.quote(str(recipe))} {' '.join(map(shlex.quote, overrides))} --resume"
+    monkeypatch.setattr(trainer, "_step", real_step)
+    assert main(shlex.split(command)[1:]) == 0, capsys.readouterr().err
+    assert (out / "checkpoints" / "step-000003").is_dir()
+
+
+def test_ctrl_c_before_any_checkpoint_says_so(workspace, tmp_path, capsys, monkeypatch):
+    from cohort import trainer
+    from cohort.cli import main
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "train", interrupted)
+    out = tmp_path / "run"
+    assert main(["train", *_defaults(workspace["model"], workspace["toy"], out)]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted before the first checkpoint" in err and "--resume" not in err, err
+    assert err.strip().splitlines()[-1].strip().startswith("cohort train model.name_or_path=")
+
+
+@pytest.mark.parametrize("truncation", ["left", "drop"])
+def test_prompts_longer_than_the_context_are_cut_before_training(workspace, tmp_path, truncation):
+    """A prompt that cannot fit beside max_completion_length in generation.max_model_len is truncated or dropped
+    by the data stage (counted), the engine is sized within the limit, and training runs: no traceback mid-run."""
+    from cohort.config import load_config
+    from cohort.setup import build_components
+    from cohort.trainer import train
+
+    rows = [{"prompt": f"Say the digit {d} many times", "digit": str(d)} for d in range(10)] * 2
+    rows.append({"prompt": "Say the digit 7 " + "and again " * 200, "digit": "7"})
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = [*_defaults(workspace["model"], data, tmp_path / "run"), "data.max_prompt_length=8000",
+                 "generation.max_model_len=64", f"data.truncation={truncation}", "train.max_steps=1"]
+    cfg = load_config(None, overrides)
+    lines: list[str] = []
+    comp = build_components(cfg, echo=lines.append)
+    assert any("prompts capped at 60 tokens" in line for line in lines), lines
+    assert max(len(ids) for ids in comp.train_data.prompt_ids) <= 60
+    stats = comp.train_data.stats
+    assert (stats.num_truncated, stats.num_dropped) == ((1, 0) if truncation == "left" else (0, 1))
+    assert len(comp.train_data) == (21 if truncation == "left" else 20)
+    engine_len = getattr(getattr(comp.engine, "config", None), "max_model_len", None)
+    assert engine_len in (None, 64)
+    result = train(cfg, comp, echo=lambda *a, **k: None)
+    assert result.history and result.history[0]["data/prompts_" + ("truncated" if truncation == "left" else "dropped")] == 1
