@@ -19,7 +19,7 @@ MATH = [{"prompt": [{"role": "user", "content": "What is 2+2? Put the answer in 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """A tiny Llama that ends its completions after ~10 tokens (a bias towards EOS in the last layer), with room
+    """A tiny Llama that ends its completions after a few tokens (a bias towards EOS in the last layer), with room
     for TRL's default max_completion_length=512, saved with its tokenizer as a local "hub" folder."""
     tok = make_tiny_tokenizer()
     torch.manual_seed(0)
@@ -34,6 +34,7 @@ def model_dir(tmp_path_factory):
                          layer.self_attn.o_proj):
                 proj.bias.zero_()
         eos = model.model.embed_tokens.weight[tok.eos_token_id]
+        eos *= 0.25 / eos.norm()  # with the bias below: EOS after 1-9 tokens, whatever the prompt
         model.model.layers[-1].self_attn.o_proj.bias.copy_(50.0 * eos / eos.norm())
     path = tmp_path_factory.mktemp("hub") / "model"
     model.save_pretrained(path)
