@@ -15,7 +15,7 @@ import dataclasses
 import torch
 
 from cohort.config import CohortConfig
-from cohort.rollout import decode_completions
+from cohort.rollout import decode_completions, generate_in_environments
 from cohort.types import TrainerState
 
 
@@ -35,17 +35,24 @@ def evaluate(comp, cfg: CohortConfig, *, batch_prompts: int = 64, correct_thresh
     for start in range(0, len(data), batch_prompts):
         idx = list(range(start, min(len(data), start + batch_prompts)))
         batch = data.batch(idx)
-        turn_loop = getattr(comp, "turn_loop", None)  # with tools, evaluated with them
-        groups = (comp.engine.generate(batch.prompt_ids, params) if turn_loop is None
-                  else turn_loop.generate(comp.engine, batch.prompt_ids, params, prompts=batch.prompts))
+        turn_loop = getattr(comp, "turn_loop", None)  # with tools (or environments), evaluated with them
+        rep = [i for i in range(len(idx)) for _ in range(k)]
+        prompts = [batch.prompts[i] for i in rep]
+        columns = {name: [col[i] for i in rep] for name, col in batch.columns.items()}
+        if turn_loop is None:
+            groups = comp.engine.generate(batch.prompt_ids, params)
+        elif getattr(turn_loop, "environments", None) is not None:  # one reset instance per rollout
+            env = generate_in_environments(turn_loop, comp.engine, comp.tokenizer, batch, params)
+            groups, prompts, columns["environments"] = env.groups, env.prompts, env.instances
+        else:
+            groups = turn_loop.generate(comp.engine, batch.prompt_ids, params, prompts=batch.prompts)
         completions = [c for group in groups for c in group]
         conversational = bool(batch.prompts) and isinstance(batch.prompts[0], list)
         texts = decode_completions(comp.tokenizer, completions, conversational)
-        rep = [i for i in range(len(idx)) for _ in range(k)]
         result = comp.reward_runner(
-            prompts=[batch.prompts[i] for i in rep], completions=texts,
+            prompts=prompts, completions=texts,
             completion_ids=[c.token_ids for c in completions],
-            columns={name: [col[i] for i in rep] for name, col in batch.columns.items()},
+            columns=columns,
             trainer_state=TrainerState(global_step=-1, max_steps=cfg.train.max_steps, is_eval=True))
         first = torch.nan_to_num(result.rewards[:, 0], nan=0.0)
         ok = first >= correct_threshold - 1e-6
@@ -53,9 +60,9 @@ def evaluate(comp, cfg: CohortConfig, *, batch_prompts: int = 64, correct_thresh
         rewards.append(torch.nan_to_num(result.total, nan=0.0))
         passed.append(ok.view(-1, k).any(dim=1).float())
         if samples is not None:
-            samples.extend({"prompt": batch.prompts[i], "completion": text, "reward": float(total),
+            samples.extend({"prompt": prompt, "completion": text, "reward": float(total),
                             "correct": bool(good)}
-                           for i, text, total, good in zip(rep, texts, result.total.tolist(), ok.tolist()))
+                           for prompt, text, total, good in zip(prompts, texts, result.total.tolist(), ok.tolist()))
     if was_training:
         comp.policy.train()
     out = {"accuracy": float(torch.cat(correct).mean()), "reward": float(torch.cat(rewards).mean())}

@@ -72,22 +72,90 @@ def _repeat(values: Sequence[Any], g: int) -> list[Any]:
     return [v for v in values for _ in range(g)]
 
 
+@dataclass
+class EnvironmentRollouts:
+    """`generate_in_environments`' result: the groups, and per rollout its prompt (reset's text appended), its
+    prompt ids and its environment instance."""
+
+    groups: list[list[Completion]]
+    prompts: list[Any]
+    prompt_ids: list[list[int]]
+    instances: list[Any]
+
+
+def generate_in_environments(turn_loop, engine: RolloutEngine, tokenizer, batch: PromptBatch,
+                             params: SamplingParams) -> EnvironmentRollouts:
+    """environment_factory (TRL 1.16): every rollout (each of the G completions of a prompt) gets its own
+    environment instance, reset with its row (`prompt` and every column); the text reset returns is appended to
+    the prompt's last message, and the instance's methods are that rollout's tools.
+
+    A group whose G resets returned the same text (or None) keeps one prompt encoding and is generated as a
+    group (the engine prefills the shared prompt once); a group whose resets differ is encoded per rollout and
+    generated as G prompts of one completion each."""
+    from cohort.agents.environments import append_observation
+    from cohort.data.dataset import _tokenize_prompt
+
+    envs, g = turn_loop.environments, params.n
+    n_prompts = len(batch.prompt_ids)
+    rows = [{"prompt": batch.prompts[i], **{k: v[i] for k, v in batch.columns.items()}}
+            for i in range(n_prompts) for _ in range(g)]
+    sessions = envs.start(rows)
+    prompts = [append_observation(batch.prompts[r // g], s.observation) for r, s in enumerate(sessions)]
+    runners = [s.runner(timeout_s=turn_loop.tool_timeout_s) for s in sessions]
+
+    def encode(r: int) -> list[int]:
+        s = sessions[r]
+        if s.observation is None and not envs.multi:  # the data's encoding (rendered with the same tools)
+            return list(batch.prompt_ids[r // g])
+        kwargs = {**turn_loop.template_kwargs, "tools": [t.schema for t in s.tools]}
+        return _tokenize_prompt(tokenizer, prompts[r], "environment_factory", r, kwargs)
+
+    uniform = [i for i in range(n_prompts)
+               if all(sessions[i * g + j].observation == sessions[i * g].observation for j in range(g))]
+    varied = [i for i in range(n_prompts) if i not in set(uniform)]
+    groups: list[Any] = [None] * n_prompts
+    prompt_ids: list[Any] = [None] * (n_prompts * g)
+    if uniform:
+        ids = [encode(i * g) for i in uniform]
+        out = turn_loop.generate(engine, ids, params, prompts=[prompts[i * g] for i in uniform],
+                                 runners=[runners[i * g + j] for i in uniform for j in range(g)])
+        for i, group, pid in zip(uniform, out, ids):
+            groups[i] = group
+            prompt_ids[i * g:(i + 1) * g] = [pid] * g
+    if varied:
+        rollouts = [i * g + j for i in varied for j in range(g)]
+        ids = [encode(r) for r in rollouts]
+        out = turn_loop.generate(engine, ids, dataclasses.replace(params, n=1), prompts=[prompts[r] for r in rollouts],
+                                 runners=[runners[r] for r in rollouts])
+        for k, i in enumerate(varied):
+            groups[i] = [out[k * g + j][0] for j in range(g)]
+            prompt_ids[i * g:(i + 1) * g] = ids[k * g:(k + 1) * g]
+    return EnvironmentRollouts(groups, prompts, prompt_ids, [s.instance for s in sessions])
+
+
 def _generate_and_score(engine: RolloutEngine, tokenizer, batch: PromptBatch, params: SamplingParams,
-                        reward_runner, trainer_state, turn_loop=None) -> tuple[list[Completion], list[Any], Any]:
+                        reward_runner, trainer_state, turn_loop=None) -> tuple[list[Completion], list[Any], Any, Any]:
+    """Also returns the per-rollout (prompts, prompt_ids) with environments (reset may change each rollout's
+    prompt), else None (the batch's prompts, G times each)."""
+    g = params.n
+    columns = {k: _repeat(v, g) for k, v in batch.columns.items()}
+    prompts, per_rollout = _repeat(batch.prompts, g), None
     if turn_loop is None:
         groups = engine.generate(batch.prompt_ids, params)
+    elif getattr(turn_loop, "environments", None) is not None:
+        env = generate_in_environments(turn_loop, engine, tokenizer, batch, params)
+        groups, prompts, per_rollout = env.groups, env.prompts, (env.prompts, env.prompt_ids)
+        columns["environments"] = env.instances  # TRL's kwarg: the environments' get_reward functions read it
     else:
         groups = turn_loop.generate(engine, batch.prompt_ids, params, prompts=batch.prompts)
     completions = [c for group in groups for c in group]
     conversational = bool(batch.prompts) and isinstance(batch.prompts[0], list)
     texts = decode_completions(tokenizer, completions, conversational)
-    g = params.n
-    columns = {k: _repeat(v, g) for k, v in batch.columns.items()}
     result = reward_runner(
-        prompts=_repeat(batch.prompts, g), completions=texts,
+        prompts=prompts, completions=texts,
         completion_ids=[c.token_ids for c in completions], columns=columns, trainer_state=trainer_state,
     )
-    return completions, texts, result
+    return completions, texts, result, per_rollout
 
 
 def collect_rollouts(
@@ -134,11 +202,11 @@ def collect_rollouts(
     g = params.n
     if not dynamic_sampling:
         batch = next_prompts(num_prompts)
-        completions, texts, result = _generate_and_score(engine, tokenizer, batch, params, reward_runner,
-                                                         trainer_state, turn_loop)
-        return _assemble([(batch, completions, texts, result)], g, advantage_kwargs, mask_truncated_completions,
+        completions, texts, result, per_rollout = _generate_and_score(engine, tokenizer, batch, params, reward_runner,
+                                                                      trainer_state, turn_loop)
+        return _assemble([(batch, completions, texts, result, per_rollout)], g, advantage_kwargs, mask_truncated_completions,
                          {"sampling/tries": 1.0}, gather_rewards, rank)
-    kept: list[tuple[PromptBatch, list[Completion], list[Any], Any]] = []
+    kept: list[tuple[PromptBatch, list[Completion], list[Any], Any, Any]] = []
     have, tries, zero_std_groups, seen_groups = 0, 0, 0, 0
     while True:
         need = num_prompts - have
@@ -156,16 +224,16 @@ def collect_rollouts(
             continue
         if want < draw:
             batch = _first_prompts(batch, want)
-        completions, texts, result = _generate_and_score(engine, tokenizer, batch, params, reward_runner,
-                                                         trainer_state, turn_loop)
+        completions, texts, result, per_rollout = _generate_and_score(engine, tokenizer, batch, params, reward_runner,
+                                                                      trainer_state, turn_loop)
         zero = compute_advantages(result.rewards, g, **advantage_kwargs).is_std_zero.view(-1, g)[:, 0]
         seen_groups += len(batch.prompt_ids)
         zero_std_groups += int(zero.sum())
         keep = (~zero).nonzero().flatten().tolist()[:need]
         if tries >= max_resample_tries:  # the last try fills the step, all-equal groups included
             keep = sorted(keep + zero.nonzero().flatten().tolist()[:need - len(keep)])
-        batch, completions, texts, result = _select_groups(batch, completions, texts, result, keep, g)
-        kept.append((batch, completions, texts, result))
+        kept.append(_select_groups(batch, completions, texts, result, per_rollout, keep, g))
+        batch = kept[-1][0]
         have += len(batch.prompt_ids)
     if gather_rewards is not None:  # the counts of every rank, so the metrics describe the whole step
         counts = gather_rewards(torch.tensor([zero_std_groups, seen_groups])).view(-1, 2).sum(dim=0)
@@ -182,22 +250,28 @@ def _first_prompts(batch: PromptBatch, count: int) -> PromptBatch:
                        columns={k: v[:count] for k, v in batch.columns.items()}, indices=batch.indices[:count])
 
 
-def _select_groups(batch: PromptBatch, completions, texts, result, keep: list[int], g: int):
+def _select_groups(batch: PromptBatch, completions, texts, result, per_rollout, keep: list[int], g: int):
     rows = [i * g + j for i in keep for j in range(g)]
     new_batch = PromptBatch(
         prompts=[batch.prompts[i] for i in keep], prompt_ids=[batch.prompt_ids[i] for i in keep],
         columns={k: [v[i] for i in keep] for k, v in batch.columns.items()},
         indices=[batch.indices[i] for i in keep],
     )
-    return new_batch, [completions[r] for r in rows], [texts[r] for r in rows], result.select(rows)
+    if per_rollout is not None:
+        per_rollout = tuple([column[r] for r in rows] for column in per_rollout)
+    return new_batch, [completions[r] for r in rows], [texts[r] for r in rows], result.select(rows), per_rollout
 
 
 def _assemble(kept, g: int, advantage_kwargs: dict[str, Any], mask_truncated: bool,
               metrics: dict[str, float], gather=None, rank: int = 0) -> RolloutBatch:
     prompt_ids, completions, texts, prompts, results = [], [], [], [], []
-    for batch, comps, txts, result in kept:
-        prompt_ids += _repeat(batch.prompt_ids, g)
-        prompts += _repeat(batch.prompts, g)
+    for batch, comps, txts, result, per_rollout in kept:
+        if per_rollout is None:
+            prompt_ids += _repeat(batch.prompt_ids, g)
+            prompts += _repeat(batch.prompts, g)
+        else:  # environments: each rollout's own prompt (reset's text appended) and its encoding
+            prompts += per_rollout[0]
+            prompt_ids += per_rollout[1]
         completions += comps
         texts += txts
         results.append(result)

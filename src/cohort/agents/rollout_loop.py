@@ -51,6 +51,7 @@ class TurnLoop:
     parser: `parser(text, tokenizer) -> list[ToolCall]`; default `cohort.agents.parse_tool_calls`.
     runner: anything with `run(calls) -> list[ToolResult]`; default `ToolRunner(tools, tool_timeout_s)`.
     template_kwargs: extra chat template variables (e.g. enable_thinking=False), as for the prompts.
+    environments: an `Environments` (environment_factory); `cohort.rollout.generate_in_environments` uses it.
     """
 
     tokenizer: Any
@@ -61,6 +62,9 @@ class TurnLoop:
     runner: Any = None
     max_workers: int = 16
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # environment_factory (cohort.agents.environments.Environments): each rollout gets its own instance, reset
+    # with its row; the rollout (cohort.rollout) hands each completion its instance's runner. None: plain tools.
+    environments: Any = None
 
     def __post_init__(self) -> None:
         # the agents package is imported here, not at module level: the engine and rollout never need it

@@ -22,6 +22,26 @@ _MODEL_INIT_KEYS = {"dtype": "dtype", "torch_dtype": "dtype", "attn_implementati
                     "trust_remote_code": "trust_remote_code"}
 
 
+def _tool_schemas(cfg, tok) -> list | None:
+    """tools= / environment_factory=: the tools' schemas the prompts are rendered with, after the chat template
+    (GRPOConfig(extra={'model.chat_template': 'chatml_tools'}), else the tokenizer's own) is checked to render
+    tools (a ConfigError naming model.chat_template=chatml_tools when it cannot)."""
+    a = cfg.agent
+    if not a.tools and a.environment_factory is None:
+        return None
+    from cohort.agents.templates import apply_chat_template_override, check_renders_tools
+    from cohort.agents.tools import build_tools
+
+    if cfg.model.chat_template:
+        apply_chat_template_override(tok, cfg.model.chat_template)
+    check_renders_tools(tok)
+    if a.environment_factory is not None:
+        from cohort.setup import _environments
+
+        return [t.schema for t in _environments(cfg).all_tools]
+    return [t.schema for t in build_tools(list(a.tools))]
+
+
 class GRPOTrainer:
     """TRL's `GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class, ...)`."""
 
@@ -66,9 +86,13 @@ class GRPOTrainer:
         self.state = self.callback_handler.state
         self.result = None
         self._comp = None
-        if (tools or environment_factory) and not getattr(getattr(self.config, "agent", None), "tools", None):
-            log.warning("GRPOTrainer(tools=/environment_factory=): the facade does not hand them to cohort's agent "
-                        "rollouts yet; set extra={'agent.tools': [...]} in GRPOConfig for tool calling.")
+        if tools:  # functions (or "pkg.module:function" paths): multi-turn tool calling (cohort.agents)
+            self.config.agent.tools = list(tools)
+        if environment_factory is not None:  # a class, a factory, a path, or {name: one} routed by `environment`
+            from cohort.setup import _environments
+
+            self.config.agent.environment_factory = environment_factory
+            _environments(self.config)  # an environment without reset (or a bad tool method) fails here
         self.callback_handler.event("on_init_end")
 
     # --------------------------------------------------------------------------------------- callbacks
@@ -108,6 +132,7 @@ class GRPOTrainer:
 
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(self.args.tf32)
         self.processing_class = tok
+        self._tool_schemas = _tool_schemas(cfg, tok)
         train = self._encode(self._train_rows, tok)
         evald = None
         if str(getattr(self.args.eval_strategy, "value", self.args.eval_strategy)) != "no" and self.eval_dataset:
@@ -134,8 +159,10 @@ class GRPOTrainer:
 
         d = self.config.data
         ds = load_prompt_dataset(list(rows), prompt_column=d.prompt_column, system_prompt=d.system_prompt)
-        return ds.encode(tok, d.max_prompt_length, truncation=d.truncation,
-                         chat_template_kwargs=self.args.chat_template_kwargs)
+        kwargs = dict(self.args.chat_template_kwargs or {})
+        if getattr(self, "_tool_schemas", None):  # TRL: the prompts list the tools
+            kwargs["tools"] = self._tool_schemas
+        return ds.encode(tok, d.max_prompt_length, truncation=d.truncation, chat_template_kwargs=kwargs or None)
 
     # -------------------------------------------------------------------------------------------- API
     def train(self, resume_from_checkpoint: bool | str | None = None, **kwargs):
