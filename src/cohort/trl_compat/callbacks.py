@@ -23,7 +23,10 @@ class CallbackBridge:
         TrainerState, TrainerControl = _transformers_state()
         self.trainer = trainer
         self.callbacks = [c() if isinstance(c, type) else c for c in callbacks]
-        self.state = TrainerState(is_local_process_zero=True, is_world_process_zero=True)
+        from cohort import distributed
+
+        main = distributed.current().is_main
+        self.state = TrainerState(is_local_process_zero=main, is_world_process_zero=main)
         self.control = TrainerControl()
         args, cfg = trainer.args, trainer.config
         self.per_gen = args.updates_per_generation()
