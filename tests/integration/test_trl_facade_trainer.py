@@ -220,3 +220,20 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
     trainer.train()
     text = tok.decode(trainer._comp.train_data.batch([0]).prompt_ids[0])
     assert text.endswith("mode 7:"), text
+
+
+def test_model_init_kwargs_disable_dropout_and_eval_on_start(tmp_path):
+    from tests.helpers.toy_task import write_toy_workspace
+
+    model_dir, _ = write_toy_workspace(tmp_path / "ws")
+    args = _args(tmp_path, max_steps=1, disable_dropout=True, eval_on_start=True,
+                 model_init_kwargs={"dtype": "float32", "revision": "main", "attn_implementation": None})
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=digit_share, args=args, train_dataset=toy_rows(),
+                          eval_dataset=toy_rows(1)[:4])
+    trainer.train()
+    assert trainer.config.model.dtype == "float32"
+    assert all(m.p == 0.0 for m in trainer.model.modules() if isinstance(m, torch.nn.Dropout))
+    assert "eval_reward" in trainer.state.log_history[0]  # evaluated before the first step
+    with pytest.raises(ConfigError, match="revision"):
+        GRPOTrainer(model=str(model_dir), reward_funcs=digit_share, train_dataset=toy_rows(),
+                    args=_args(tmp_path, model_init_kwargs={"revision": "v2"}))
