@@ -104,8 +104,7 @@ FIELDS: list[tuple[str, Any, str]] = [
     ("eval_accumulation_steps", None, f"announce: {_EVAL_LOOP}"),
     ("include_for_metrics", [], f"announce: {_EVAL_LOOP}"),
     ("batch_eval_metrics", False, f"announce: {_EVAL_LOOP}"),
-    ("save_only_model", False, "announce: cohort's checkpoints always hold the optimiser, scheduler and RNG "
-     "states, so a run resumes exactly"),
+    ("save_only_model", False, "run.save_only_model"),
     ("save_strategy", "steps", "derived: 'steps' saves every save_steps; 'no' saves only the final model; "
      "'epoch' and 'best' are rejected (use save_steps)"),
     ("save_steps", 500, "derived: run.save_steps in cohort steps (a value below 1 is a fraction of the run)"),
@@ -199,7 +198,7 @@ FIELDS: list[tuple[str, Any, str]] = [
     ("vllm_group_port", 51216, f"announce: {_VLLM}"),
     ("vllm_gpu_memory_utilization", 0.3, "announce: the engine's KV cache takes extra={'generation."
      "kv_cache_fraction': f} of the free memory, lowered automatically so the update fits"),
-    ("vllm_max_model_length", None, "announce: the engine sizes its cache for prompt + max_completion_length"),
+    ("vllm_max_model_length", None, "generation.max_model_len"),
     ("vllm_tensor_parallel_size", 1, f"announce: {_VLLM}; it runs on each rank's GPU"),
     ("beta", 0.0, "loss.beta"),
     ("num_iterations", 1, "train.num_iterations"),
