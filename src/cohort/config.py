@@ -278,8 +278,10 @@ class CohortConfig:
         _require_choice("data.truncation", self.data.truncation, ("left", "drop"))
         _require_choice("generation.engine", g.engine, ("auto", "cohort", "hf"))
         _require_choice("reward.on_error", self.reward.on_error, ("raise", "skip"))
+        close = difflib.get_close_matches(str(t.lr_scheduler_type), _scheduler_names(), n=1, cutoff=0.6)
         _require(t.lr_scheduler_type.removeprefix("hf:") in _scheduler_names(), "train.lr_scheduler_type",
-                 t.lr_scheduler_type, "use 'constant' or 'cosine' (cohort's) or one of transformers' "
+                 t.lr_scheduler_type, (f"did you mean '{close[0]}'? " if close else "")
+                 + "use 'constant' or 'cosine' (cohort's) or one of transformers' "
                  f"{', '.join(n for n in _scheduler_names() if n not in ('constant', 'cosine'))}")
         from cohort.algorithms import build_policy_loss
 

@@ -94,7 +94,7 @@ def sampling_params_for(cfg: CohortConfig, tokenizer, *, n: int, seed: int | Non
 
 
 def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, echo=print,
-                 kv_cache_fraction: float | None = None) -> RolloutEngine:
+                 kv_cache_fraction: float | None = None, longest_prompt: int | None = None) -> RolloutEngine:
     """cohort's own engine whenever the architecture is supported (on the CPU too, where its shared prompt
     prefill makes it about 2x faster than `generate` for SmolLM2); else Hugging Face `generate`."""
     from cohort.engine.hf_backend import HFGenerateEngine
@@ -110,7 +110,7 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
             return CohortEngine(policy, tokenizer, eos_token_ids=_eos_ids(tokenizer),
                                 kv_cache_fraction=kv_cache_fraction or cfg.generation.kv_cache_fraction,
                                 fuse_projections=cfg.generation.fuse_projections, device=device,
-                                max_model_len=engine_model_len(cfg, policy))
+                                max_model_len=engine_model_len(cfg, policy, longest_prompt))
         echo(f"cohort engine does not support this model ({why}); falling back to Hugging Face generate")
     return HFGenerateEngine(policy, tokenizer, eos_token_ids=_eos_ids(tokenizer),
                             batch_size=cfg.generation.generation_batch_size)
@@ -149,11 +149,15 @@ def prompt_token_limit(cfg: CohortConfig, policy, completion_length: int | None 
     return min(cfg.data.max_prompt_length, context - completion)
 
 
-def engine_model_len(cfg: CohortConfig, policy) -> int | None:
-    """What the engine is sized for: the longest prompt plus the longest completion, within the context
-    (a smaller max_model_len keeps the engine's block tables and position tables small)."""
+def engine_model_len(cfg: CohortConfig, policy, longest_prompt: int | None = None) -> int | None:
+    """What the engine is sized for: the longest prompt (of the encoded data when known, else
+    data.max_prompt_length) plus the longest completion, within the context (a smaller max_model_len keeps
+    the engine's block tables small, and one sequence must fit its KV cache)."""
     context = model_context(cfg, policy)
-    need = cfg.data.max_prompt_length + longest_completion(cfg)
+    if cfg.generation.max_model_len is not None:
+        return context  # asked for: exactly that
+    # at least the engine's own default (4096), so data handed in later (the facade's evaluate) still fits
+    need = max((longest_prompt or cfg.data.max_prompt_length) + longest_completion(cfg), 4096)
     return need if context is None else min(context, need)
 
 
@@ -255,6 +259,19 @@ def _data(cfg: CohortConfig, tokenizer, echo, tools=None, policy=None):
         raise ConfigError(f"data.source={d.source!r} gave {len(train)} prompts, fewer than "
                           f"train.prompts_per_step={cfg.train.prompts_per_step}; use more data or fewer prompts.")
     return train, evald
+
+
+def _longest_prompt(*datasets) -> int | None:
+    """The longest encoded prompt of the run's data (None when some data is not encoded)."""
+    lengths = []
+    for data in datasets:
+        if data is None:
+            continue
+        ids = getattr(data, "prompt_ids", None)
+        if ids is None:
+            return None
+        lengths += [len(p) for p in ids]
+    return max(lengths) if lengths else None
 
 
 def _fit_to_context(cfg: CohortConfig, policy, train_data, eval_data, echo):
@@ -380,14 +397,15 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
     total_updates = t.max_steps * t.mini_batches * t.num_iterations
     scheduler = build_scheduler(optimizer, kind=t.lr_scheduler_type, warmup_steps=t.warmup_steps,
                                 total_steps=total_updates, kwargs=t.lr_scheduler_kwargs)
+    longest = _longest_prompt(train_data, eval_data)
     kv_fraction = _check_memory(cfg, policy, device, reference is not None, echo, dtype=compute_dtype)
     if sharded is None:
-        engine = build_engine(cfg, policy, tokenizer, device, echo, kv_fraction)
+        engine = build_engine(cfg, policy, tokenizer, device, echo, kv_fraction, longest)
     else:
         from cohort.distributed.fsdp import GatheredEngine
 
         mirror, gather = sharded
-        engine = GatheredEngine(build_engine(cfg, mirror, tokenizer, device, echo, kv_fraction), gather)
+        engine = GatheredEngine(build_engine(cfg, mirror, tokenizer, device, echo, kv_fraction, longest), gather)
     a = cfg.advantage
     return Components(
         policy=policy, tokenizer=tokenizer, reference=reference, loss_fn=loss_fn,
