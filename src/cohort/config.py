@@ -413,10 +413,11 @@ def _validate_fields(cfg: CohortConfig) -> None:
     _require(isinstance(r.funcs, list) and len(r.funcs) >= 1, "reward.funcs", r.funcs,
              "give at least one reward function, e.g. [accuracy]")
     if r.reward_weights is not None:
-        _require(all(_finite(w) and w >= 0 for w in r.reward_weights), "reward.reward_weights", r.reward_weights,
-                 "use finite weights >= 0 (a penalty belongs in the reward function's own sign)")
-        _require(any(w > 0 for w in r.reward_weights), "reward.reward_weights", r.reward_weights,
-                 "at least one weight must be positive, or every reward is 0")
+        # negative weights are allowed, as in TRL: a weight of -1 turns a score into a penalty
+        _require(all(_finite(w) for w in r.reward_weights), "reward.reward_weights", r.reward_weights,
+                 "use finite numbers (negative weights make penalties)")
+        _require(any(w != 0 for w in r.reward_weights), "reward.reward_weights", r.reward_weights,
+                 "at least one weight must be non-zero, or every reward is 0")
     _require(r.timeout_s is None or (_finite(r.timeout_s) and r.timeout_s > 0), "reward.timeout_s", r.timeout_s,
              "use a positive number of seconds, or leave it unset (null) for no limit")
     _require_choice("reward.on_error", r.on_error, ("raise", "skip"))
