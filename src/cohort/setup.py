@@ -107,12 +107,12 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
 
         ok, why = engine_supports(policy)
         if ok:
-            return CohortEngine(policy, tokenizer, eos_token_ids=_eos_ids(tokenizer),
+            return CohortEngine(policy, tokenizer, eos_token_ids=_eos_ids(tokenizer, policy),
                                 kv_cache_fraction=kv_cache_fraction or cfg.generation.kv_cache_fraction,
                                 fuse_projections=cfg.generation.fuse_projections, device=device,
                                 max_model_len=engine_model_len(cfg, policy, longest_prompt))
         echo(f"cohort engine does not support this model ({why}); falling back to Hugging Face generate")
-    return HFGenerateEngine(policy, tokenizer, eos_token_ids=_eos_ids(tokenizer),
+    return HFGenerateEngine(policy, tokenizer, eos_token_ids=_eos_ids(tokenizer, policy),
                             batch_size=cfg.generation.generation_batch_size)
 
 
@@ -161,9 +161,14 @@ def engine_model_len(cfg: CohortConfig, policy, longest_prompt: int | None = Non
     return need if context is None else min(context, need)
 
 
-def _eos_ids(tokenizer) -> list[int]:
+def _eos_ids(tokenizer, model=None) -> list[int]:
+    """The tokenizer's EOS plus the model's generation_config ones (Qwen ends a chat turn on <|im_end|> while
+    its tokenizer's EOS is <|endoftext|>: `generate` stops on both, so the engine must too)."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    return sorted(ids)
+    gen = getattr(model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None)
+    ids.update(extra if isinstance(extra, list | tuple) else [] if extra is None else [extra])
+    return sorted(int(i) for i in ids)
 
 
 def _rewards(cfg: CohortConfig) -> RewardRunner:
