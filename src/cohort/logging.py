@@ -58,7 +58,7 @@ _SHORT_NAMES = {
 # ------------------------------------------------------------------------------------------ JSONL files
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The rows of a JSONL file; a line cut short by a crash (always the last one) is skipped."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     path = Path(path)
     if not path.is_file():
         return rows
@@ -123,7 +123,7 @@ class _JsonlSink:
         for path in (self.metrics_path, self.samples_path):
             truncate_jsonl(path, start_step)
         self._metrics = self.metrics_path.open("a", encoding="utf-8")
-        self._samples = None
+        self._samples: Any = None  # opened on the first sample rows
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, "time": round(time.time(), 3), **metrics}

@@ -99,7 +99,7 @@ def train(cfg: CohortConfig, components: Components | None = None, *, echo=print
     if not info.is_main:
         distributed.barrier()  # rank 0 has prepared the run directory (resume reads its checkpoints)
         return _train_in(cfg, comp, Path(cfg.run.output_dir), echo, hooks)
-    with open_run_dir(cfg.run.output_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite) as run_dir:
+    with open_run_dir(cfg.run.output_dir, resume=bool(cfg.run.resume), overwrite=cfg.run.overwrite) as run_dir:
         distributed.barrier()
         return _train_in(cfg, comp, run_dir, echo, hooks)
 
@@ -202,7 +202,7 @@ def _resume(cfg: CohortConfig, comp: Components, run_dir: Path, sampler, result:
             updater: PolicyUpdater | None = None) -> int:
     """Load the newest complete checkpoint into the live objects; returns its step (0 when none)."""
     # run.resume: true resumes from the newest checkpoint, a path from that checkpoint folder
-    latest = ckpt.latest_checkpoint(run_dir) if cfg.run.resume is True else Path(cfg.run.resume)
+    latest = ckpt.latest_checkpoint(run_dir) if cfg.run.resume is True else Path(str(cfg.run.resume))
     if latest is None:
         return 0
     with_optimizer = ckpt.has_optimizer_state(latest)
