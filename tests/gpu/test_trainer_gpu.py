@@ -23,7 +23,7 @@ def test_learns_on_cuda_with_the_engine(tmp_path):
 @pytest.mark.parametrize("overrides", [[], resume_case.LOW_MEMORY, ["train.sharding=fsdp"]],
                          ids=["default", "low-memory", "fsdp-one-gpu"])
 def test_resume_is_exact_on_cuda(tmp_path, overrides):
-    resume_case.test_resume_equals_uninterrupted(tmp_path, overrides, None)
+    resume_case.test_resume_equals_uninterrupted(tmp_path, overrides)
 
 
 def test_host_offloaded_adamw_on_cuda_matches_adamw():

@@ -22,22 +22,10 @@ def _rows(run_dir):
 LOW_MEMORY = ["train.master_weights=false", "train.optimizer_offload=true", "generation.release_kv_during_update=true"]
 
 
-@pytest.fixture
-def single_process_group_cleanup():
-    """FSDP on one process makes a world-of-one process group; end it so later tests in this process start
-    without one (they would otherwise see an initialised group)."""
-    import torch.distributed as dist
-
-    had = dist.is_available() and dist.is_initialized()
-    yield
-    if not had and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 # FSDP on one process (a world of one): the sharded DCP checkpoint must resume exactly as well
 @pytest.mark.parametrize("overrides", [[], LOW_MEMORY, ["train.sharding=fsdp"]],
                          ids=["default", "low-memory", "fsdp-one-process"])
-def test_resume_equals_uninterrupted(tmp_path, overrides, single_process_group_cleanup):
+def test_resume_equals_uninterrupted(tmp_path, overrides):
     n, k = 5, 2
     straight = apply_overrides(toy_config(tmp_path / "a", steps=n), overrides)
     train(straight, toy_components(straight))
