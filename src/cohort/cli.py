@@ -41,6 +41,7 @@ def _train(args: argparse.Namespace) -> int:
     info = distributed.init_from_env(timeout_s=cfg.train.dist_timeout_s)
     try:
         result = train(cfg)
+        distributed.shutdown()
     except KeyboardInterrupt:
         if info.is_main:
             print(interrupted_message(cfg, args), file=sys.stderr)

@@ -61,6 +61,9 @@ def _run(rank: int, world: int, out: str, init_file: str, sharding: str, variant
         params = _full_params(comp.policy)
         if rank == 0:
             torch.save(params, f"{out}/weights.pt")
+        from cohort import distributed
+
+        distributed.shutdown()  # a barrier first: no rank ends its group while a peer still communicates
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

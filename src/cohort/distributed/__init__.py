@@ -187,6 +187,15 @@ def any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
+def shutdown() -> None:
+    """After training: wait until every rank is done (no collective still in flight), then end the group, so
+    no rank tears down communication threads under a peer that still uses them."""
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
 def barrier() -> None:
     if current().enabled:
         dist.barrier()
