@@ -103,19 +103,21 @@ def length_reward(completions, **kwargs) -> list[float]:
     return [len(c) / 1000.0 for c in completions]
 
 
-def build_model(size: str, device: torch.device):
+def build_model(size: str, device: torch.device, *, spec: dict | None = None, tie: bool = True):
+    """The Qwen2 architecture of `spec` (default SIZES[size]) with random weights, built where it trains: bf16 on
+    a GPU, fp32 on the CPU. bench/scale.py builds its untied 7B row with the same function."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    spec = SIZES[size]
+    spec = spec or SIZES[size]
     eos = eos_id(spec["vocab_size"])
     config = Qwen2Config(**spec, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
-                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=eos, pad_token_id=eos)
+                         tie_word_embeddings=tie, bos_token_id=None, eos_token_id=eos, pad_token_id=eos)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with device:
+        with device, torch.no_grad():
             model = Qwen2ForCausalLM(config)
     finally:
         torch.set_default_dtype(previous)

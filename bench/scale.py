@@ -100,24 +100,9 @@ def _init_dist(device_kind: str) -> tuple[torch.device, int, int]:
 def build_big(size: str, device: torch.device):
     """Qwen2.5-7B's architecture (untied embeddings), random weights, built where it trains: bf16 on a GPU
     (HF's init is a normal_ per tensor there, well under a second), fp32 on the CPU."""
-    from grpo_step import eos_id
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from grpo_step import build_model
 
-    spec = BIG_SIZES[size]
-    eos = eos_id(spec["vocab_size"])
-    config = Qwen2Config(**spec, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
-                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=eos, pad_token_id=eos)
-    torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16 if device.type == "cuda" else torch.float32)
-    try:
-        with device, torch.no_grad():
-            model = Qwen2ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    model.generation_config.eos_token_id = eos
-    model.generation_config.pad_token_id = eos
-    return model
+    return build_model(size, device, spec=BIG_SIZES[size], tie=False)
 
 
 def _set_sharding(cfg, sharding: str) -> None:

@@ -167,14 +167,7 @@ class PromptDataset(Sequence):
         for i, row in enumerate(self.rows):
             ids = _tokenize_prompt(tokenizer, row["prompt"], self.source, i, dict(chat_template_kwargs or {}))
             stats.longest_prompt_tokens = max(stats.longest_prompt_tokens, len(ids))
-            if max_prompt_length is not None and len(ids) > max_prompt_length:
-                if truncation == "drop":
-                    stats.num_dropped += 1
-                    continue
-                ids = ids[-max_prompt_length:]
-                stats.num_truncated += 1
-            kept_rows.append(row)
-            kept_ids.append(ids)
+            _keep(row, ids, max_prompt_length, truncation, stats, kept_rows, kept_ids)
         if not kept_rows:
             raise ConfigError(
                 f"Dataset {self.source!r}: all {len(self.rows)} prompts are longer than max_prompt_length="
@@ -199,14 +192,7 @@ class PromptDataset(Sequence):
                             max_prompt_length=max_prompt_length, longest_prompt_tokens=s.longest_prompt_tokens)
         kept_rows, kept_ids = [], []
         for row, ids in zip(self.rows, self.prompt_ids, strict=True):
-            if len(ids) > max_prompt_length:
-                if truncation == "drop":
-                    stats.num_dropped += 1
-                    continue
-                ids = ids[-max_prompt_length:]
-                stats.num_truncated += 1
-            kept_rows.append(row)
-            kept_ids.append(ids)
+            _keep(row, ids, max_prompt_length, truncation, stats, kept_rows, kept_ids)
         if not kept_rows:
             raise ConfigError(
                 f"Dataset {self.source!r}: all {len(self.rows)} prompts are longer than {max_prompt_length} tokens "
@@ -214,6 +200,19 @@ class PromptDataset(Sequence):
                 "generation.max_model_len or lower generation.max_completion_length."
             )
         return PromptDataset(kept_rows, self.source, kept_ids, stats)
+
+
+def _keep(row, ids: list[int], max_len: int | None, truncation: Truncation, stats: EncodeStats,
+          kept_rows: list, kept_ids: list) -> None:
+    """Append the prompt, cut to its last `max_len` tokens or (truncation='drop') left out, and count which."""
+    if max_len is not None and len(ids) > max_len:
+        if truncation == "drop":
+            stats.num_dropped += 1
+            return
+        ids = ids[-max_len:]
+        stats.num_truncated += 1
+    kept_rows.append(row)
+    kept_ids.append(ids)
 
 
 def _tokenize_prompt(tokenizer: Any, prompt: Any, source: str, index: int, template_kwargs: dict[str, Any]) -> list[int]:
