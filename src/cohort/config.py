@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from cohort.config_checks import _require, _require_choice, _scheduler_names
+from cohort.config_checks import validate_fields as _validate_fields
 from cohort.errors import ConfigError
 
 
@@ -317,12 +317,6 @@ class CohortConfig:
         return self
 
 
-def _scheduler_names() -> list[str]:
-    from transformers import SchedulerType
-
-    return ["constant", "cosine"] + [s.value for s in SchedulerType if s.value not in ("constant", "cosine")]
-
-
 def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
@@ -331,162 +325,6 @@ def _plain(value: Any) -> Any:
     if callable(value):
         return f"{getattr(value, '__module__', '?')}:{getattr(value, '__qualname__', type(value).__name__)}"
     return value
-
-
-def _require(ok: bool, name: str, value: Any, fix: str) -> None:
-    if not ok:
-        raise ConfigError(f"{name}={value!r} is not valid: {fix}.")
-
-
-def _require_choice(name: str, value: Any, choices: Sequence[Any], what: str = "") -> None:
-    """An enum field: the value must be one of `choices`; a near miss gets "did you mean"."""
-    if value in choices:
-        return
-    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
-    hint = f"did you mean '{close[0]}'? " if close else ""
-    raise ConfigError(f"{name}={value!r} is not valid: {hint}use one of "
-                      f"{', '.join(repr(c) for c in choices)}{what}.")
-
-
-def _finite(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-
-
-_DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
-_SCALE_REWARDS = ("group", "batch", "none")
-_ESTIMATORS = ("grpo", "rloo")
-_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
-
-
-def _validate_fields(cfg: CohortConfig) -> None:
-    """Every range, enum and cross-field rule of the config (issue 14): checked before any model, data or run
-    directory is touched. Each failure names the field, the value and the fix."""
-    m, d, g, r, a, t, run = cfg.model, cfg.data, cfg.generation, cfg.reward, cfg.advantage, cfg.train, cfg.run
-    # model
-    _require_choice("model.dtype", m.dtype, _DTYPE_NAMES)
-    _require(isinstance(m.lora_r, int) and m.lora_r >= 0, "model.lora_r", m.lora_r,
-             "use 0 (train every weight) or a positive LoRA rank such as 8 or 16")
-    if m.lora_r > 0:
-        _require(_finite(m.lora_alpha) and m.lora_alpha > 0, "model.lora_alpha", m.lora_alpha,
-                 "use a positive scale such as 32 (the adapters are scaled by lora_alpha / lora_r)")
-        _require(_finite(m.lora_dropout) and 0 <= m.lora_dropout < 1, "model.lora_dropout", m.lora_dropout,
-                 "use a probability in [0, 1), e.g. 0.0 or 0.05")
-        _require(bool(m.lora_target_modules), "model.lora_target_modules", m.lora_target_modules,
-                 "name at least one module, e.g. [q_proj, v_proj]")
-    _require(isinstance(m.name_or_path, str) and m.name_or_path.strip() != "", "model.name_or_path",
-             m.name_or_path, "give a local model folder, a .gguf file, a hub id or smollm2-135m-instruct")
-    # data
-    _require(isinstance(d.max_prompt_length, int) and d.max_prompt_length >= 1, "data.max_prompt_length",
-             d.max_prompt_length, "use a positive token count, e.g. 512")
-    _require_choice("data.truncation", d.truncation, ("left", "drop"),
-                    " ('left' keeps the end of a long prompt, 'drop' skips the row)")
-    _require(isinstance(d.eval_size, int) and d.eval_size >= 0, "data.eval_size", d.eval_size,
-             "use 0 (no held-out split) or a positive number of prompts")
-    _require(isinstance(d.prompt_column, str) and d.prompt_column != "", "data.prompt_column", d.prompt_column,
-             "name the column that holds the prompt, e.g. prompt or question")
-    for name, value in (("data.options", d.options), ("data.eval_options", d.eval_options)):
-        _require(isinstance(value, dict), name, value, "give a mapping of option: value (e.g. {size: 500})")
-    # generation
-    _require(_finite(g.temperature), "generation.temperature", g.temperature, "use 0 (greedy) or a positive number")
-    _require(isinstance(g.top_k, int) and g.top_k >= 0, "generation.top_k", g.top_k,
-             "use 0 (off) or a positive number of most likely tokens to sample from")
-    _require(_finite(g.min_p) and 0 <= g.min_p <= 1, "generation.min_p", g.min_p,
-             "use a value in [0, 1] (0: off; e.g. 0.05 keeps tokens at least 5% as likely as the best one)")
-    _require(_finite(g.repetition_penalty) and g.repetition_penalty > 0, "generation.repetition_penalty",
-             g.repetition_penalty, "use a positive number (1.0: off; > 1 discourages repeats)")
-    _require(_finite(g.kv_cache_fraction) and 0 < g.kv_cache_fraction <= 1, "generation.kv_cache_fraction",
-             g.kv_cache_fraction, "use a share of free memory in (0, 1], e.g. 0.3")
-    _require(g.generation_batch_size is None or (isinstance(g.generation_batch_size, int)
-                                                 and g.generation_batch_size >= 1),
-             "generation.generation_batch_size", g.generation_batch_size,
-             "use a positive number of prompts per generate call, or leave it unset (null)")
-    _require(isinstance(g.stop_strings, list) and all(isinstance(s, str) and s for s in g.stop_strings),
-             "generation.stop_strings", g.stop_strings, "give a list of non-empty strings, e.g. ['</answer>']")
-    _require_choice("generation.engine", g.engine, ("auto", "cohort", "hf"))
-    longest = max(g.max_completion_length, run.eval_max_completion_length or 0)
-    if g.max_model_len is not None:
-        _require(isinstance(g.max_model_len, int) and g.max_model_len > longest, "generation.max_model_len",
-                 g.max_model_len, f"it must exceed the longest completion ({longest} tokens: "
-                 "generation.max_completion_length / run.eval_max_completion_length) so a prompt fits beside "
-                 "it; raise it (at most the model's context) or lower the completion length")
-    # reward
-    _require(isinstance(r.funcs, list) and len(r.funcs) >= 1, "reward.funcs", r.funcs,
-             "give at least one reward function, e.g. [accuracy]")
-    if r.reward_weights is not None:
-        # negative weights are allowed, as in TRL: a weight of -1 turns a score into a penalty
-        _require(all(_finite(w) for w in r.reward_weights), "reward.reward_weights", r.reward_weights,
-                 "use finite numbers (negative weights make penalties)")
-        _require(any(w != 0 for w in r.reward_weights), "reward.reward_weights", r.reward_weights,
-                 "at least one weight must be non-zero, or every reward is 0")
-    _require(r.timeout_s is None or (_finite(r.timeout_s) and r.timeout_s > 0), "reward.timeout_s", r.timeout_s,
-             "use a positive number of seconds, or leave it unset (null) for no limit")
-    _require_choice("reward.on_error", r.on_error, ("raise", "skip"))
-    # advantage (TRL's booleans are accepted for scale_rewards: true = group, false = none)
-    if not isinstance(a.scale_rewards, bool):
-        _require_choice("advantage.scale_rewards", a.scale_rewards, _SCALE_REWARDS,
-                        " (group: divide by each group's std; batch: by the batch's; none: Dr. GRPO)")
-    _require_choice("advantage.estimator", a.estimator, _ESTIMATORS, " (grpo: group mean baseline; rloo: leave-one-out)")
-    _require_choice("advantage.multi_objective_aggregation", a.multi_objective_aggregation, _AGGREGATIONS)
-    _require(not (a.estimator == "rloo" and a.multi_objective_aggregation == "normalize_then_sum"),
-             "advantage.multi_objective_aggregation", a.multi_objective_aggregation,
-             "advantage.estimator=rloo needs 'sum_then_normalize' (normalize_then_sum normalises over the batch)")
-    # train
-    _require(_finite(t.learning_rate) and t.learning_rate > 0, "train.learning_rate", t.learning_rate,
-             "use a positive learning rate, e.g. 1e-6")
-    _require(_finite(t.weight_decay) and t.weight_decay >= 0, "train.weight_decay", t.weight_decay,
-             "use 0 or a positive decay, e.g. 0.01")
-    for name in ("adam_beta1", "adam_beta2"):
-        value = getattr(t, name)
-        _require(_finite(value) and 0 <= value < 1, f"train.{name}", value, "use a value in [0, 1), e.g. 0.9")
-    eps = getattr(t, "adam_epsilon", 1e-8)
-    _require(_finite(eps) and eps > 0, "train.adam_epsilon", eps, "use a small positive number, e.g. 1e-8")
-    _require(_finite(t.max_grad_norm) and t.max_grad_norm > 0, "train.max_grad_norm", t.max_grad_norm,
-             "use a positive clipping norm, e.g. 1.0")
-    _require(_finite(t.warmup_steps) and t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps,
-             "use 0, a number of optimiser updates, or a fraction in (0, 1) of them")
-    _require(isinstance(t.seed, int) and not isinstance(t.seed, bool) and t.seed >= 0, "train.seed", t.seed,
-             "use a non-negative integer")
-    _require(isinstance(t.lr_scheduler_kwargs, dict), "train.lr_scheduler_kwargs", t.lr_scheduler_kwargs,
-             "give a mapping, e.g. {min_lr_rate: 0.1}")
-    _require(_device_ok(t.device), "train.device", t.device, "use auto, cpu, cuda or cuda:<index>")
-    # run
-    _require(isinstance(run.output_dir, str) and run.output_dir.strip() != "", "run.output_dir", run.output_dir,
-             "give a folder for the run, e.g. runs/my-run")
-    _require(not (run.resume not in (False, None, "") and run.overwrite), "run.overwrite", run.overwrite,
-             f"run.resume={run.resume!r} continues the run that overwrite would delete; choose one")
-    _require(isinstance(run.logging_steps, int) and run.logging_steps >= 1, "run.logging_steps", run.logging_steps,
-             "use 1 (every step) or more")
-    _require(isinstance(run.save_steps, int) and run.save_steps >= 0, "run.save_steps", run.save_steps,
-             "use 0 (save only at the end) or a positive number of steps")
-    _require(run.save_total_limit is None or (isinstance(run.save_total_limit, int) and run.save_total_limit >= 1),
-             "run.save_total_limit", run.save_total_limit,
-             "keep at least 1 checkpoint, or leave it unset (null) to keep every one")
-    _require(isinstance(run.eval_steps, int) and run.eval_steps >= 0, "run.eval_steps", run.eval_steps,
-             "use 0 (evaluate before and after training only) or a positive number of steps")
-    _require(isinstance(run.eval_num_samples, int) and run.eval_num_samples >= 1, "run.eval_num_samples",
-             run.eval_num_samples, "use 1 (greedy) or more completions per eval prompt")
-    _require(run.eval_max_prompts is None or (isinstance(run.eval_max_prompts, int) and run.eval_max_prompts >= 1),
-             "run.eval_max_prompts", run.eval_max_prompts, "use a positive number, or leave it unset (null)")
-    from cohort.logging import resolve_report_to
-
-    try:
-        resolve_report_to(run.report_to)
-    except ConfigError as exc:
-        raise ConfigError(f"run.report_to={run.report_to!r} is not valid: {exc}.") from None
-
-
-def _device_ok(name: Any) -> bool:
-    if not isinstance(name, str):
-        return False
-    if name == "auto":
-        return True
-    try:
-        import torch
-
-        torch.device(name)
-    except (RuntimeError, ValueError, TypeError):
-        return False
-    return True
 
 
 # ---------------------------------------------------------------------------------------------------------
