@@ -161,15 +161,7 @@ def _resolve_reward(field: str, name: str) -> tuple[Any, bool]:
     if Path(resolved).expanduser().is_dir():
         return registry.RewardModel, True
     if ":" in resolved:
-        from cohort.data.sources import import_object
-
-        try:
-            target = import_object(resolved)
-        except ConfigError as exc:
-            raise ConfigError(f"{field}={name!r} is not valid: {exc}") from None
-        if not callable(target):
-            raise ConfigError(f"{field}={name!r} is not valid: it names a {type(target).__name__}, not a "
-                              "function; point it at a reward function or a factory")
+        target = _import_callable(field, name, resolved, "not a function; point it at a reward function or a factory")
         return target, not registry._is_reward_signature(target)
     known = registry.builtin_names() + list(registry.ALIASES)
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
@@ -211,18 +203,25 @@ def check_reward_specs(funcs: list[Any]) -> None:
 
 
 # -------------------------------------------------------------------------------------------------- tools
+def _import_callable(field: str, value: Any, path: str, fix: str) -> Any:
+    """The callable `path` ('package.module:name') names; a ConfigError naming the field otherwise."""
+    from cohort.data.sources import import_object
+
+    try:
+        target = import_object(path)
+    except ConfigError as exc:
+        raise ConfigError(f"{field}={value!r} is not valid: {exc}") from None
+    if not callable(target):
+        raise ConfigError(f"{field}={value!r} is not valid: it names a {type(target).__name__}, {fix}")
+    return target
+
+
 def check_tools(tools: list[Any], tool_parser: str | None) -> None:
     from cohort.data.sources import import_object
 
     for i, tool in enumerate(tools or []):
         if isinstance(tool, str):
-            try:
-                obj = import_object(tool)
-            except ConfigError as exc:
-                raise ConfigError(f"agent.tools[{i}]={tool!r} is not valid: {exc}") from None
-            if not callable(obj):
-                raise ConfigError(f"agent.tools[{i}]={tool!r} is not valid: it names a {type(obj).__name__}; "
-                                  "point it at a function with type hints and a docstring")
+            _import_callable(f"agent.tools[{i}]", tool, tool, "point it at a function with type hints and a docstring")
         elif not callable(tool):
             raise ConfigError(f"agent.tools[{i}]={tool!r} is not valid: give a function or 'package.module:function'")
     if tool_parser:
