@@ -12,3 +12,8 @@ class CohortError(Exception):
 
 class ConfigError(CohortError, ValueError):
     """A setting, path or input that cannot work; the message names the field, the value and the fix."""
+
+
+class DataError(ConfigError):
+    """A dataset row that cannot be used (an unreadable image, a prompt without the placeholder a processor
+    needs); the message names the source, the row and the fix. A ConfigError, so the CLI exits with 2."""
