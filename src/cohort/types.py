@@ -64,6 +64,8 @@ class Completion:
         loop (None when the rollout had no tools).
     messages: the completion as chat messages (assistant turns with their tool_calls, tool results), set by
         the turn loop; what reward functions get for conversational prompts (TRL's format). None otherwise.
+    version: the policy version that sampled it (a served engine's pushed version, cohort.serving); None for
+        an in-process engine, which always samples with the current weights.
     """
 
     token_ids: list[int]
@@ -74,6 +76,7 @@ class Completion:
     tool_calls: int | None = None
     tool_failures: int = 0
     messages: list[dict] | None = None
+    version: int | None = None
 
 
 @dataclass(frozen=True)
