@@ -235,6 +235,11 @@ def packed_forward_logprobs(
         raise ValueError(f"attn={attn!r} is not one of 'varlen', 'native'")
     if not sequences:
         raise ValueError("packed_forward_logprobs got no sequences")
+    if any(hasattr(prompt, "vision_inputs") for prompt, _ in sequences):  # prompts with images (cohort.vision)
+        from cohort.vision.forward import vision_packed_logprobs
+
+        return vision_packed_logprobs(model, sequences, temperature=temperature, compute_entropy=compute_entropy,
+                                      chunk_tokens=chunk_tokens, attn=attn, lm_head_grad_fp32=lm_head_grad_fp32)
     device = model.get_input_embeddings().weight.device
     input_ids, position_ids, cu, hidden_idx, labels, offsets = _pack(sequences, device)
     # a sharded (FSDP) policy registers the pass as a forward method on its root, so that calling it gathers

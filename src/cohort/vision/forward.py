@@ -1,0 +1,140 @@
+"""The trainer's packed forward for vision-language models: images in, completion logprobs out.
+
+Same contract as `cohort.packing.packed_forward_logprobs` (which hands prompts with images over to here):
+every (prompt, completion) pair of a micro-batch sits in one padding-free row, attention never crosses a
+sequence boundary (the same cu_seqlens attention on the language model), and only completion tokens are
+scored through the chunked logprob kernel. What images add:
+
+- The vision tower runs once per distinct prompt in the micro-batch (the G completions of a prompt share one
+  `VisionPrompt` object), through the model's own `get_image_features`; its features replace the embeddings
+  at the image-token positions of every sequence of that prompt. Image tokens are context: they are never
+  labels, and their embedding rows get no gradient (they are overwritten before the first layer).
+- Positions: each sequence's positions restart at 0. Qwen2-VL / Qwen2.5-VL use multimodal RoPE: the model's
+  `get_rope_index` gives each sequence's (temporal, height, width) positions, and the packed row passes
+  [4, 1, T] position ids (text positions first, as transformers expects for packed Qwen2-VL inputs).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from cohort.logprobs import DEFAULT_CHUNK_TOKENS, selective_logprobs_and_entropy
+from cohort.vision.model import image_token_id, inner_model, language_model, unwrap, uses_mrope
+
+
+def image_features(model, prompt, device) -> torch.Tensor | None:
+    """[image tokens, hidden] features of the prompt's images in order (None without images)."""
+    inputs = prompt.vision_inputs(device) if getattr(prompt, "num_images", 0) else {}
+    if not inputs:
+        return None
+    out = inner_model(model).get_image_features(**inputs, return_dict=True)
+    pooled = out.pooler_output
+    return torch.cat(list(pooled), dim=0) if isinstance(pooled, list | tuple) else pooled.reshape(-1, pooled.shape[-1])
+
+
+def mrope_positions(model, ids: torch.Tensor, prompt) -> torch.Tensor:
+    """[3, L] Qwen2-VL positions of one sequence (prompt + completion) from the model's get_rope_index. Only
+    the prompt's image tokens are images: one the policy generated is text, as in `generate`."""
+    inner = inner_model(model)
+    token_types = (ids == image_token_id(model)).long()[None]
+    token_types[:, len(prompt):] = 0
+    if not bool(token_types.any()):
+        return torch.arange(ids.shape[0], device=ids.device).view(1, -1).expand(3, -1)
+    grid = prompt.vision_inputs(ids.device).get("image_grid_thw")
+    pos, _ = inner.get_rope_index(ids[None], mm_token_type_ids=token_types, image_grid_thw=grid)
+    return pos[:, 0]
+
+
+def embed_with_images(model, ids: torch.Tensor, prompts: Sequence, owners: Sequence[int],
+                      in_prompt: torch.Tensor | None = None) -> torch.Tensor:
+    """Token embeddings [1, T, d] of a (packed) row with image features scattered into the image-token
+    positions. `owners[k]` is the index in `prompts` of the k-th sequence, in row order; the vision tower runs
+    once per distinct prompt object. in_prompt: [T] bools, True on prompt tokens (None: all are): an image
+    token the policy generated is an ordinary token, as `generate` treats it."""
+    base = unwrap(model)
+    embeds = base.get_input_embeddings()(ids[None])
+    features: dict[int, torch.Tensor | None] = {}
+    ordered = []
+    for k in owners:
+        prompt = prompts[k]
+        if id(prompt) not in features:
+            features[id(prompt)] = image_features(base, prompt, ids.device)
+        if features[id(prompt)] is not None:
+            ordered.append(features[id(prompt)])
+    mask = ids == image_token_id(base)
+    if in_prompt is not None:
+        mask = mask & in_prompt
+    count = int(mask.sum())
+    if not ordered:
+        if count:
+            raise ValueError(f"{count} image tokens in the row but no images were given")
+        return embeds
+    feats = torch.cat(ordered, dim=0).to(embeds.dtype)
+    if feats.shape[0] != count:
+        raise ValueError(f"image features ({feats.shape[0]}) and image tokens ({count}) do not match; the prompt's "
+                         "ids and its processor disagree")
+    return embeds.masked_scatter(mask[None, :, None], feats)
+
+
+def _pack(sequences, device):
+    ids, text_pos, hidden_idx, labels, cu, offsets, in_prompt = [], [], [], [], [0], [0], []
+    for i, (prompt, completion) in enumerate(sequences):
+        prompt, completion = list(prompt), list(completion)
+        if not prompt:
+            raise ValueError(f"sequence {i} has an empty prompt: the first completion token needs a context")
+        start = len(ids)
+        ids += prompt + completion
+        in_prompt += [True] * len(prompt) + [False] * len(completion)
+        text_pos += range(len(prompt) + len(completion))
+        first = start + len(prompt) - 1
+        hidden_idx += range(first, first + len(completion))
+        labels += completion
+        cu.append(len(ids))
+        offsets.append(offsets[-1] + len(completion))
+    long = {"dtype": torch.long, "device": device}
+    return (torch.tensor(ids, **long), torch.tensor(text_pos, **long), torch.tensor(cu, dtype=torch.int32, device=device),
+            torch.tensor(hidden_idx, **long), torch.tensor(labels, **long), offsets,
+            torch.tensor(in_prompt, dtype=torch.bool, device=device))
+
+
+def vision_packed_logprobs(model, sequences, *, temperature: float = 1.0, compute_entropy: bool = True,
+                           chunk_tokens: int = DEFAULT_CHUNK_TOKENS, attn: str = "varlen",
+                           lm_head_grad_fp32: bool = True):
+    """`packed_forward_logprobs` for prompts with images (see the module docstring) -> PackedLogprobs."""
+    from cohort.packing import _PACKED_MASKS, PackedLogprobs, enable_packed_attention
+
+    if attn not in ("varlen", "native"):
+        raise ValueError(f"attn={attn!r} is not one of 'varlen', 'native'")
+    if not sequences:
+        raise ValueError("vision_packed_logprobs got no sequences")
+    base = unwrap(model)
+    device = base.get_input_embeddings().weight.device
+    ids, text_pos, cu, hidden_idx, labels, offsets, in_prompt = _pack(sequences, device)
+    prompts = [p for p, _ in sequences]
+    embeds = embed_with_images(base, ids, prompts, range(len(prompts)), in_prompt)
+    if uses_mrope(base):
+        bounds = cu.tolist()
+        rope = torch.cat([mrope_positions(base, ids[a:b], prompts[k])
+                          for k, (a, b) in enumerate(itertools.pairwise(bounds))], dim=1)
+        position_ids = torch.cat([text_pos[None], rope], dim=0)[:, None, :]  # [4, 1, T]
+    else:
+        position_ids = text_pos[None]
+    body = language_model(base)
+    kwargs = {}
+    if attn == "varlen":
+        enable_packed_attention(body)  # the language model's config: the vision tower keeps its own attention
+        max_len = int((cu[1:] - cu[:-1]).max())
+        kwargs = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
+    token = _PACKED_MASKS.set(attn == "varlen")
+    try:
+        out = body(inputs_embeds=embeds, position_ids=position_ids, use_cache=False, **kwargs)
+    finally:
+        _PACKED_MASKS.reset(token)
+    hidden = out.last_hidden_state[0].index_select(0, hidden_idx)
+    logprobs, entropy = selective_logprobs_and_entropy(
+        hidden, base.get_output_embeddings().weight, labels, temperature=temperature, chunk_tokens=chunk_tokens,
+        compute_entropy=compute_entropy, lm_head_grad_fp32=lm_head_grad_fp32)
+    return PackedLogprobs(logprobs, entropy, offsets)
