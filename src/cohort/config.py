@@ -49,6 +49,8 @@ class ModelConfig:
     lora_dropout: float = 0.0
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    # vision-language models: no gradient into the vision tower and projector (the language model trains)
+    freeze_vision: bool = False
     trust_remote_code: bool = False
     # None: the tokenizer's own; 'chatml_tools' (cohort's ChatML template with tools) or a .jinja path
     chat_template: str | None = None

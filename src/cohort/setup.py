@@ -56,8 +56,10 @@ def _with_lora(cfg: CohortConfig, policy):
         from peft import LoraConfig, get_peft_model
     except ImportError as exc:
         raise ConfigError(f"model.lora_r={m.lora_r} needs peft: pip install peft (or set model.lora_r=0).") from exc
+    from cohort.vision.setup import lora_targets
+
     lora = LoraConfig(r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
-                      target_modules=list(m.lora_target_modules), task_type="CAUSAL_LM")
+                      target_modules=lora_targets(policy, list(m.lora_target_modules)), task_type="CAUSAL_LM")
     return get_peft_model(policy, lora)
 
 
@@ -98,7 +100,11 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
     """cohort's own engine whenever the architecture is supported (on the CPU too, where its shared prompt
     prefill makes it about 2x faster than `generate` for SmolLM2); else Hugging Face `generate`."""
     from cohort.engine.hf_backend import HFGenerateEngine
+    from cohort.vision.setup import build_engine as vision_engine
 
+    vlm = vision_engine(policy, tokenizer, _eos_ids(tokenizer, policy), echo)  # None for text models
+    if vlm is not None:
+        return vlm
     choice = cfg.generation.engine
     if choice == "auto":
         choice = "cohort"
@@ -223,7 +229,7 @@ def _turn_loop(cfg: CohortConfig, tokenizer, environments=None):
                     environments=environments)
 
 
-def _data(cfg: CohortConfig, tokenizer, echo, tools=None, policy=None):
+def _data(cfg: CohortConfig, tokenizer, echo, tools=None, policy=None, processor=None):
     d = cfg.data
     common = {"prompt_column": d.prompt_column, "system_prompt": d.system_prompt}
     train = load_prompt_dataset(d.source, split=d.split, **common, **d.options)
@@ -253,9 +259,13 @@ def _data(cfg: CohortConfig, tokenizer, echo, tools=None, policy=None):
         echo(f"data: prompts capped at {train_limit} tokens (data.max_prompt_length={d.max_prompt_length}, lowered "
              f"to the context {model_context(cfg, policy)} - generation.max_completion_length="
              f"{cfg.generation.max_completion_length}); longer ones: data.truncation={d.truncation}")
-    train = train.encode(tokenizer, train_limit, truncation=d.truncation, **kwargs)
+    from cohort.vision.setup import encode_dataset  # images through the processor; plain encode otherwise
+
+    name = cfg.model.name_or_path
+    train = encode_dataset(train, tokenizer, processor, policy, train_limit, d.truncation, model_name=name, **kwargs)
     if evald is not None:
-        evald = evald.encode(tokenizer, eval_limit, truncation=d.truncation, **kwargs)
+        evald = encode_dataset(evald, tokenizer, processor, policy, eval_limit, d.truncation, model_name=name,
+                               **kwargs)
         if cfg.run.eval_max_prompts:
             evald = evald.head(cfg.run.eval_max_prompts)
     echo(f"data: {len(train)} training prompts" + (f", {len(evald)} held-out" if evald is not None else "")
@@ -360,13 +370,18 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
     environments = _environments(cfg)  # before the model: a bad environment fails fast
     device = resolve_device(distributed.local_device(cfg.train.device))
     dtype = resolve_dtype(cfg.model.dtype, device)
+    from cohort.vision import setup as vision
+
+    tokenizer, processor = vision.split_processor(tokenizer)  # a VLM's processor handed in (facade, tests)
     if policy is None:
-        policy, tokenizer = load_policy(cfg.model.name_or_path, dtype=dtype, device=device,
-                                        gguf_file=cfg.model.gguf_file,
-                                        trust_remote_code=cfg.model.trust_remote_code,
-                                        attn_implementation=cfg.model.attn_implementation)
+        loaded = vision.load_model(cfg, dtype=dtype, device=device)  # None unless a vision-language model
+        policy, tokenizer, processor = loaded or (*load_policy(
+            cfg.model.name_or_path, dtype=dtype, device=device, gguf_file=cfg.model.gguf_file,
+            trust_remote_code=cfg.model.trust_remote_code, attn_implementation=cfg.model.attn_implementation), None)
     elif next(policy.parameters()).device != device:
         policy.to(device)  # a model object handed in (facade, tests) trains where the config says
+    vision.check_settings(cfg, policy)
+    vision.prepare_policy(cfg, policy, echo)
     policy = _with_lora(cfg, policy)
     if cfg.model.chat_template and tokenizer is not None:  # before any prompt is rendered
         from cohort.agents.templates import apply_chat_template_override
@@ -381,7 +396,7 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
     turn_loop = _turn_loop(cfg, tokenizer, environments)
     if train_data is None:
         train_data, eval_data = _data(cfg, tokenizer, echo, tools=turn_loop.tools if turn_loop else None,
-                                      policy=policy)
+                                      policy=policy, processor=processor)
     else:  # handed-in data (facade, tests): prompts that cannot fit beside the completion are cut here too
         train_data, eval_data = _fit_to_context(cfg, policy, train_data, eval_data, echo)
     reference = None
