@@ -9,6 +9,12 @@ reads the cache. A continued turn of a multi-turn sequence starts after its cach
 attend to the prefix through its block table (gather + SDPA with an offset causal mask, on every device;
 those are only the few tokens of a tool result). Decode reads each sequence's blocks through its block table
 (a Triton kernel on the GPU, gather + SDPA elsewhere).
+
+Sliding-window layers (Mistral, Gemma 3's local layers, Qwen with use_sliding_window) pass `window=W`: a query at
+position p sees keys p - W + 1 .. p (W keys, itself included), the same rule as transformers'
+`sliding_window_overlay` (kv > q - W). Every path applies it: a mask on the CPU, flash-attention's
+window_size=(W - 1, 0) in `varlen_attn`, and a lower bound on the key positions in the Triton decode kernel.
+The cache still keeps every token of a windowed layer (correctness first; no ring buffer).
 """
 
 from __future__ import annotations
@@ -53,8 +59,18 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
 
-def prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, scale: float) -> torch.Tensor:
-    """Causal attention per packed sequence with SDPA. q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
+def window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[Lq, Lk] booleans: key at or before the query and, with a window W, within its last W positions."""
+    mask = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        mask &= key_pos[None, :] > query_pos[:, None] - window
+    return mask
+
+
+def prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, scale: float,
+                 window: int | None = None) -> torch.Tensor:
+    """Causal (optionally sliding-window) attention per packed sequence with SDPA.
+    q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
     out = torch.empty_like(q)
     cu = ctx.cu_seqlens_host
     groups = q.shape[1] // k.shape[1]
@@ -62,14 +78,20 @@ def prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnCon
         qi = q[start:end].transpose(0, 1)
         ki = k[start:end].transpose(0, 1).repeat_interleave(groups, 0)
         vi = v[start:end].transpose(0, 1).repeat_interleave(groups, 0)
-        out[start:end] = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale).transpose(0, 1)
+        if window is None or end - start <= window:
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
+        else:
+            pos = torch.arange(end - start, device=q.device)
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=window_mask(pos, pos, window)[None], scale=scale)
+        out[start:end] = o.transpose(0, 1)
     return out
 
 
 def prefix_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, cached: int,
-                scale: float) -> torch.Tensor:
+                scale: float, window: int | None = None) -> torch.Tensor:
     """Attention of a continued turn's L new tokens (q [L, H, D], their K/V already stored) over its cached
-    prefix and themselves: query j sits at position cached + j and sees keys 0..cached + j. -> [L, H, D]."""
+    prefix and themselves: query j sits at position cached + j and sees keys 0..cached + j (the last
+    `window` of them on a sliding-window layer). -> [L, H, D]."""
     length = q.shape[0]
     total = cached + length
     k = k_cache[table].flatten(0, 1)[:total].transpose(0, 1)  # [Hkv, S, D]
@@ -78,14 +100,15 @@ def prefix_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, t
     k = k.repeat_interleave(groups, 0)
     v = v.repeat_interleave(groups, 0)
     keys = torch.arange(total, device=q.device)
-    mask = keys[None, :] <= (cached + torch.arange(length, device=q.device))[:, None]  # [L, S]
+    mask = window_mask(cached + torch.arange(length, device=q.device), keys, window)  # [L, S]
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask[None], scale=scale)
     return out.transpose(0, 1)
 
 
 def decode_gather(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttnContext,
-                  scale: float) -> torch.Tensor:
-    """Decode attention by gathering each sequence's blocks into a padded tensor. q [B, H, D] -> [B, H, D]."""
+                  scale: float, window: int | None = None) -> torch.Tensor:
+    """Decode attention by gathering each sequence's blocks into a padded tensor. q [B, H, D] -> [B, H, D].
+    The new token sits at position ctx_len - 1; with a window W it sees positions ctx_len - W .. ctx_len - 1."""
     block_size = k_cache.shape[1]
     width = ctx.block_tables.shape[1]
     if ctx.max_ctx_len is not None:
@@ -98,12 +121,16 @@ def decode_gather(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     v = v.repeat_interleave(groups, 1)
     positions = torch.arange(k.shape[2], device=q.device)
     mask = positions[None, :] < ctx.ctx_lens[:, None]  # [B, S]
+    if window is not None:
+        mask &= positions[None, :] >= ctx.ctx_lens[:, None] - window
     out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale)
     return out[:, :, 0, :]
 
 
-def prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, scale: float) -> torch.Tensor:
-    """Packed causal prefill with torch's flash-attention `varlen_attn` (CUDA, fp16/bf16)."""
+def prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, scale: float,
+                   window: int | None = None) -> torch.Tensor:
+    """Packed causal prefill with torch's flash-attention `varlen_attn` (CUDA, fp16/bf16); a sliding window W
+    is flash-attention's window_size=(W - 1, 0) (W - 1 keys to the left plus the query's own)."""
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters
@@ -113,7 +140,9 @@ def prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnC
     elif abs(scale - q.shape[-1] ** -0.5) > 1e-9:
         raise NotImplementedError("this torch's varlen_attn has no scale argument")
     if "window_size" in params:
-        kwargs["window_size"] = (-1, 0)
+        kwargs["window_size"] = (-1 if window is None else window - 1, 0)
+    elif window is not None:
+        raise NotImplementedError("this torch's varlen_attn has no window_size argument")
     elif "is_causal" in params:
         kwargs["is_causal"] = True
     if k.shape[1] != q.shape[1]:
@@ -150,31 +179,33 @@ class AttentionOps:
         self.use_triton = use_triton
         self.name = f"prefill={'varlen' if self.use_varlen else 'sdpa'} decode={'triton' if use_triton else 'gather'}"
 
-    def prefill(self, q, k, v, ctx: AttnContext, scale: float, k_cache=None, v_cache=None) -> torch.Tensor:
-        out = self._prefill_fresh(q, k, v, ctx, scale)
+    def prefill(self, q, k, v, ctx: AttnContext, scale: float, k_cache=None, v_cache=None,
+                window: int | None = None) -> torch.Tensor:
+        """Packed prefill; `window` is the layer's sliding window (None: full causal attention)."""
+        out = self._prefill_fresh(q, k, v, ctx, scale, window)
         if ctx.prefix_lens:
             # Sequences with a cached prefix were computed above as if they started at 0 (a little wasted
             # work on a few tokens, which keeps the packed kernel for the rest); redo them over their prefix.
             for i, (start, end) in enumerate(itertools.pairwise(ctx.cu_seqlens_host)):
                 if ctx.prefix_lens[i]:
                     out[start:end] = prefix_sdpa(q[start:end], k_cache, v_cache, ctx.prefix_tables[i],
-                                                 ctx.prefix_lens[i], scale)
+                                                 ctx.prefix_lens[i], scale, window)
         return out
 
-    def _prefill_fresh(self, q, k, v, ctx: AttnContext, scale: float) -> torch.Tensor:
+    def _prefill_fresh(self, q, k, v, ctx: AttnContext, scale: float, window: int | None = None) -> torch.Tensor:
         if self.use_varlen:
             try:
-                return prefill_varlen(q, k, v, ctx, scale)
+                return prefill_varlen(q, k, v, ctx, scale, window)
             except (RuntimeError, NotImplementedError, TypeError) as exc:
                 # varlen_attn is a prototype API whose signature moved between torch releases.
                 warnings.warn(f"varlen_attn failed ({exc!r:.200}); using per-sequence SDPA for prefill.", stacklevel=2)
                 self.use_varlen = False
                 self.name = self.name.replace("prefill=varlen", "prefill=sdpa")
-        return prefill_sdpa(q, k, v, ctx, scale)
+        return prefill_sdpa(q, k, v, ctx, scale, window)
 
-    def decode(self, q, k_cache, v_cache, ctx: AttnContext, scale: float) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, ctx: AttnContext, scale: float, window: int | None = None) -> torch.Tensor:
         if self.use_triton:
             from cohort.engine.triton_ops import paged_decode_attention
 
-            return paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.ctx_lens, scale)
-        return decode_gather(q, k_cache, v_cache, ctx, scale)
+            return paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.ctx_lens, scale, window)
+        return decode_gather(q, k_cache, v_cache, ctx, scale, window)

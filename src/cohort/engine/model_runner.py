@@ -19,7 +19,7 @@ import torch
 
 from cohort.engine.attention import AttentionOps, AttnContext
 from cohort.engine.config import EngineConfig
-from cohort.engine.models.decoder import DecoderForward
+from cohort.engine.models.registry import build_forward
 from cohort.engine.sampler import temperature_rows
 from cohort.engine.scheduler import PrefillUnit
 from cohort.engine.sequence import Sequence
@@ -34,7 +34,7 @@ class ModelRunner:
         dtype = model.get_input_embeddings().weight.dtype
         head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
         self.attention = AttentionOps(device, dtype, head_dim, config.block_size)
-        self.net = DecoderForward(model, self.attention, config.max_model_len, config.fuse_projections)
+        self.net = build_forward(model, self.attention, config.max_model_len, config.fuse_projections)
         self.num_blocks = self._num_blocks()
         self.scratch_block = self.num_blocks
         self._kv_shape = (2, self.net.num_layers, self.num_blocks + 1, config.block_size, self.net.num_kv_heads,
@@ -59,7 +59,8 @@ class ModelRunner:
         self.graphs: dict[int, tuple] = {}  # batch size -> (graph, logits, tokens, logprobs)
         self.graph_capture_seconds = 0.0
         self._param_ptrs = self._parameter_pointers()
-        if device.type == "cuda" and not config.enforce_eager:
+        # graph_safe is False for a forward that reads values on the host (the MoE's per-expert loop).
+        if device.type == "cuda" and not config.enforce_eager and self.net.graph_safe:
             with torch.cuda.device(device):
                 self._capture_graphs()
 

@@ -7,6 +7,8 @@ Decode attention: one program per (sequence, KV head). The GQA group's query hea
 rows of one tile (padded to 16, the smallest tl.dot tile), so a ratio of 7 (Qwen2.5) costs nothing
 special and every K/V block is read once per KV head. The loop over the sequence's blocks uses an online
 softmax; the trip count comes from ctx_lens on the device, so the kernel can live inside a CUDA graph.
+A sliding-window layer passes window=W: the loop starts at the block holding position ctx_len - W and
+masks the keys before it (full attention passes 2**30, larger than any context).
 
 Sampler: one program per row walks the vocabulary once, keeping the running logsumexp of logits/T (for the
 reported logprob) and the running argmax of logits/T + Gumbel noise (the sample). The noise is a hash of
@@ -34,7 +36,7 @@ if triton is not None:
 
     @triton.jit
     def _paged_decode_kernel(
-        q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, scale,
+        q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, scale, window,
         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
         PRECISION: tl.constexpr,
@@ -54,13 +56,14 @@ if triton is not None:
         denom = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         num_blocks = tl.cdiv(ctx_len, BLOCK)
-        for i in range(0, num_blocks):
+        lo = tl.maximum(ctx_len - window, 0)
+        for i in range(lo // BLOCK, num_blocks):
             block = tl.load(tables_ptr + seq * stride_tb + i).to(tl.int64)
             offs = block * stride_kb + slots[:, None] * stride_ks + kvh * stride_kh + dims[None, :]
             k = tl.load(k_ptr + offs)
             v = tl.load(v_ptr + offs)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [GROUP_PAD, BLOCK] fp32
-            valid = (i * BLOCK + slots) < ctx_len
+            valid = ((i * BLOCK + slots) < ctx_len) & ((i * BLOCK + slots) >= lo)
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
@@ -129,14 +132,15 @@ if triton is not None:
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, H, D]; caches [num_blocks, block_size, Hkv, D]; returns [B, H, D]."""
+                           block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
+                           window: int | None = None) -> torch.Tensor:
+    """q [B, H, D]; caches [num_blocks, block_size, Hkv, D]; returns [B, H, D]. window: sliding window or None."""
     batch, heads, head_dim = q.shape
     kv_heads, block = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
     out = torch.empty_like(q)
     _paged_decode_kernel[(batch, kv_heads)](
-        q, k_cache, v_cache, block_tables, ctx_lens, out, scale,
+        q, k_cache, v_cache, block_tables, ctx_lens, out, scale, int(window or 1 << 30),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK=block,

@@ -1,4 +1,4 @@
-"""Packed forward of Llama-family decoders (Llama / SmolLM2, Qwen2 / Qwen2.5, Qwen3) over the HF modules.
+"""Packed forward of Llama-family decoders (Llama / SmolLM2, Mistral, Qwen2 / Qwen2.5, Qwen3) over the HF modules.
 
 The engine calls the policy model's own submodules (`q_proj`, `mlp`, the norms, ...) on packed tokens
 [T, hidden] with its own attention over the paged KV cache, so it always computes with the trainer's current
@@ -6,6 +6,10 @@ weights (nothing to copy after an optimizer step) and a LoRA wrapper around a pr
 `nn.Linear` by a module whose forward adds the adapter) is applied without merging. The numerics follow the
 HF modeling code (RMSNorm in float32, RoPE tables from the model's own rotary embedding) so greedy output
 matches `generate` and the sampling logprobs match the trainer's recompute.
+
+Other families subclass `DecoderForward` (models/gemma3.py, models/qwen3_moe.py); models/registry.py picks
+the class from `config.model_type`. Sliding-window layers (Mistral, Qwen with use_sliding_window) get their
+window from `layer_windows` and pass it to the attention.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from torch import nn
 from cohort.engine.attention import AttentionOps, AttnContext, store_kv
 from cohort.engine.models.layers import fused_ops
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _UNSUPPORTED_ROPE = ("dynamic", "longrope")
+_MISSING = object()
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -28,37 +33,70 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def engine_supports(model: nn.Module) -> tuple[bool, str]:
-    """Whether CohortEngine can run `model`; the reason names what blocks it (for a fallback message)."""
-    model = unwrap_model(model)
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        return False, (f"model_type={model_type!r} is not supported by the cohort engine (supported: "
-                       f"{', '.join(SUPPORTED_MODEL_TYPES)}); using the reference HF backend.")
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
-        return False, f"{type(model).__name__} lacks .model.layers / .lm_head; expected a *ForCausalLM."
-    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
-        return False, "sliding-window attention (use_sliding_window=True) is not implemented in the engine."
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        return False, f"hidden_act={act!r}: the engine expects silu (it calls the model's own MLP, but was only checked with silu)."
+    """Whether CohortEngine can run `model`; the reason names what blocks it (for a fallback message).
+    Every family of models/registry.py, chosen by config.model_type."""
+    from cohort.engine.models.registry import engine_supports as supports
+
+    return supports(model)
+
+
+def rope_types(config) -> list[str]:
+    """The RoPE types a config uses (one per layer type for Gemma 3's per-layer-type rope_parameters)."""
     rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if rope_type in _UNSUPPORTED_ROPE:
-        return False, f"rope_type={rope_type!r} changes with sequence length; the engine precomputes RoPE tables."
-    return True, "ok"
+    if not isinstance(rope, dict):
+        return ["default"]
+    if any(isinstance(v, dict) for v in rope.values()):
+        return [v.get("rope_type", v.get("type", "default")) for v in rope.values() if isinstance(v, dict)]
+    return [rope.get("rope_type", rope.get("type", "default"))]
+
+
+def layer_windows(model: nn.Module) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full attention), as the HF modeling code applies it.
+
+    Qwen2 / Qwen3 / Qwen3-MoE / Gemma 3 attention modules carry `sliding_window` (None on full-attention
+    layers, and None everywhere unless the config enables it); Mistral's attention reads
+    `config.sliding_window` directly, for every layer.
+    """
+    inner = unwrap_model(model).model
+    config = unwrap_model(model).config
+    windows = []
+    for layer in inner.layers:
+        window = getattr(layer.self_attn, "sliding_window", _MISSING)
+        if window is _MISSING:
+            window = getattr(config, "sliding_window", None)
+        windows.append(int(window) if window else None)
+    return windows
 
 
 class DecoderForward:
     """Runs a *ForCausalLM of a supported family on packed tokens with paged attention."""
 
+    model_types: tuple[str, ...] = SUPPORTED_MODEL_TYPES
+    # False where a step needs host synchronisation (then the runner never captures CUDA graphs).
+    graph_safe = True
+
+    @classmethod
+    def unsupported(cls, model: nn.Module) -> str | None:
+        """Why this class cannot run `model` (None: it can). `model` is already unwrapped from PEFT."""
+        config = model.config
+        inner = getattr(model, "model", None)
+        if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
+            return f"{type(model).__name__} lacks .model.layers / .lm_head; expected a *ForCausalLM."
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            return (f"hidden_act={act!r}: the engine expects silu (it calls the model's own MLP, but was only "
+                    "checked with silu).")
+        for rope_type in rope_types(config):
+            if rope_type in _UNSUPPORTED_ROPE:
+                return f"rope_type={rope_type!r} changes with sequence length; the engine precomputes RoPE tables."
+        return None
+
     def __init__(self, model: nn.Module, attention: AttentionOps, max_len: int,
                  fuse_projections: bool | None = None) -> None:
-        ok, reason = engine_supports(model)
-        if not ok:
-            raise ValueError(reason)
         model = unwrap_model(model)
+        reason = self.unsupported(model)
+        if reason is not None:
+            raise ValueError(reason)
         config = model.config
         self.hf = model
         self.inner = model.model
@@ -70,6 +108,7 @@ class DecoderForward:
         first = self.inner.layers[0].self_attn
         self.scale = float(getattr(first, "scaling", self.head_dim**-0.5))
         self.qk_norm = hasattr(first, "q_norm")
+        self.windows = layer_windows(model)
         self.cos, self.sin = self._rope_tables(max_len)
         self.ops = fused_ops(self.device)
         self.fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
@@ -166,17 +205,21 @@ class DecoderForward:
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q = self.ops.rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
-            k = self.ops.rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
+            q, k = self._head_norm(q, attn.q_norm), self._head_norm(k, attn.k_norm)
         q, k = self.ops.rope(q, k, cos, sin)
         # Not fused into the compiled RoPE: inductor functionalises an index_copy_ into a view of the cache
         # as a copy of the whole cache (measured: 700 tok/s instead of ~100k on the 0.5B benchmark).
         store_kv(kv_cache[0, i], kv_cache[1, i], k, v, ctx.slot_mapping)
+        window = self.windows[i]
         if ctx.is_prefill:
-            o = self.attention.prefill(q, k, v, ctx, self.scale, kv_cache[0, i], kv_cache[1, i])
+            o = self.attention.prefill(q, k, v, ctx, self.scale, kv_cache[0, i], kv_cache[1, i], window=window)
         else:
-            o = self.attention.decode(q, kv_cache[0, i], kv_cache[1, i], ctx, self.scale)
+            o = self.attention.decode(q, kv_cache[0, i], kv_cache[1, i], ctx, self.scale, window=window)
         return attn.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
+
+    def _head_norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """Qwen3's per-head q/k RMSNorm (Llama-style: weight times the normalised input)."""
+        return self.ops.rms_norm(x, norm.weight, norm.variance_epsilon)
 
     def _mlp(self, i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
         mlp = layer.mlp

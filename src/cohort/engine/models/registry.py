@@ -1,0 +1,52 @@
+"""Which engine forward runs which model: chosen by `config.model_type`.
+
+| model_type | class | module |
+| --- | --- | --- |
+| llama, mistral, qwen2, qwen3 | DecoderForward | decoder.py |
+| gemma3_text (Gemma3ForCausalLM) | Gemma3Forward | gemma3.py |
+| qwen3_moe | Qwen3MoeForward | qwen3_moe.py |
+
+`engine_supports(model)` answers (ok, reason) without building anything: the trainer uses the reason to
+say why it falls back to the Hugging Face backend. `build_forward` constructs the family's forward.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from cohort.engine.attention import AttentionOps
+from cohort.engine.models.decoder import DecoderForward, unwrap_model
+from cohort.engine.models.gemma3 import Gemma3Forward
+from cohort.engine.models.qwen3_moe import Qwen3MoeForward
+
+FAMILIES: tuple[type[DecoderForward], ...] = (DecoderForward, Gemma3Forward, Qwen3MoeForward)
+
+
+def supported_model_types() -> list[str]:
+    return [t for cls in FAMILIES for t in cls.model_types]
+
+
+def forward_class(model: nn.Module) -> type[DecoderForward] | None:
+    model_type = getattr(getattr(unwrap_model(model), "config", None), "model_type", None)
+    return next((cls for cls in FAMILIES if model_type in cls.model_types), None)
+
+
+def engine_supports(model: nn.Module) -> tuple[bool, str]:
+    """Whether CohortEngine can run `model`; the reason names what blocks it (for a fallback message)."""
+    base = unwrap_model(model)
+    cls = forward_class(base)
+    if cls is None:
+        model_type = getattr(getattr(base, "config", None), "model_type", None)
+        return False, (f"model_type={model_type!r} is not supported by the cohort engine (supported: "
+                       f"{', '.join(supported_model_types())}); using the reference HF backend.")
+    reason = cls.unsupported(base)
+    return (False, reason) if reason is not None else (True, "ok")
+
+
+def build_forward(model: nn.Module, attention: AttentionOps, max_len: int,
+                  fuse_projections: bool | None = None) -> DecoderForward:
+    """The engine forward of `model`'s family (ValueError naming the reason when none can run it)."""
+    ok, reason = engine_supports(model)
+    if not ok:
+        raise ValueError(reason)
+    return forward_class(model)(model, attention, max_len, fuse_projections)
