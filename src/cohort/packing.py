@@ -13,8 +13,14 @@ every sequence, and attention never crosses a sequence boundary:
 - attn="native": the model's own attention (sdpa/eager) with no attention mask; transformers detects the
   restarting position ids and builds a block-diagonal causal mask ([T, T] booleans, fine on the CPU).
 
+Sliding-window layers (Mistral, Gemma 3's local layers, Qwen with use_sliding_window) hand their window to
+the attention function as `sliding_window`; the packed paths honour it inside each sequence (flash
+window_size=(W - 1, 0), a windowed causal mask in the SDPA fallback), as transformers' own masks do.
+
 Only the final hidden states are computed by the model; logprobs and entropy of the completion tokens go
-through `cohort.logprobs.selective_logprobs_and_entropy`, so [tokens, vocab] logits never exist.
+through `cohort.logprobs.selective_logprobs_and_entropy`, so [tokens, vocab] logits never exist. A model
+whose config sets `final_logit_softcapping` (logits = c * tanh(logits / c)) takes a chunked path with the
+cap applied (`_softcapped_logprobs`).
 `split_micro_batches` cuts a step's sequences into such rows by a token budget.
 """
 
@@ -75,11 +81,12 @@ def _has_varlen_attn() -> bool:
     return True
 
 
-def _flash_varlen(query, key, value, cu_seqlens, max_len, scaling):
-    """varlen_attn on [T, H, D] tensors; older torch builds lack `enable_gqa`, so expand KV heads there."""
+def _flash_varlen(query, key, value, cu_seqlens, max_len, scaling, window=None):
+    """varlen_attn on [T, H, D] tensors; older torch builds lack `enable_gqa`, so expand KV heads there.
+    window W (sliding-window layers): each query sees its own and the W - 1 previous keys."""
     from torch.nn.attention.varlen import varlen_attn
 
-    kwargs = {"scale": scaling, "window_size": (-1, 0)}  # (-1, 0): causal
+    kwargs = {"scale": scaling, "window_size": (-1 if window is None else window - 1, 0)}  # (-1, 0): causal
     if query.shape[1] != key.shape[1]:
         if "enable_gqa" in inspect.signature(varlen_attn).parameters:
             kwargs["enable_gqa"] = True
@@ -89,15 +96,22 @@ def _flash_varlen(query, key, value, cu_seqlens, max_len, scaling):
     return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
 
 
-def _segment_sdpa(query, key, value, cu_seqlens, scaling):
-    """Exact fallback: causal SDPA over each sequence separately. query [1, Hq, T, D] -> [1, T, Hq, D]."""
+def _segment_sdpa(query, key, value, cu_seqlens, scaling, window=None):
+    """Exact fallback: causal (optionally sliding-window) SDPA over each sequence separately.
+    query [1, Hq, T, D] -> [1, T, Hq, D]."""
     rep = query.shape[1] // key.shape[1]
     bounds = cu_seqlens.tolist()
     outs = []
     for a, b in itertools.pairwise(bounds):
         k = key[:, :, a:b].repeat_interleave(rep, dim=1) if rep > 1 else key[:, :, a:b]
         v = value[:, :, a:b].repeat_interleave(rep, dim=1) if rep > 1 else value[:, :, a:b]
-        outs.append(F.scaled_dot_product_attention(query[:, :, a:b], k, v, is_causal=True, scale=scaling))
+        if window is None or b - a <= window:
+            outs.append(F.scaled_dot_product_attention(query[:, :, a:b], k, v, is_causal=True, scale=scaling))
+        else:
+            pos = torch.arange(b - a, device=query.device)
+            # key j is visible from query i when i - W < j <= i (transformers' sliding_window_overlay)
+            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+            outs.append(F.scaled_dot_product_attention(query[:, :, a:b], k, v, attn_mask=mask, scale=scaling))
     return torch.cat(outs, dim=2).transpose(1, 2)
 
 
@@ -127,12 +141,17 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
         return fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if query.shape[0] != 1:
         raise RuntimeError(f"packed forward expects one row, got a batch of {query.shape[0]}")
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError(f"attention-logit softcap={kwargs['softcap']} (Gemma 2) is not implemented in "
+                                  "the packed attention; packed_forward_logprobs(attn='native') uses the model's own")
+    window = kwargs.get("sliding_window")
+    window = int(window) if window else None
     use_flash = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _has_varlen_attn()
     if use_flash:
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
-        out = _flash_varlen(q, k, v, cu.to(torch.int32), int(kwargs["max_length_q"]), scaling)
+        out = _flash_varlen(q, k, v, cu.to(torch.int32), int(kwargs["max_length_q"]), scaling, window)
         return out.unsqueeze(0), None
-    return _segment_sdpa(query, key, value, cu, scaling), None
+    return _segment_sdpa(query, key, value, cu, scaling, window), None
 
 
 def _varlen_mask(*args, config=None, **kwargs):
@@ -266,12 +285,48 @@ def packed_pass(model, input_ids, position_ids, cu, hidden_idx, labels, *, tempe
         _PACKED_MASKS.reset(token)
     hidden = out.last_hidden_state[0].index_select(0, hidden_idx)
     weight = model.get_output_embeddings().weight
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    if softcap is not None:
+        logprobs, entropy = _softcapped_logprobs(hidden, weight, labels, temperature, float(softcap), chunk_tokens,
+                                                 compute_entropy)
+        return logprobs.clone(), None if entropy is None else entropy.clone()
     logprobs, entropy = selective_logprobs_and_entropy(
         hidden, weight, labels, temperature=temperature, chunk_tokens=chunk_tokens, compute_entropy=compute_entropy,
         lm_head_grad_fp32=lm_head_grad_fp32,
     )
     # fresh tensors, not views: FSDP hooks the outputs of a forward method for its backward pre-hook
     return logprobs.clone(), None if entropy is None else entropy.clone()
+
+
+def _softcapped_chunk(hidden, weight, labels, temperature: float, softcap: float, compute_entropy: bool):
+    # As Gemma3ForCausalLM.forward: cap the raw logits in their dtype, then log_softmax(logits / T) in fp32.
+    logits = hidden @ weight.t()
+    logits = torch.tanh(logits / softcap) * softcap
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    chosen = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1) if compute_entropy else torch.zeros_like(chosen)
+    return chosen, entropy
+
+
+def _softcapped_logprobs(hidden, weight, labels, temperature: float, softcap: float, chunk_tokens: int,
+                         compute_entropy: bool):
+    """Logprobs (and entropy) under final-logit soft-capping, chunk by chunk; each chunk's [n, vocab] logits
+    are recomputed in backward (activation checkpointing) instead of kept, so memory stays one chunk."""
+    from torch.utils.checkpoint import checkpoint
+
+    parts = []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        end = min(start + chunk_tokens, hidden.shape[0])
+        args = (hidden[start:end], weight, labels[start:end], temperature, softcap, compute_entropy)
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            parts.append(checkpoint(_softcapped_chunk, *args, use_reentrant=False))
+        else:
+            parts.append(_softcapped_chunk(*args))
+    if not parts:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, (empty if compute_entropy else None)
+    logprobs = torch.cat([p[0] for p in parts])
+    return logprobs, (torch.cat([p[1] for p in parts]) if compute_entropy else None)
 
 
 def compile_decoder_layers(model, *, dynamic: bool = True, forward_only: bool = False) -> int:
