@@ -44,6 +44,7 @@ class Components:
     train_time_s: float = 0.0
     last_samples: list[dict] = field(default_factory=list)
     turn_loop: Any = None  # agent.tools: multi-turn tool-calling rollouts (cohort.agents.rollout_loop.TurnLoop)
+    processor: Any = None  # a vision-language model's processor (saved with checkpoints); None for text models
 
 
 def _with_lora(cfg: CohortConfig, policy):
@@ -437,4 +438,4 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
                           "reward_weights": (reward_runner.weights.tolist() if environments is not None
                                              and environments.reward_classes else cfg.reward.reward_weights),
                           "multi_objective_aggregation": a.multi_objective_aggregation},
-        device=device, turn_loop=turn_loop)
+        device=device, turn_loop=turn_loop, processor=processor)

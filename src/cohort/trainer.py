@@ -291,7 +291,7 @@ def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, 
 def _save(cfg: CohortConfig, comp: Components, run_dir: Path, step: int, sampler, result: TrainResult,
           updater: PolicyUpdater | None = None) -> Path:
     return ckpt.save_checkpoint(
-        run_dir, step, model=comp.policy, tokenizer=comp.tokenizer,
+        run_dir, step, model=comp.policy, tokenizer=getattr(comp, "processor", None) or comp.tokenizer,
         optimizer=None if cfg.run.save_only_model else comp.optimizer,
         scheduler=comp.scheduler, keep_last=cfg.run.save_total_limit,
         trainer_state={"step": step, "sampler": sampler.state_dict(), "num_tokens": comp.num_tokens,

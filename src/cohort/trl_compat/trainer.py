@@ -114,9 +114,12 @@ class GRPOTrainer:
         policy, tok = self.model, self.processing_class
         if isinstance(policy, str | os.PathLike):
             device = resolve_device(cfg.train.device)
-            policy, loaded_tok = load_policy(str(policy), dtype=resolve_dtype(cfg.model.dtype, device), device=device,
-                                             trust_remote_code=cfg.model.trust_remote_code,
-                                             attn_implementation=cfg.model.attn_implementation)
+            from cohort.vision.model import is_vision_checkpoint, load_vision_policy
+
+            load = load_vision_policy if is_vision_checkpoint(str(policy)) else load_policy  # a VLM: its processor
+            policy, loaded_tok = load(str(policy), dtype=resolve_dtype(cfg.model.dtype, device), device=device,
+                                      trust_remote_code=cfg.model.trust_remote_code,
+                                      attn_implementation=cfg.model.attn_implementation)
             tok = tok or loaded_tok
             cfg.model.name_or_path = str(self.model)
         if tok is None:
@@ -132,6 +135,7 @@ class GRPOTrainer:
 
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(self.args.tf32)
         self.processing_class = tok
+        self.model = policy  # _encode reads it: image rows go through a VLM's processor
         self._tool_schemas = _tool_schemas(cfg, tok)
         train = self._encode(self._train_rows, tok)
         evald = None
@@ -162,7 +166,12 @@ class GRPOTrainer:
         kwargs = dict(self.args.chat_template_kwargs or {})
         if getattr(self, "_tool_schemas", None):  # TRL: the prompts list the tools
             kwargs["tools"] = self._tool_schemas
-        return ds.encode(tok, d.max_prompt_length, truncation=d.truncation, chat_template_kwargs=kwargs or None)
+        from cohort.vision.setup import encode_dataset, split_processor
+
+        tokenizer, processor = split_processor(tok)
+        policy = self.model if hasattr(self.model, "parameters") else None
+        return encode_dataset(ds, tokenizer, processor, policy, d.max_prompt_length, d.truncation,
+                              chat_template_kwargs=kwargs or None, model_name=self.config.model.name_or_path)
 
     # -------------------------------------------------------------------------------------------- API
     def train(self, resume_from_checkpoint: bool | str | None = None, **kwargs):
