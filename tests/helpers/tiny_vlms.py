@@ -69,7 +69,7 @@ def qwen2_vl(processor, seed: int = 0, hidden: int = 32, layers: int = 2):
     cfg = Qwen2VLConfig(
         text_config={"vocab_size": len(tok), "hidden_size": hidden, "num_hidden_layers": layers,
                      "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 2 * hidden,
-                     "max_position_embeddings": 512, "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
+                     "max_position_embeddings": 512, "rope_scaling": {"type": "mrope", "mrope_section": [hidden // 32, hidden // 32, hidden // 16]},
                      "eos_token_id": tok.eos_token_id, "bos_token_id": None, "pad_token_id": tok.pad_token_id},
         vision_config={"depth": 1, "embed_dim": 32, "hidden_size": hidden, "num_heads": 2, "mlp_ratio": 2,
                        "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_chans": 3},

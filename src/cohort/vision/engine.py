@@ -9,17 +9,18 @@ model's own modules instead (a `RolloutEngine`, like `HFGenerateEngine`):
    embeddings at the image-token positions;
 2. one prefill of the prompt (the language model with a `DynamicCache`, Qwen2-VL's multimodal positions from
    `get_rope_index`) gives the first-token logits and the prompt's KV;
-3. the cache is repeated G times (`batch_repeat_interleave`): the G completions share the prompt's KV values
-   (copied, not paged) and decode together as one batch; finished rows leave the batch.
+3. the cache rows are repeated G times: the G completions share the prompt's KV values (copied, not paged)
+   and decode together as one batch; finished rows leave the batch.
 
 Sampling is cohort's engine sampler (`cohort.engine.sampler.Sampler`, Gumbel-max over (seed, position)
 noise), so a completion's tokens depend on its seed alone, and stop handling is the engine's `Sequence`:
 EOS / stop ids / stop strings, `max_tokens`, logprobs of the raw logits at the sampling temperature.
 Seeds: completion j of prompt i uses `seed + i * n + j`, as in the paged engine.
 
-Decoding runs one group at a time (its rows share one prompt length, so no padding or masks are needed);
-that keeps the code small and exact, at the cost of batching across prompts. `stats` counts vision passes,
-prefills and decode steps (tests check one prefill per group).
+All prompts of a call are prefilled in one batched forward (left-padded, with an attention mask), each prompt
+once; the prefill's rows are then gathered into G rows per prompt and every completion decodes in one batch,
+finished ones leaving it. `stats` counts vision passes, prefills and decode steps (tests check one prefill
+per group).
 """
 
 from __future__ import annotations
@@ -76,72 +77,96 @@ class VisionGroupEngine:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts; pass one or one each.")
+        for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty; generation needs at least one prompt token")
+            if p.n < 1 or p.max_tokens < 1:
+                raise ValueError(f"SamplingParams n={p.n}, max_tokens={p.max_tokens} must both be >= 1.")
+        if not prompts:
+            return []
         was_training = self.model.training
         self.model.eval()
         try:
-            return [self._group(i, prompt, p) for i, (prompt, p) in enumerate(zip(prompts, per_prompt))]
+            return self._generate(list(prompts), per_prompt)
         finally:
             self.model.train(was_training)
 
     # -----------------------------------------------------------------------------------------------------
-    def _group(self, index: int, prompt, params: SamplingParams) -> list[Completion]:
-        if len(prompt) == 0:
-            raise ValueError(f"prompt {index} is empty; generation needs at least one prompt token")
-        if params.n < 1 or params.max_tokens < 1:
-            raise ValueError(f"SamplingParams n={params.n}, max_tokens={params.max_tokens} must both be >= 1.")
+    def _prefill(self, prompts: list) -> tuple[object, torch.Tensor, torch.Tensor, list[int]]:
+        """One batched forward over every prompt, left-padded to the longest: (cache, last-token logits [P, V],
+        attention mask [P, width], each prompt's next text position)."""
         from transformers import DynamicCache
 
         base = unwrap(self.model)
         body = language_model(base)
-        head = base.get_output_embeddings()
-        ids = torch.tensor(list(prompt), dtype=torch.long, device=self.device)
-        embeds = embed_with_images(base, ids, [prompt], [0])
-        if getattr(prompt, "num_images", 0):
-            self.stats.vision_passes += 1
         mrope = uses_mrope(base)
-        if mrope:
-            positions = mrope_positions(base, ids, prompt)[:, None, :]  # [3, 1, P]
-            next_position = int(positions.max()) + 1
-        else:
-            positions = torch.arange(len(prompt), device=self.device)[None]
-            next_position = len(prompt)
+        width = max(len(p) for p in prompts)
+        dim = base.get_input_embeddings().weight.shape[1]
+        dtype = base.get_input_embeddings().weight.dtype
+        embeds = torch.zeros(len(prompts), width, dim, dtype=dtype, device=self.device)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
+        positions = torch.zeros(3 if mrope else 1, len(prompts), width, dtype=torch.long, device=self.device)
+        next_positions = []
+        for i, prompt in enumerate(prompts):
+            ids = torch.tensor(list(prompt), dtype=torch.long, device=self.device)
+            pad = width - len(prompt)
+            embeds[i, pad:] = embed_with_images(base, ids, [prompt], [0])[0]
+            if getattr(prompt, "num_images", 0):
+                self.stats.vision_passes += 1
+            mask[i, pad:] = 1
+            pos = mrope_positions(base, ids, prompt) if mrope else torch.arange(len(prompt), device=self.device)[None]
+            positions[:, i, pad:] = pos
+            next_positions.append(int(pos.max()) + 1)
         cache = DynamicCache(config=body.config)
-        out = body(inputs_embeds=embeds, position_ids=positions, use_cache=True, **{self._cache_arg: cache})
-        self.stats.prefills += 1
-        self.stats.prefill_tokens += len(prompt)
-        logits = head(out.last_hidden_state[:, -1])  # [1, V]
-        n = params.n
-        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        seqs = [Sequence(seq_id=next(self._ids), token_ids=list(prompt), num_prompt_tokens=len(prompt), params=params,
-                         seed=base_seed + index * n + j, request_index=(index, j), stop_ids=stop_ids)
-                for j in range(n)]
-        if n > 1:
-            cache.batch_repeat_interleave(n)  # the G completions start from the same prompt KV
-            logits = logits.expand(n, -1)
-        live = list(range(n))  # rows of the cache / logits, in seqs order
+        out = body(inputs_embeds=embeds, attention_mask=mask, position_ids=positions if mrope else positions[0],
+                   use_cache=True, **{self._cache_arg: cache})
+        self.stats.prefills += len(prompts)
+        self.stats.prefill_tokens += sum(len(p) for p in prompts)
+        return cache, base.get_output_embeddings()(out.last_hidden_state[:, -1]), mask, next_positions
+
+    def _generate(self, prompts: list, per_prompt: list[SamplingParams]) -> list[list[Completion]]:
+        base = unwrap(self.model)
+        body = language_model(base)
+        mrope = uses_mrope(base)
+        cache, first_logits, prompt_mask, next_positions = self._prefill(prompts)
+        groups: list[list[Sequence]] = []
+        owner: list[int] = []  # prompt index of every row
+        for i, (prompt, params) in enumerate(zip(prompts, per_prompt)):
+            base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+            stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+            groups.append([Sequence(seq_id=next(self._ids), token_ids=list(prompt), num_prompt_tokens=len(prompt),
+                                    params=params, seed=base_seed + i * params.n + j, request_index=(i, j),
+                                    stop_ids=stop_ids) for j in range(params.n)])
+            owner += [i] * params.n
+        seqs = [s for group in groups for s in group]
+        rows = torch.tensor(owner, device=self.device)
+        # every completion starts from its prompt's KV: rows of the prefill, gathered (repeated) n times each
+        cache.batch_select_indices(rows)
+        logits, mask = first_logits[rows], prompt_mask[rows]
+        start = torch.tensor([next_positions[i] for i in owner], device=self.device)
+        live = list(range(len(seqs)))
         step = 0
         while True:
-            tokens, logprobs = self.sampler(logits, [seqs[j] for j in live])
-            still = []
-            for row, j in enumerate(live):
-                if not seqs[j].append(tokens[row], logprobs[row], self.tokenizer):
-                    still.append(row)
+            tokens, logprobs = self.sampler(logits, [seqs[r] for r in live])
+            still = [k for k, r in enumerate(live) if not seqs[r].append(tokens[k], logprobs[k], self.tokenizer)]
             if not still:
                 break
-            if len(still) < len(live):  # drop finished rows from the batch and the cache
+            if len(still) < len(live):  # finished rows leave the batch and the cache
                 keep = torch.tensor(still, device=self.device)
                 cache.batch_select_indices(keep)
-                tokens = [tokens[r] for r in still]
-                live = [live[r] for r in still]
-            step_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
-            pos = torch.full((len(live), 1), next_position + step, dtype=torch.long, device=self.device)
+                mask, start = mask[keep], start[keep]
+                tokens = [tokens[k] for k in still]
+                live = [live[k] for k in still]
+            mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
+            pos = (start + step)[:, None]
             if mrope:
                 pos = pos[None].expand(3, -1, -1)
-            out = body(inputs_embeds=base.get_input_embeddings()(step_ids), position_ids=pos, use_cache=True,
-                       **{self._cache_arg: cache})
-            logits = head(out.last_hidden_state[:, -1])
+            step_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
+            out = body(inputs_embeds=base.get_input_embeddings()(step_ids), attention_mask=mask, position_ids=pos,
+                       use_cache=True, **{self._cache_arg: cache})
+            logits = base.get_output_embeddings()(out.last_hidden_state[:, -1])
             step += 1
             self.stats.decode_steps += 1
             self.stats.decode_tokens += len(live)
-        return [Completion(s.completion_ids, s.logprobs, s.finish_reason or "length") for s in seqs]
+        return [[Completion(s.completion_ids, s.logprobs, s.finish_reason or "length") for s in group]
+                for group in groups]
