@@ -1,8 +1,9 @@
-"""Command line: `cohort train | eval | generate | plot | bench`.
+"""Command line: `cohort train | eval | generate | serve | plot | bench`.
 
     cohort train recipes/default.yaml loss.epsilon=0.3 train.max_steps=50
     cohort eval  recipes/default.yaml model.name_or_path=runs/default/checkpoints/step-000100
     cohort generate smollm2-135m-instruct "What is 12 + 30?"
+    cohort serve smollm2-135m-instruct --port 8000
     cohort plot runs/default
 
 Any CohortError (a bad setting, path, dataset or reward function) prints one clear message and exits with
@@ -173,6 +174,33 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from cohort.serving.server import serve
+
+    return serve(args)
+
+
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    """`cohort serve`'s options (cohort.serving.server reads them)."""
+    p.add_argument("model", help="a local model folder or hub id (as cohort train's model.name_or_path)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: a free one, printed)")
+    p.add_argument("--replicas", type=int, default=1, help="engine replicas, one per visible GPU")
+    p.add_argument("--device", default="auto", help="auto | cuda | cpu")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU, as cohort train) | ...")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="dummy: random weights from the config (the trainer pushes real ones)")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + completion limit of the engine")
+    p.add_argument("--kv-cache-fraction", type=float, default=0.8, help="share of free memory for the KV cache")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences decoded together")
+    p.add_argument("--engine", default="auto", choices=("auto", "cohort", "hf"))
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--served-model-name", default=None, help="the name /v1 endpoints answer to (default: MODEL)")
+    p.add_argument("--group-timeout-s", type=float, default=120.0,
+                   help="longest a weight-group collective may wait for the trainer")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cohort", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -200,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="write PNG curves of a run's metrics.jsonl")
     pl.add_argument("run_dir")
     pl.set_defaults(func=_plot)
+    s = sub.add_parser("serve", help="serve the rollout engine over HTTP: generation on its own GPUs, weights "
+                       "pushed by `cohort train` with generation.placement=server (docs/serving.md)")
+    _serve_arguments(s)
+    s.set_defaults(func=_serve)
     b = sub.add_parser("bench", help="run a benchmark script from bench/ (GPU)")
     b.add_argument("name", help="rollout | grpo_step")
     b.add_argument("rest", nargs=argparse.REMAINDER)

@@ -1,0 +1,247 @@
+"""The trainer's side of `cohort serve`: an HTTP client with timeouts, and `RemoteEngine`, a RolloutEngine whose
+generate() asks the server and whose sync_weights() pushes the policy's weights to it.
+
+Versions: the engine's `version` counts pushes. The first push (at construction) is version 0, the weights
+the first step samples with; each sync_weights (after a step's optimizer update) pushes version + 1. A
+generate request names the oldest version it accepts (`min_version`, by default the newest pushed, i.e.
+on-policy; the pipeline of `train.max_staleness` asks for older ones), and every completion records the
+version that sampled it.
+
+Failures never hang: every request has a timeout (`generation.server_timeout_s`), every collective of the
+weight group too. A server that stops answering raises `ServerUnavailable` naming host, port and phase. A
+server that went away is waited for up to `generation.server_connect_timeout_s`; if it comes back (a restart:
+a new server_id), the trainer joins a new weight group, pushes its current weights, and retries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from cohort.errors import CohortError, ConfigError
+from cohort.serving import weights as W
+from cohort.types import Completion, SamplingParams
+
+
+class ServerError(CohortError):
+    """The server answered with an error."""
+
+
+class ServerUnavailable(ServerError):
+    """The server did not answer (refused, reset, or silent past the timeout)."""
+
+
+class StaleServer(ServerError):
+    """The server does not hold the version a request needs (it restarted, or no push arrived in time)."""
+
+    def __init__(self, message: str, server_id: str | None) -> None:
+        super().__init__(message)
+        self.server_id = server_id
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    text = str(address).strip().removeprefix("http://").removeprefix("https://").rstrip("/")
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"generation.server_address={address!r} is not valid: give host:port, e.g. "
+                          "127.0.0.1:8000 (the address `cohort serve` prints)")
+    return host, int(port)
+
+
+class ServerClient:
+    def __init__(self, host: str, port: int, *, timeout_s: float = 600.0, connect_timeout_s: float = 60.0) -> None:
+        self.host, self.port = host, port
+        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+
+    @property
+    def where(self) -> str:
+        return f"cohort server at {self.host}:{self.port}"
+
+    def request(self, method: str, path: str, body: dict | None = None, *, phase: str,
+                timeout_s: float | None = None) -> dict:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"http://{self.host}:{self.port}{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            raise self._http_error(exc, phase) from None
+        except TimeoutError as exc:
+            raise ServerUnavailable(f"{self.where} did not answer during {phase} within {timeout:.0f} s "
+                                    "(generation.server_timeout_s); is it overloaded or stopped?") from exc
+        except (urllib.error.URLError, ConnectionError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise ServerUnavailable(f"{self.where} did not answer during {phase}: {reason}") from exc
+
+    def _http_error(self, exc: urllib.error.HTTPError, phase: str) -> ServerError:
+        try:
+            err = json.loads(exc.read()).get("error", {})
+        except (ValueError, AttributeError):
+            err = {}
+        message = f"{self.where} refused {phase} (HTTP {exc.code}): {err.get('message', exc.reason)}"
+        if err.get("type") == "weight_mismatch":
+            return W.WeightMismatchError(message)
+        if err.get("type") == "stale_version":
+            return StaleServer(message, err.get("server_id"))
+        return ServerError(message)
+
+    def wait_ready(self, phase: str) -> dict:
+        """/health, retried until it answers or generation.server_connect_timeout_s passes."""
+        deadline = time.monotonic() + self.connect_timeout_s
+        while True:
+            try:
+                return self.request("GET", "/health", phase=phase, timeout_s=min(self.timeout_s, 10.0))
+            except ServerUnavailable as exc:
+                if time.monotonic() >= deadline:
+                    raise ServerUnavailable(f"{exc}; waited {self.connect_timeout_s:.0f} s "
+                                            "(generation.server_connect_timeout_s) for it to answer. Start it "
+                                            "with `cohort serve MODEL --port PORT`") from None
+                time.sleep(0.2)
+
+
+class RemoteEngine:
+    """cohort.types.RolloutEngine over a `cohort serve` process."""
+
+    def __init__(self, address: str, policy: torch.nn.Module | None = None, *, timeout_s: float = 600.0,
+                 connect_timeout_s: float = 60.0, pusher: bool = True,
+                 bucket_bytes: int = W.DEFAULT_BUCKET_BYTES) -> None:
+        host, port = parse_address(address)
+        self.client = ServerClient(host, port, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
+        self.policy = policy
+        self.pusher = pusher and policy is not None
+        self.bucket_bytes = bucket_bytes
+        self.version = 0
+        self.last_push: dict[str, float] = {}
+        self._group = None
+        self._weights_lock = threading.RLock()
+        self._version_cond = threading.Condition()
+        self._local = threading.local()
+        info = self.client.wait_ready("connect")
+        self.server_id, self._server_engine = info["server_id"], info.get("engine", "?")
+        if self.pusher:
+            self._push(phase="the initial weight push")
+
+    # ---- RolloutEngine ----------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        from cohort.serving.server import params_to_json
+
+        body = {"prompts": [list(map(int, p)) for p in prompts], "params": params_to_json(params),
+                "min_version": self._required_version(),
+                "wait_s": 0.0 if self.pusher else self.client.timeout_s}
+        for attempt in (0, 1):
+            try:
+                out = self.client.request("POST", "/generate", body, phase="generate")
+            except (ServerUnavailable, StaleServer) as exc:
+                if attempt:
+                    raise
+                self._recover("generate", exc)
+                continue
+            if out.get("server_id") != self.server_id and attempt == 0 and self.pusher:
+                # answered by a restarted server with weights we never pushed
+                self._recover("generate", StaleServer("restarted", out.get("server_id")))
+                continue
+            return [[Completion(c["token_ids"], c["logprobs"], c["finish_reason"], version=out["version"])
+                     for c in group] for group in out["completions"]]
+        raise AssertionError("unreachable")
+
+    def sync_weights(self) -> None:
+        """After an optimizer step: push the policy as the next version (rank 0; other ranks only count)."""
+        version = self.version + 1
+        if self.pusher:
+            self._push(version=version, phase="weight push")
+        with self._version_cond:
+            self.version = version
+            self._version_cond.notify_all()
+
+    def engine_name(self) -> str:
+        return f"{self.client.where} ({self._server_engine})"
+
+    # ---- versions (the pipeline of train.max_staleness) ---------------------------------------------
+    @contextlib.contextmanager
+    def requiring(self, version: int) -> Iterator[None]:
+        """generate() in this thread accepts completions sampled with `version` or newer."""
+        self._local.min_version = version
+        try:
+            yield
+        finally:
+            self._local.min_version = None
+
+    def _required_version(self) -> int | None:
+        """The thread's requirement, else the newest pushed version; None (any) for an engine without a policy
+        (a client that only reads, e.g. an evaluation against a server someone else trains)."""
+        required = getattr(self._local, "min_version", None)
+        if required is None and self.policy is not None:
+            required = self.version
+        return required
+
+    def wait_for_version(self, version: int, stop: threading.Event, poll_s: float = 0.1) -> bool:
+        """Block until `version` has been pushed (True) or `stop` is set (False)."""
+        with self._version_cond:
+            while self.version < version:
+                if stop.is_set():
+                    return False
+                self._version_cond.wait(poll_s)
+        return True
+
+    # ---- weights ----------------------------------------------------------------------------------
+    def _push(self, *, version: int | None = None, phase: str) -> None:
+        version = self.version if version is None else version
+        with self._weights_lock:
+            started = time.perf_counter()
+            tensors = W.model_tensors(self.policy)
+            specs = W.manifest_of(tensors)
+            plan = W.plan_buckets(specs, self.bucket_bytes)
+            group, device = self._join_group(phase)
+            self.client.request("POST", "/weights/begin", {"version": version, "plan": plan,
+                                                            "manifest": [s.to_json() for s in specs]}, phase=phase)
+            try:
+                W.send_buckets(group, [t for _, t in tensors], plan, device)
+            except Exception as exc:  # a collective that failed or timed out: the group is gone
+                self._group = None
+                raise ServerUnavailable(f"{self.client.where}: sending the weights during {phase} failed: {exc}") \
+                    from exc
+            sent = time.perf_counter()
+            out = self.client.request("POST", "/weights/commit", {"version": version}, phase=phase)
+            self.last_push = {"seconds": time.perf_counter() - started, "send_s": sent - started,
+                              "apply_s": float(out.get("apply_s", 0.0)), "buckets": float(len(plan)),
+                              "bytes": float(sum(s.nbytes for s in specs))}
+
+    def _join_group(self, phase: str):
+        if self._group is not None:
+            return self._group
+        info = self.client.request("POST", "/weights/init", {}, phase=phase)
+        weights_device = next(self.policy.parameters()).device
+        if info["backend"] == "nccl" and weights_device.type != "cuda":
+            raise ConfigError(f"{self.client.where} receives weights over NCCL (it runs on a GPU) but the trainer's "
+                              "policy is on the CPU; train on a GPU, or serve on the CPU (--device cpu)")
+        device = weights_device if info["backend"] == "nccl" else torch.device("cpu")
+        try:
+            group = W.make_group(self.client.host, int(info["port"]), 0, backend=info["backend"],
+                                 timeout_s=float(info.get("timeout_s", self.client.timeout_s)))
+        except Exception as exc:
+            raise ServerUnavailable(f"{self.client.where}: joining its weight group on port {info['port']} during "
+                                    f"{phase} failed: {exc}") from exc
+        self._group = (group, device)
+        return self._group
+
+    def _recover(self, phase: str, error: ServerError) -> None:
+        """A request failed: wait for the server (connect timeout); if it is a new process, re-push and let the
+        caller retry; if it is the same process, the error stands."""
+        with self._weights_lock:
+            info = self.client.wait_ready(phase)
+            if info["server_id"] == self.server_id:
+                if not self.pusher and isinstance(error, StaleServer):
+                    return  # rank 0's push is late: the retry waits on the server again
+                raise error
+            self.server_id, self._group = info["server_id"], None
+            if self.pusher:
+                self._push(phase=f"re-pushing version {self.version} to the restarted server")

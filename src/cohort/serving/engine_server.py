@@ -1,0 +1,232 @@
+"""The served engine: R engine replicas, the policy version, weight pushes into a staging copy.
+
+`EngineServer` knows nothing of HTTP (http.py exposes it). Its invariants:
+- every generation request runs under a shared (read) lock and reports the one version it was served with;
+- a weight push lands in a staging copy while generation goes on; `commit` takes the exclusive (write) lock,
+  copies the staging tensors into every replica, refreshes the engines' fused copies and bumps the version,
+  so no request ever sees a half-updated model;
+- a push whose names, shapes or dtypes differ from the served model is refused before any byte moves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cohort.errors import CohortError
+from cohort.serving import weights as W
+from cohort.types import Completion, SamplingParams
+
+
+class StaleVersion(CohortError):
+    """A request asked for a policy version the server has not received within its wait."""
+
+
+class RWLock:
+    """Many readers or one writer; a waiting writer blocks new readers (a commit is never starved)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+
+    def acquire_read(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writer and not self._writers_waiting)
+            self._readers += 1
+
+    def release_read(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            self._cond.notify_all()
+
+    def acquire_write(self) -> None:
+        with self._cond:
+            self._writers_waiting += 1
+            self._cond.wait_for(lambda: not self._writer and self._readers == 0)
+            self._writers_waiting -= 1
+            self._writer = True
+
+    def release_write(self) -> None:
+        with self._cond:
+            self._writer = False
+            self._cond.notify_all()
+
+
+@dataclass
+class Replica:
+    model: torch.nn.Module
+    engine: Any
+    device: torch.device
+    lock: threading.Lock  # one generate at a time per engine (engines are not thread-safe)
+
+
+@dataclass
+class _Push:
+    version: int
+    specs: list[W.TensorSpec]
+    thread: threading.Thread
+    staged: dict[str, torch.Tensor] | None = None
+    error: BaseException | None = None
+    started: float = 0.0
+
+
+class EngineServer:
+    def __init__(self, replicas: Sequence[Replica], tokenizer, *, model_name: str, host: str = "127.0.0.1",
+                 group_timeout_s: float = 120.0) -> None:
+        if not replicas:
+            raise ValueError("a server needs at least one engine replica")
+        self.replicas = list(replicas)
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.host = host
+        self.group_timeout_s = group_timeout_s
+        self.server_id = uuid.uuid4().hex
+        self.version = 0  # 0: the weights as loaded; a push sets the trainer's version number
+        self.pushed = False
+        self._lock = RWLock()
+        self._version_cond = threading.Condition()
+        self._group = None
+        self._group_error: BaseException | None = None
+        self._group_thread: threading.Thread | None = None
+        self._push: _Push | None = None
+        self._admin = threading.Lock()  # one weight operation at a time
+        self.specs = W.manifest_of(W.model_tensors(self.replicas[0].model))
+        self.backend = "nccl" if self.replicas[0].device.type == "cuda" else "gloo"
+        self._pool = ThreadPoolExecutor(len(self.replicas)) if len(self.replicas) > 1 else None
+
+    # ---- generation --------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, min_version: int | None = None,
+                 wait_s: float = 0.0) -> tuple[list[list[Completion]], int]:
+        """Completions of every prompt, all sampled with one version (returned). With `min_version`, wait up to
+        `wait_s` for a push of at least that version, else raise StaleVersion."""
+        if min_version is not None:
+            with self._version_cond:
+                if not self._version_cond.wait_for(lambda: self.pushed and self.version >= min_version, wait_s):
+                    state = "pushed" if self.pushed else "as loaded, no push yet"
+                    raise StaleVersion(f"the server holds version {self.version} ({state}), the request needs "
+                                       f"{min_version}; no such push arrived within {wait_s:.0f} s")
+        self._lock.acquire_read()
+        try:
+            version = self.version
+            return self._generate(list(prompts), params), version
+        finally:
+            self._lock.release_read()
+
+    def _generate(self, prompts: list, params: SamplingParams) -> list[list[Completion]]:
+        """Prompts split in contiguous chunks over the replicas; a chunk starting at prompt `start` gets the
+        seed offset start * n, so the result equals one engine's (completion j of prompt i: seed + i * n + j)."""
+        r = min(len(self.replicas), max(1, len(prompts)))
+        if r == 1:
+            return self._run(self.replicas[0], prompts, params)
+        size = -(-len(prompts) // r)
+        jobs = []
+        for k, start in enumerate(range(0, len(prompts), size)):
+            chunk_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed
+                                                                                  + start * params.n)
+            jobs.append(self._pool.submit(self._run, self.replicas[k], prompts[start:start + size], chunk_params))
+        return [group for job in jobs for group in job.result()]
+
+    @staticmethod
+    def _run(replica: Replica, prompts: list, params: SamplingParams) -> list[list[Completion]]:
+        with replica.lock:
+            return replica.engine.generate(prompts, params)
+
+    # ---- weights -----------------------------------------------------------------------------------
+    def weights_init(self) -> dict:
+        """Open a weight group: a TCPStore on a free port (announced) and, in the background, the group the
+        trainer joins as rank 0. A second init replaces the first (a trainer that reconnects)."""
+        with self._admin:
+            store = W.host_store(self.host, self.group_timeout_s)
+            self._group, self._group_error, self._push = None, None, None
+
+            def join() -> None:
+                try:
+                    self._group = W.make_group(self.host, store.port, 1, backend=self.backend,
+                                               timeout_s=self.group_timeout_s, store=store)
+                except BaseException as exc:  # reported to the next begin
+                    self._group_error = exc
+
+            self._group_thread = threading.Thread(target=join, name="cohort-weight-group", daemon=True)
+            self._group_thread.start()
+            return {"port": store.port, "backend": self.backend, "rank": 0, "world_size": 2,
+                    "timeout_s": self.group_timeout_s}
+
+    def weights_begin(self, version: int, manifest: Sequence, plan: Sequence[Sequence[int]]) -> dict:
+        """Check the announced manifest and plan, then receive the buckets into staging in the background."""
+        with self._admin:
+            specs = [W.TensorSpec.from_json(item) for item in manifest]
+            W.check_manifest(specs, self.specs)
+            W.check_plan(plan, len(specs))
+            group = self._joined_group()
+            push = _Push(version=int(version), specs=specs, thread=threading.Thread(), started=time.perf_counter())
+            device = self.replicas[0].device
+
+            def receive() -> None:
+                try:
+                    push.staged = W.receive_buckets(group, specs, plan, device)
+                except BaseException as exc:
+                    push.error = exc
+
+            push.thread = threading.Thread(target=receive, name="cohort-weight-receive", daemon=True)
+            self._push = push
+            push.thread.start()
+            return {"buckets": len(plan), "tensors": len(specs)}
+
+    def _joined_group(self):
+        if self._group_thread is None:
+            raise CohortError("weight push before /weights/init: open the weight group first")
+        self._group_thread.join(self.group_timeout_s)
+        if self._group_error is not None:
+            raise CohortError(f"the weight group did not form: {self._group_error}")
+        if self._group is None:
+            raise CohortError(f"the trainer did not join the weight group within {self.group_timeout_s:.0f} s")
+        return self._group
+
+    def weights_commit(self, version: int) -> dict:
+        """Wait for the push's buckets, then switch every replica to it under the write lock."""
+        with self._admin:
+            push = self._push
+            if push is None or push.version != int(version):
+                raise CohortError(f"commit of version {version} without a matching /weights/begin")
+            push.thread.join(self.group_timeout_s)
+            self._push = None
+            if push.thread.is_alive():
+                raise CohortError(f"the weights of version {version} did not arrive within {self.group_timeout_s:.0f} s")
+            if push.error is not None or push.staged is None:
+                raise CohortError(f"receiving the weights of version {version} failed: {push.error}")
+            received = time.perf_counter()
+            self._lock.acquire_write()
+            try:
+                self._apply(push.staged)
+                with self._version_cond:
+                    self.version, self.pushed = push.version, True
+                    self._version_cond.notify_all()
+            finally:
+                self._lock.release_write()
+            return {"version": self.version, "receive_s": received - push.started,
+                    "apply_s": time.perf_counter() - received}
+
+    @torch.no_grad()
+    def _apply(self, staged: dict[str, torch.Tensor]) -> None:
+        for replica in self.replicas:
+            for name, param in W.model_tensors(replica.model):
+                param.copy_(staged[name], non_blocking=True)
+            if replica.device.type == "cuda":
+                torch.cuda.synchronize(replica.device)
+            replica.engine.sync_weights()
+
+    def health(self) -> dict:
+        return {"status": "ok", "server_id": self.server_id, "version": self.version, "pushed": self.pushed,
+                "model": self.model_name, "replicas": len(self.replicas),
+                "devices": [str(r.device) for r in self.replicas], "backend": self.backend,
+                "engine": getattr(self.replicas[0].engine, "engine_name", lambda: "hf generate")()}
