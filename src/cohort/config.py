@@ -64,6 +64,9 @@ class DataConfig:
     prompt_column: str = "prompt"
     shuffle: bool = True  # draw prompts in a seeded random order (reshuffled every epoch); false: dataset order
     system_prompt: str | None = None
+    # worked examples as chat messages (tool calls and tool results included), placed after the system
+    # prompt and before each conversational prompt's own messages: a small model copies their format
+    few_shot: list[dict[str, Any]] = field(default_factory=list)
     max_prompt_length: int = 512
     truncation: str = "left"  # left: keep the end of a long prompt (TRL); drop: skip the row
     eval_source: str | None = None  # default: a held-out split of `source`

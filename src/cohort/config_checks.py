@@ -36,6 +36,12 @@ def _require_choice(name: str, value: Any, choices: Sequence[Any], what: str = "
                       f"{', '.join(repr(c) for c in choices)}{what}.")
 
 
+def _is_message(m: Any) -> bool:
+    """A chat message as chat templates take it: a role and text content (assistant turns may have tool_calls)."""
+    return (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool")
+            and isinstance(m.get("content", ""), str) and isinstance(m.get("tool_calls", []), list))
+
+
 def _finite(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -74,6 +80,9 @@ def validate_fields(cfg: CohortConfig) -> None:
              "name the column that holds the prompt, e.g. prompt or question")
     for name, value in (("data.options", d.options), ("data.eval_options", d.eval_options)):
         _require(isinstance(value, dict), name, value, "give a mapping of option: value (e.g. {size: 500})")
+    _require(isinstance(d.few_shot, list) and all(_is_message(m) for m in d.few_shot), "data.few_shot",
+             d.few_shot, "give a list of chat messages, each {role: system|user|assistant|tool, content: text} "
+             "(an assistant turn may add tool_calls: [{name: ..., arguments: {...}}])")
     # generation
     _require(_finite(g.temperature), "generation.temperature", g.temperature, "use 0 (greedy) or a positive number")
     _require(isinstance(g.top_k, int) and g.top_k >= 0, "generation.top_k", g.top_k,

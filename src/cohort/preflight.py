@@ -24,7 +24,7 @@ from cohort.errors import ConfigError
 PROMPT_OPTIONS = ("columns", "instruction", "conversational", "limit", "seed")
 # load_prompt_dataset arguments the config sets from its own fields: in `options` they would collide
 _DATA_FIELDS = {"split": "data.split", "prompt_column": "data.prompt_column", "system_prompt": "data.system_prompt",
-                "source": "data.source"}
+                "few_shot": "data.few_shot", "source": "data.source"}
 _FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 _ANY = None  # a loader that takes any keyword (datasets.load_dataset's config kwargs, a callable's **kwargs)
 
@@ -323,7 +323,7 @@ def check_local_data(cfg: Any) -> None:
     for source, options, split in ((d.source, d.options, d.split), (d.eval_source, d.eval_options, "train")):
         if isinstance(source, str) and Path(source).expanduser().is_file():
             load_prompt_dataset(source, split=split, prompt_column=d.prompt_column, system_prompt=d.system_prompt,
-                                **options)
+                                few_shot=d.few_shot, **options)
 
 
 def check_recipe_run(cfg: Any) -> None:

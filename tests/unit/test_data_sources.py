@@ -157,3 +157,39 @@ def test_limit_and_empty():
     assert len(load_prompt_dataset(ROWS, limit=2)) == 2
     with pytest.raises(ConfigError, match="is empty"):
         load_prompt_dataset([])
+
+
+FEW_SHOT = [
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"name": "calculator", "arguments": {"expression": "2 + 3"}}]},
+    {"role": "tool", "content": "5"},
+    {"role": "assistant", "content": "5"},
+]
+
+
+def test_few_shot_goes_after_the_system_prompt_and_before_the_question():
+    ds = load_prompt_dataset([{"prompt": "What is 7 + 8?"}], system_prompt="Use the tool.", few_shot=FEW_SHOT,
+                             conversational=True, instruction="Answer with a number.")
+    prompt = ds.rows[0]["prompt"]
+    assert [m["role"] for m in prompt] == ["system", "user", "assistant", "tool", "assistant", "user"]
+    assert prompt[1:5] == FEW_SHOT and prompt[1] is not FEW_SHOT[0]  # copies: rows never share dicts
+    # the instruction goes to the prompt's own question, not to an example
+    assert prompt[-1]["content"] == "What is 7 + 8?\n\nAnswer with a number."
+    chat = [{"role": "user", "content": "Hi"}]
+    assert [m["role"] for m in load_prompt_dataset([{"prompt": chat}], few_shot=FEW_SHOT).rows[0]["prompt"]] == [
+        "user", "assistant", "tool", "assistant", "user"]
+
+
+def test_few_shot_on_text_prompts_names_the_fix():
+    with pytest.raises(ConfigError, match=r"data\.few_shot needs conversational prompts.*conversational=true"):
+        load_prompt_dataset([{"prompt": "What is 7 + 8?"}], few_shot=FEW_SHOT)
+
+
+def test_few_shot_config_is_validated():
+    from cohort.config import CohortConfig
+    from cohort.config_checks import validate_fields as validate
+
+    cfg = CohortConfig()
+    cfg.data.few_shot = [{"role": "robot", "content": "hi"}]
+    with pytest.raises(ConfigError, match=r"data\.few_shot"):
+        validate(cfg)

@@ -15,7 +15,7 @@ import csv
 import importlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ def load_prompt_dataset(
     prompt_column: str = "prompt",
     columns: Mapping[str, str] | None = None,
     system_prompt: str | None = None,
+    few_shot: Sequence[Mapping[str, Any]] | None = None,
     instruction: str | None = None,
     conversational: bool = False,
     limit: int | None = None,
@@ -48,6 +49,8 @@ def load_prompt_dataset(
     split: the `datasets` split (ignored for single files, callables and reasoning-gym).
     prompt_column / columns: renames, e.g. `prompt_column="question"` or `columns={"question": "prompt"}`.
     system_prompt: a system message (conversational rows) or a text prefix plus a blank line (text rows).
+    few_shot: example messages placed after the system message and before each conversational prompt's own
+        messages (worked examples; assistant turns may carry `tool_calls`, tool results are `tool` messages).
     instruction: appended after a blank line to the text prompt or to the last user message.
     conversational: turn text prompts into one user message, so the tokenizer's chat template applies.
     limit: keep only the first `limit` rows.
@@ -63,7 +66,8 @@ def load_prompt_dataset(
     if limit is not None:
         rows = rows[:limit]
     rows = [
-        _format_row(row, system_prompt=system_prompt, instruction=instruction, conversational=conversational)
+        _format_row(row, system_prompt=system_prompt, few_shot=few_shot, instruction=instruction,
+                    conversational=conversational)
         for row in rows
     ]
     return PromptDataset(rows, source=str(name))
@@ -235,7 +239,8 @@ def _check_prompt_column(rows: list[dict[str, Any]], name: str) -> None:
 
 
 def _format_row(
-    row: dict[str, Any], *, system_prompt: str | None, instruction: str | None, conversational: bool
+    row: dict[str, Any], *, system_prompt: str | None, instruction: str | None, conversational: bool,
+    few_shot: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     prompt = row["prompt"]
     if isinstance(prompt, str):
@@ -255,5 +260,13 @@ def _format_row(
             prompt[last_user]["content"] = f"{prompt[last_user]['content']}\n\n{instruction}"
         if system_prompt and prompt[0]["role"] != "system":
             prompt.insert(0, {"role": "system", "content": system_prompt})
+    if few_shot:
+        if not is_conversational(prompt):
+            raise ConfigError(
+                "data.few_shot needs conversational prompts (chat messages), but a prompt is plain text; set "
+                "data.options.conversational=true (text prompts become one user message) or drop data.few_shot"
+            )
+        at = 1 if prompt and prompt[0]["role"] == "system" else 0
+        prompt[at:at] = [dict(m) for m in few_shot]
     return {**row, "prompt": prompt}
 
