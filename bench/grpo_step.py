@@ -174,6 +174,8 @@ def _cohort_config(args, lowmem: bool, kv_fraction: float, token_budget: int):
 
     cfg = CohortConfig()
     cfg.model.gradient_checkpointing = lowmem
+    # setup compiles the decoder layers on CUDA (and the memory estimate it prints knows they are compiled)
+    cfg.model.compile_layers = bool(args.compile_layers)
     g = cfg.generation
     g.num_generations, g.max_completion_length, g.temperature = args.generations, args.completion_len, 1.0
     g.ignore_eos, g.engine, g.kv_cache_fraction = True, "cohort", kv_fraction
@@ -268,10 +270,11 @@ def _train_cohort(args, lowmem: bool, model, tok, device) -> dict:
     info.update(optimizer=type(comp.optimizer).__name__, token_budget=cfg.train.token_budget,
                 logprob_chunk_tokens=cfg.train.logprob_chunk_tokens, gradient_checkpointing=lowmem,
                 release_kv_during_update=cfg.generation.release_kv_during_update, compiled_layers=0)
-    if args.compile_layers:  # cohort.packing.compile_decoder_layers: fused elementwise work in training
+    if args.compile_layers:  # cohort.packing.compile_decoder_layers (model.compile_layers): fused elementwise work
         from cohort.packing import compile_decoder_layers
 
-        info["compiled_layers"] = compile_decoder_layers(model)
+        compile_decoder_layers(model)  # idempotent: setup did it on CUDA; the CPU smoke test compiles here
+        info["compiled_layers"] = sum(bool(getattr(layer, "_cohort_compiled", False)) for layer in model.model.layers)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     phase_peaks = _PhasePeaks(device)

@@ -73,15 +73,35 @@ class MemoryEstimate:
     activations_known: bool = True
     engine_weights: int = 0
     gathered: int = 0
+    kv_released_in_update: bool = False  # generation.release_kv_during_update: the pool and the update never meet
+    optimizer_offloaded: bool = False  # train.optimizer_offload: the optimizer term is on the device in the step only
 
     @property
     def terms(self) -> dict[str, int]:
-        skip = {"num_params", "activations_known"}
+        skip = {"num_params", "activations_known", "kv_released_in_update", "optimizer_offloaded"}
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
 
     @property
+    def phases(self) -> dict[str, int]:
+        """Bytes live at the peak of each phase of a step. backward: everything, less the KV pool when it is
+        freed for the update and the optimizer's bucket when the moments live on the host; optimizer step:
+        no activations or logprob buffers; generation: no gradients either (zero_grad frees them)."""
+        t = self.terms
+        resident = sum(t.values()) - self.grads - self.activations - self.logits_chunk - self.lm_head_grad
+        resident -= self.optimizer + self.kv_cache  # every phase holds the rest
+        kv_in_update = 0 if self.kv_released_in_update else self.kv_cache
+        return {
+            "backward": resident + self.grads + self.activations + self.logits_chunk + self.lm_head_grad
+            + kv_in_update + (0 if self.optimizer_offloaded else self.optimizer),
+            "optimizer_step": resident + self.grads + self.optimizer + kv_in_update,
+            "generation": resident + self.kv_cache + (0 if self.optimizer_offloaded else self.optimizer),
+        }
+
+    @property
     def total(self) -> int:
-        return sum(self.terms.values())
+        """The peak: the largest phase (every term at once unless the KV pool or the optimizer moments leave
+        the device for part of the step)."""
+        return max(self.phases.values())
 
     def table(self) -> str:
         lines = [f"memory estimate ({self.num_params / 1e6:.1f}M parameters)"]
@@ -90,7 +110,10 @@ class MemoryEstimate:
                 continue  # terms of sharded runs only
             note = "  (unknown: pass a model config)" if name == "activations" and not self.activations_known else ""
             lines.append(f"  {name:<15} {value / GIB:9.3f} GiB{note}")
-        lines.append(f"  {'total':<15} {self.total / GIB:9.3f} GiB")
+        whole = sum(self.terms.values())
+        note = (f"  (the largest phase, {max(self.phases, key=self.phases.__getitem__)}: not every term is on the "
+                "device at once)" if self.total < whole else "")
+        lines.append(f"  {'total':<15} {self.total / GIB:9.3f} GiB{note}")
         return "\n".join(lines)
 
 
@@ -128,8 +151,13 @@ def _dtype_bytes(dtype) -> int:
     return _BYTES[dtype]
 
 
-def _activation_bytes(s, b, token_budget, gradient_checkpointing) -> int:
-    per_layer_token = b * (7 * s["H"] + 3 * s["K"] + 4 * s["I"]) + 4 * 2 * s["H"]
+def _activation_bytes(s, b, token_budget, gradient_checkpointing, compiled_layers=False) -> int:
+    if compiled_layers:
+        # inductor's partitioner keeps fewer tensors and recomputes the elementwise ones (norms, RoPE, SiLU);
+        # fitted to the update peaks of bench/grpo_step.py's compiled fast rows on an H100 (docs/memory.md)
+        per_layer_token = b * (3 * s["H"] + 2 * s["Q"] + 2 * s["K"] + 3 * s["I"]) + 4 * 2 * s["H"]
+    else:
+        per_layer_token = b * (7 * s["H"] + 3 * s["K"] + 4 * s["I"]) + 4 * 2 * s["H"]
     # Embedding output and the final hidden states fed to the logprob kernel.
     outer = 2 * b * s["H"]
     if gradient_checkpointing:
@@ -152,9 +180,16 @@ def estimate_memory(
     fused_logprob_kernels: bool = False,
     optimizer_offload: bool = False,
     shards: int | None = None,
+    completion_tokens: int | None = None,
+    engine_bytes: int = 0,
+    kv_released_in_update: bool = False,
+    compiled_layers: bool = False,
 ) -> MemoryEstimate:
     """Bytes needed to train (see the module docstring for every term). Pass an HF config (or a dict of its
     fields) for activations and logits; a bare parameter count gives weights and optimizer terms only.
+    token_budget: tokens of the largest forward/backward (micro-batch); completion_tokens: how many of them
+    are completion tokens, the logprob kernel's input (None: all of them). engine_bytes: what the rollout
+    engine keeps beside its KV pool (fused projection copies), added to engine_weights.
     shards=N: the per-rank figure of a run sharded with FSDP over N ranks (N=1 is FSDP on one process)."""
     if optimizer not in _OPTIMIZERS:
         raise ConfigError(f"memory estimate optimizer={optimizer!r} is not known; use one of {list(_OPTIMIZERS)}")
@@ -169,10 +204,11 @@ def estimate_memory(
         # moments on the host; the step brings one bucket's in (the biggest holds the embedding matrix)
         biggest = max(s["V"] * s["H"], 32 * 2**20) if known else 32 * 2**20
         opt = 2 * state_bytes * min(p, biggest)
-    activations = _activation_bytes(s, b, token_budget, gradient_checkpointing) if known else 0
+    activations = _activation_bytes(s, b, token_budget, gradient_checkpointing, compiled_layers) if known else 0
     # fused (compiled, CUDA) kernels keep two [chunk, vocab] tensors in the weight dtype (logits, gradient)
     per_element = 2 * b if fused_logprob_kernels else b + 3 * 4
-    logits = min(chunk_tokens, token_budget) * s["V"] * per_element if known else 0
+    chunk_rows = min(chunk_tokens, token_budget, token_budget if completion_tokens is None else completion_tokens)
+    logits = chunk_rows * s["V"] * per_element if known else 0
     # fp32 sum plus one chunk's product; or (lm_head_grad_fp32=False) one buffer in the weight dtype
     lm_head_grad = (s["V"] * s["H"] * ((4 + b) if lm_head_grad_fp32 or b == 4 else b)) if known else 0
     if shards is not None:
@@ -184,12 +220,15 @@ def estimate_memory(
             weights=p * train_bytes // shards, grads=p * train_bytes // shards, master_weights=0,
             optimizer=opt // shards, activations=activations, logits_chunk=logits, lm_head_grad=lm_head_grad,
             kv_cache=int(kv_cache_bytes), reference=p * b // shards if reference_model else 0, num_params=p,
-            activations_known=known, engine_weights=p * b, gathered=(root + 2 * layer) * b,
+            activations_known=known, engine_weights=p * b + engine_bytes, gathered=(root + 2 * layer) * b,
+            kv_released_in_update=kv_released_in_update, optimizer_offloaded=optimizer_offload,
         )
     return MemoryEstimate(
         weights=p * b, grads=p * b, master_weights=master, optimizer=opt, activations=activations,
         logits_chunk=logits, lm_head_grad=lm_head_grad, kv_cache=int(kv_cache_bytes),
         reference=p * b if reference_model else 0, num_params=p, activations_known=known,
+        engine_weights=engine_bytes, kv_released_in_update=kv_released_in_update,
+        optimizer_offloaded=optimizer_offload,
     )
 
 

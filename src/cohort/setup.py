@@ -45,6 +45,7 @@ class Components:
     last_samples: list[dict] = field(default_factory=list)
     turn_loop: Any = None  # agent.tools: multi-turn tool-calling rollouts (cohort.agents.rollout_loop.TurnLoop)
     processor: Any = None  # a vision-language model's processor (saved with checkpoints); None for text models
+    memory_estimate: Any = None  # cohort.memory.MemoryEstimate printed at start (None: architecture not readable)
 
 
 def _with_lora(cfg: CohortConfig, policy):
@@ -102,6 +103,14 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
     prefill makes it about 2x faster than `generate` for SmolLM2); else Hugging Face `generate`."""
     from cohort.engine.hf_backend import HFGenerateEngine
     from cohort.vision.setup import build_engine as vision_engine
+
+    g = cfg.generation
+    if g.placement == "server":  # a `cohort serve` process samples; rank 0 pushes the weights after each step
+        from cohort.serving import RemoteEngine
+
+        echo(f"generation: on the cohort server at {g.server_address} (generation.placement=server)")
+        return RemoteEngine(g.server_address, policy, timeout_s=g.server_timeout_s,
+                            connect_timeout_s=g.server_connect_timeout_s, pusher=distributed.current().is_main)
 
     vlm = vision_engine(policy, tokenizer, _eos_ids(tokenizer, policy), echo)  # None for text models
     if vlm is not None:
@@ -306,28 +315,33 @@ def _fit_to_context(cfg: CohortConfig, policy, train_data, eval_data, echo):
 
 
 def _check_memory(cfg: CohortConfig, policy, device: torch.device, with_reference: bool, echo, *,
-                  dtype: torch.dtype | None = None) -> float:
-    """Print what training will need; on a GPU, stop before any work when it cannot fit, and return the
-    share of free memory the engine may take for its KV cache *after* the trainer's needs (at most
-    generation.kv_cache_fraction), so the engine's pool never starves the update into an out-of-memory."""
+                  dtype: torch.dtype | None = None, longest_prompt: int | None = None) -> tuple[float, Any]:
+    """Print what training will need; on a GPU, stop before any work when it cannot fit. Returns the share of
+    free memory the engine may take for its KV cache *after* the trainer's needs (at most
+    generation.kv_cache_fraction), so the engine's pool never starves the update into an out-of-memory, and
+    the estimate (cohort.memory.MemoryEstimate, its kv_cache term the pool that share buys; None when the
+    architecture cannot be read)."""
     from cohort.memory import check_fits, estimate_memory
 
     fraction = cfg.generation.kv_cache_fraction
+    tokens, completion_tokens = micro_batch_tokens(cfg, longest_prompt)
     try:
         sharded = cfg.train.sharding == "fsdp"
         dtype = dtype or next(policy.parameters()).dtype  # the compute dtype (sharded masters are fp32)
         est = estimate_memory(policy.config, dtype=dtype, shards=distributed.current().world_size if sharded else None,
-                              token_budget=cfg.train.token_budget, master_weights_fp32=cfg.train.master_weights,
+                              token_budget=tokens, completion_tokens=completion_tokens,
+                              master_weights_fp32=cfg.train.master_weights,
                               gradient_checkpointing=cfg.model.gradient_checkpointing, reference_model=with_reference,
                               chunk_tokens=cfg.train.logprob_chunk_tokens,
                               lm_head_grad_fp32=cfg.train.master_weights,
                               optimizer_offload=cfg.train.optimizer_offload,
-                              fused_logprob_kernels=device.type == "cuda")
+                              fused_logprob_kernels=device.type == "cuda",
+                              kv_released_in_update=cfg.generation.release_kv_during_update,
+                              compiled_layers=cfg.model.compile_layers and device.type == "cuda")
     except (KeyError, TypeError, ValueError, AttributeError):  # an architecture the estimator cannot read
-        return fraction
-    echo(est.table() + (f"\n  (per rank: FSDP over {distributed.current().world_size} rank(s))" if sharded else ""))
+        return fraction, None
     if device.type != "cuda":
-        return fraction
+        return fraction, est
     free, _ = torch.cuda.mem_get_info(device)
     check_fits(est, free + torch.cuda.memory_allocated(device))  # as if our own weights were not loaded yet
     # already on the device: weights, the reference copy, the optimiser's fp32 masters (made with it);
@@ -346,7 +360,35 @@ def _check_memory(cfg: CohortConfig, policy, device: torch.device, with_referenc
         echo(f"kv cache: generation.kv_cache_fraction={fraction} lowered to {room / free:.2f} so the update fits")
         fraction = room / free
     echo(f"kv cache: {fraction * free / 2**30:.1f} GiB for the rollout engine")
-    return fraction
+    return fraction, est
+
+
+def micro_batch_tokens(cfg: CohortConfig, longest_prompt: int | None = None) -> tuple[int, int]:
+    """(tokens, completion tokens) of the largest micro-batch an update can make when every completion reaches
+    generation.max_completion_length and every prompt is as long as the longest encoded one
+    (data.max_prompt_length when not known): the activations and logprob chunk the memory estimate sizes.
+    A mini-batch's rollouts are spread evenly over as few micro-batches of train.token_budget tokens as hold them
+    (cohort.packing.split_micro_batches), so a step smaller than the budget is one micro-batch of its size."""
+    g, t = cfg.generation, cfg.train
+    ranks = max(1, distributed.current().world_size)
+    rollouts = max(1, -(-t.prompts_per_step // (ranks * t.mini_batches))) * g.num_generations
+    completion = max(g.max_completion_length, 1)
+    seq = (longest_prompt or cfg.data.max_prompt_length) + completion
+    fits = max(1, t.token_budget // seq)  # whole sequences per micro-batch (a longer one sits alone)
+    count = -(-rollouts // fits)
+    per_micro = -(-rollouts // count)
+    return per_micro * seq, per_micro * completion
+
+
+def engine_memory(engine) -> tuple[int, int]:
+    """(KV pool, fused QKV / gate-up weight copies) in bytes of cohort's rollout engine, as built; (0, 0) for
+    Hugging Face generate, whose cache grows per call instead."""
+    runner = getattr(engine, "runner", None)
+    if runner is None or not hasattr(runner, "bytes_per_block"):
+        return 0, 0
+    kv = (runner.num_blocks + 1) * runner.bytes_per_block()  # + the scratch block of CUDA-graph padding
+    copies = [t for group in getattr(runner.net, "fused", ()) for t in group if isinstance(t, torch.Tensor)]
+    return kv, sum(t.numel() * t.element_size() for t in copies)
 
 
 def _shard(cfg: CohortConfig, policy, reference, device: torch.device):
@@ -419,7 +461,8 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
     scheduler = build_scheduler(optimizer, kind=t.lr_scheduler_type, warmup_steps=t.warmup_steps,
                                 total_steps=total_updates, kwargs=t.lr_scheduler_kwargs)
     longest = _longest_prompt(train_data, eval_data)
-    kv_fraction = _check_memory(cfg, policy, device, reference is not None, echo, dtype=compute_dtype)
+    kv_fraction, memory_estimate = _check_memory(cfg, policy, device, reference is not None, echo, dtype=compute_dtype,
+                                                 longest_prompt=longest)
     if sharded is None:
         engine = build_engine(cfg, policy, tokenizer, device, echo, kv_fraction, longest)
     else:
@@ -427,6 +470,11 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
 
         mirror, gather = sharded
         engine = GatheredEngine(build_engine(cfg, mirror, tokenizer, device, echo, kv_fraction, longest), gather)
+    if memory_estimate is not None:  # the engine's pool and weight copies as built, then the whole table
+        memory_estimate.kv_cache, copies = engine_memory(engine)
+        memory_estimate.engine_weights += copies
+        echo(memory_estimate.table() + (f"\n  (per rank: FSDP over {distributed.current().world_size} rank(s))"
+                                        if sharded is not None else ""))
     a = cfg.advantage
     return Components(
         policy=policy, tokenizer=tokenizer, reference=reference, loss_fn=loss_fn,
@@ -438,4 +486,4 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
                           "reward_weights": (reward_runner.weights.tolist() if environments is not None
                                              and environments.reward_classes else cfg.reward.reward_weights),
                           "multi_objective_aggregation": a.multi_objective_aggregation},
-        device=device, turn_loop=turn_loop, processor=processor)
+        device=device, turn_loop=turn_loop, processor=processor, memory_estimate=memory_estimate)

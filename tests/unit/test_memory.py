@@ -69,3 +69,29 @@ def test_bad_names():
         estimate_memory(CFG, optimizer="lion")
     with pytest.raises(ConfigError, match="dtype='int3'"):
         estimate_memory(CFG, dtype="int3")
+
+
+def test_compiled_layers_completion_tokens_and_engine_by_hand():
+    # compiled layers, per layer and token: 2 * (3*64 + 2*64 + 2*32 + 3*128 = 768) + 4 * 2*64 = 2048; outer 256
+    est = estimate_memory(CFG, dtype="bf16", token_budget=10, completion_tokens=3, chunk_tokens=4,
+                          compiled_layers=True, fused_logprob_kernels=True, engine_bytes=500)
+    assert est.activations == 10 * (2 * 2048 + 256)
+    assert est.logits_chunk == 3 * 100 * (2 * 2)  # 3 completion rows (fewer than the chunk), two bf16 buffers
+    assert est.engine_weights == 500
+    assert est.total == sum(est.terms.values())  # no term leaves the device: every phase is within the backward
+
+
+def test_phases_when_the_kv_pool_is_released_and_the_moments_offloaded():
+    est = estimate_memory(CFG, dtype="bf16", master_weights_fp32=False, lm_head_grad_fp32=False, token_budget=10,
+                          chunk_tokens=4, kv_cache_bytes=10**6, kv_released_in_update=True, optimizer_offload=True)
+    # offloaded moments: one bucket of at most 32Mi elements (here the whole model), two bf16 moments
+    assert est.optimizer == 2 * 2 * P
+    act, logits, head = 10 * (2 * 2624 + 256), 4 * 100 * (2 + 12), 100 * 64 * 2
+    assert (est.activations, est.logits_chunk, est.lm_head_grad) == (act, logits, head)
+    assert est.phases == {
+        "backward": 2 * P + 2 * P + act + logits + head,  # no KV pool, no moments on the device
+        "optimizer_step": 2 * P + 2 * P + 4 * P,
+        "generation": 2 * P + 10**6,
+    }
+    assert est.total == max(est.phases.values()) == 10**6 + 2 * P
+    assert "generation" in est.table()

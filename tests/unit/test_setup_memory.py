@@ -19,21 +19,30 @@ def _run(monkeypatch, free_bytes: int) -> tuple[float, list[str]]:
     lines: list[str] = []
     cfg = CohortConfig()
     cfg.train.token_budget = 4096
-    frac = setup._check_memory(cfg, tiny_llama(0), torch.device("cuda"), False, lines.append)
+    frac, est = setup._check_memory(cfg, tiny_llama(0), torch.device("cuda"), False, lines.append)
+    assert est is not None and est.kv_cache == 0  # the engine's pool is added once the engine is built
     return frac, lines
+
+
+def _need(estimate_memory) -> int:
+    """What the update needs by the estimate, for the micro-batch the default config's step makes."""
+    cfg = CohortConfig()
+    cfg.train.token_budget = 4096
+    tokens, completion = setup.micro_batch_tokens(cfg)
+    return estimate_memory(tiny_llama(0).config, dtype=torch.float32, token_budget=tokens, completion_tokens=completion,
+                           chunk_tokens=cfg.train.logprob_chunk_tokens, fused_logprob_kernels=True).total
 
 
 def test_plenty_of_memory_keeps_the_configured_fraction(monkeypatch):
     frac, lines = _run(monkeypatch, 40 * GIB)
     assert frac == CohortConfig().generation.kv_cache_fraction
-    assert any(line.startswith("memory estimate") for line in lines)
+    assert any(line.startswith("kv cache:") for line in lines)
 
 
 def test_tight_memory_lowers_the_fraction(monkeypatch):
     from cohort.memory import estimate_memory
 
-    need = estimate_memory(tiny_llama(0).config, dtype=torch.float32, token_budget=4096, chunk_tokens=4096,
-                           fused_logprob_kernels=True).total
+    need = _need(estimate_memory)
     free = int(need / 0.8)  # the update leaves about a tenth of free memory, less than the 0.3 asked for
     frac, lines = _run(monkeypatch, free)
     assert 0.02 < frac < 0.3 and any("lowered" in line for line in lines)
@@ -42,7 +51,20 @@ def test_tight_memory_lowers_the_fraction(monkeypatch):
 def test_no_room_for_the_kv_cache_is_a_clear_error(monkeypatch):
     from cohort.memory import estimate_memory
 
-    need = estimate_memory(tiny_llama(0).config, dtype=torch.float32, token_budget=4096, chunk_tokens=4096,
-                           fused_logprob_kernels=True).total
+    need = _need(estimate_memory)
     with pytest.raises(ConfigError, match=r"token_budget"):
         _run(monkeypatch, int(need / 0.89))
+
+
+def test_micro_batch_tokens_at_max_completion_length():
+    cfg = CohortConfig()
+    cfg.train.prompts_per_step, cfg.generation.num_generations, cfg.generation.max_completion_length = 4, 8, 64
+    cfg.train.token_budget = 4096
+    # 32 rollouts of 80 + 64 = 144 tokens: 28 fit in 4096, so two micro-batches of 16 (spread evenly)
+    assert setup.micro_batch_tokens(cfg, longest_prompt=80) == (16 * 144, 16 * 64)
+    cfg.train.token_budget = 8192  # the whole step fits: one micro-batch of all 32
+    assert setup.micro_batch_tokens(cfg, longest_prompt=80) == (32 * 144, 32 * 64)
+    cfg.train.token_budget = 100  # a sequence longer than the budget sits alone
+    assert setup.micro_batch_tokens(cfg, longest_prompt=80) == (144, 64)
+    cfg.train.token_budget, cfg.train.mini_batches = 8192, 2  # each update sees half the step
+    assert setup.micro_batch_tokens(cfg, longest_prompt=80) == (16 * 144, 16 * 64)
