@@ -119,7 +119,9 @@ def load_vision_policy(path: str, *, dtype: Any = "auto", device: Any = None, tr
     if getattr(processor, "tokenizer", None) is None or getattr(processor, "image_processor", None) is None:
         raise ConfigError(f"model name_or_path={path!r}: AutoProcessor gave a {type(processor).__name__} without a "
                           "tokenizer and an image processor; a vision-language model folder needs both "
-                          "(processor_config.json / preprocessor_config.json beside the tokenizer files)")
+                          "(processor_config.json / preprocessor_config.json beside the tokenizer files). If they are "
+                          "there, a missing dependency is the likely cause: transformers 5 builds Qwen2-VL's processor "
+                          "with a video processor that needs torchvision (pip install torchvision)")
     _with_pad_token(processor.tokenizer)
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
