@@ -100,6 +100,13 @@ class GenerationConfig:
     # rounds of tool calls per completion (TRL's name); None: only max_completion_length, over the whole
     # conversation (model turns and tool results), bounds them
     max_tool_calling_iterations: int | None = None
+    # where completions are sampled: colocate (an engine in each trainer process, reading its weights in
+    # place) or server (a `cohort serve` process on its own GPUs at server_address, host:port; the trainer
+    # pushes its weights there after every step). docs/serving.md
+    placement: str = "colocate"
+    server_address: str | None = None
+    server_timeout_s: float = 600.0  # longest one request to the server (a step's generation, a push) may take
+    server_connect_timeout_s: float = 60.0  # how long to wait for a server to answer at start or after a restart
 
 
 @dataclass
@@ -184,6 +191,9 @@ class TrainConfig:
     # several ranks (torchrun): the longest any collective may wait for a peer before the rank fails and the
     # launch ends; keep it above the longest rank-0-only work the others wait through (evaluation, a save)
     dist_timeout_s: float = 600
+    # generation.placement=server only: step t+1..t+k are generated while step t trains, with weights at most
+    # k versions behind (the sampler importance weights correct for it); 0: on-policy, synchronous (exact)
+    max_staleness: int = 0
 
 
 @dataclass

@@ -100,6 +100,7 @@ def validate_fields(cfg: CohortConfig) -> None:
     _require(isinstance(g.stop_strings, list) and all(isinstance(s, str) and s for s in g.stop_strings),
              "generation.stop_strings", g.stop_strings, "give a list of non-empty strings, e.g. ['</answer>']")
     _require_choice("generation.engine", g.engine, ("auto", "cohort", "hf"))
+    _check_placement(cfg)
     longest = max(g.max_completion_length, run.eval_max_completion_length or 0)
     if g.max_model_len is not None:
         _require(isinstance(g.max_model_len, int) and g.max_model_len > longest, "generation.max_model_len",
@@ -170,6 +171,42 @@ def validate_fields(cfg: CohortConfig) -> None:
         resolve_report_to(run.report_to)
     except ConfigError as exc:
         raise ConfigError(f"run.report_to={run.report_to!r} is not valid: {exc}.") from None
+
+
+def _check_placement(cfg: CohortConfig) -> None:
+    """generation.placement / server_address / server timeouts and train.max_staleness (docs/serving.md)."""
+    g, t = cfg.generation, cfg.train
+    _require_choice("generation.placement", g.placement, ("colocate", "server"),
+                    " (colocate: an engine in each trainer process; server: a `cohort serve` process)")
+    for name in ("server_timeout_s", "server_connect_timeout_s"):
+        value = getattr(g, name)
+        _require(_finite(value) and value > 0, f"generation.{name}", value, "use a positive number of seconds")
+    _require(isinstance(t.max_staleness, int) and not isinstance(t.max_staleness, bool) and t.max_staleness >= 0,
+             "train.max_staleness", t.max_staleness,
+             "use 0 (on-policy, synchronous) or a positive number of policy versions a completion may lag")
+    if g.placement == "server":
+        from cohort.serving.client import parse_address
+
+        _require(g.server_address is not None, "generation.server_address", g.server_address,
+                 "generation.placement=server needs the server's host:port, e.g. 127.0.0.1:8000 (what `cohort "
+                 "serve MODEL --port 8000` prints)")
+        parse_address(g.server_address)
+        _require(not (cfg.agent.tools or cfg.agent.environment_factory), "generation.placement", g.placement,
+                 "tool calling (agent.tools / agent.environment_factory) needs multi-turn generation, which the "
+                 "server does not offer yet; use generation.placement=colocate")
+        _require(t.sharding == "none", "train.sharding", t.sharding,
+                 "generation.placement=server pushes whole weights from rank 0; use train.sharding=none")
+        _require(cfg.model.lora_r == 0, "model.lora_r", cfg.model.lora_r,
+                 "generation.placement=server pushes plain weights, not LoRA adapters; use model.lora_r=0")
+        if t.max_staleness > 0:
+            correction = cfg.loss.params.get("sampler_is_correction", True)
+            _require(correction is not False, "loss.sampler_is_correction", correction,
+                     f"train.max_staleness={t.max_staleness} samples with older weights; the sampler importance "
+                     "weights are what correct for it, keep loss.sampler_is_correction=true")
+    elif t.max_staleness > 0:
+        _require(False, "train.max_staleness", t.max_staleness,
+                 "generation overlaps training only when it runs elsewhere: set generation.placement=server and "
+                 "generation.server_address (start the server with `cohort serve MODEL`), or use 0")
 
 
 def _device_ok(name: Any) -> bool:

@@ -45,6 +45,8 @@ class RolloutBatch:
     completion_masks: list[list[int] | None] | None = None
     # per-sample columns reward functions logged with log_extra (TRL 1.16), written with the sample rows
     extra_columns: dict[str, list[Any]] = field(default_factory=dict)
+    # per completion, the policy version that sampled it (a served engine, cohort.serving); None in process
+    policy_versions: list[int | None] | None = None
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -300,6 +302,7 @@ def _assemble(kept, g: int, advantage_kwargs: dict[str, Any], mask_truncated: bo
         advantages=adv.advantages, loss_mask_keep=keep, metrics=metrics,
         completion_masks=[c.mask for c in completions] if any(c.mask is not None for c in completions) else None,
         extra_columns={k: v for k, v in getattr(result, "extra", {}).items() if len(v) == len(completions)},
+        policy_versions=[c.version for c in completions] if any(c.version is not None for c in completions) else None,
     )
 
 

@@ -112,6 +112,14 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
         return RemoteEngine(g.server_address, policy, timeout_s=g.server_timeout_s,
                             connect_timeout_s=g.server_connect_timeout_s, pusher=distributed.current().is_main)
 
+    g = cfg.generation
+    if g.placement == "server":  # a `cohort serve` process samples; rank 0 pushes the weights after each step
+        from cohort.serving import RemoteEngine
+
+        echo(f"generation: on the cohort server at {g.server_address} (generation.placement=server)")
+        return RemoteEngine(g.server_address, policy, timeout_s=g.server_timeout_s,
+                            connect_timeout_s=g.server_connect_timeout_s, pusher=distributed.current().is_main)
+
     vlm = vision_engine(policy, tokenizer, _eos_ids(tokenizer, policy), echo)  # None for text models
     if vlm is not None:
         return vlm

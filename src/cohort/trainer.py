@@ -29,10 +29,12 @@ from cohort import checkpoint as ckpt
 from cohort import distributed
 from cohort.config import CohortConfig, dump_config
 from cohort.data import PromptBatch, PromptSampler
+from cohort.errors import ConfigError
 from cohort.evaluation import evaluate
 from cohort.logging import MetricLogger
 from cohort.rollout import collect_rollouts
 from cohort.run_dir import open_run_dir, write_resolved_config
+from cohort.serving.pipeline import staleness_metrics
 from cohort.setup import Components, build_components
 from cohort.timing import PhaseTimer
 from cohort.types import TrainerState
@@ -148,6 +150,7 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo, hooks: S
     logger = MetricLogger(run_dir, total_steps=t.max_steps, report_to=cfg.run.report_to,
                           start_step=start_step) if main else _NoLogger()
     step, stopped = start_step, False
+    pipeline = _pipeline(cfg, comp, sampler, start_step)  # train.max_staleness >= 1 (server placement)
     try:
         _emit(hooks, "train_begin", start_step)
         if start_step == 0 and comp.eval_data is not None and main:
@@ -156,7 +159,7 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo, hooks: S
             echo("eval before training: " + _fmt(result.eval_before))
         while step < t.max_steps and not stopped and not _budget_spent(cfg, comp):
             step += 1
-            metrics = _step(cfg, comp, sampler, updater, step)
+            metrics = _step(cfg, comp, sampler, updater, step, pipeline)
             if step == start_step + 1:  # prompt truncation/drop counts, logged with the first step
                 metrics.update(getattr(comp.train_data.stats, "as_metrics", dict)())
             result.history.append(metrics)
@@ -174,7 +177,7 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo, hooks: S
             writer = main or t.sharding == "fsdp"
             if writer and ((cfg.run.save_steps and step % cfg.run.save_steps == 0) or last or out_of_time):
                 with distributed.phase("save", step):
-                    saved = _save(cfg, comp, run_dir, step, sampler, result, updater)
+                    saved = _save(cfg, comp, run_dir, step, _checkpoint_sampler(sampler, pipeline, step), result, updater)
                 if saved is not None:  # (the benchmarks replace _save by a no-op)
                     echo(f"checkpoint {saved.name}: {ckpt.describe_size(saved)}")
                 _emit(hooks, "save", step, {"path": saved})
@@ -195,6 +198,8 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo, hooks: S
         _emit(hooks, "train_end", step)
     finally:
         logger.close()
+        if pipeline is not None:
+            pipeline.close()
     return result
 
 
@@ -240,9 +245,8 @@ def _budget_spent(cfg: CohortConfig, comp: Components) -> bool:
     return limit is not None and comp.train_time_s >= limit
 
 
-def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, step: int) -> dict[str, Any]:
-    timer = PhaseTimer()
-    t0 = time.perf_counter()
+def _collect(cfg: CohortConfig, comp: Components, sampler, step: int):
+    """The rollouts of `step`: its prompts, G completions each, rewards and advantages."""
     # A seed per step makes sampling a function of (seed, step), whatever RNG state the engine keeps:
     # a resumed run samples exactly what the uninterrupted run sampled.
     # Data parallelism: rank r holds global prompts [r * local, (r + 1) * local), and the seed offset makes
@@ -251,17 +255,48 @@ def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, 
     local = cfg.train.prompts_per_step // info.world_size
     seed = (cfg.train.seed * 1_000_003 + step * 7_919) % 2**31 + info.rank * local * comp.sampling_params.n
     params = dataclasses.replace(comp.sampling_params, seed=seed)
+    return collect_rollouts(
+        comp.engine, comp.tokenizer, _next_prompts(comp, sampler), local,
+        params, comp.reward_runner, advantage_kwargs=comp.advantage_kwargs,
+        trainer_state=TrainerState(global_step=step, max_steps=cfg.train.max_steps),
+        dynamic_sampling=cfg.reward.dynamic_sampling, max_resample_tries=cfg.reward.max_resample_tries,
+        max_oversample=cfg.reward.max_oversample,
+        mask_truncated_completions=cfg.generation.mask_truncated_completions,
+        gather_rewards=distributed.all_gather_rows if info.enabled else None, rank=info.rank,
+        turn_loop=comp.turn_loop)
+
+
+def _pipeline(cfg: CohortConfig, comp: Components, sampler, start_step: int):
+    """train.max_staleness = k >= 1: the rollouts of steps t+1..t+k are collected in a background thread while
+    step t trains (cohort.serving.pipeline); None for k = 0 (generation in the loop's own thread, on-policy)."""
+    k = cfg.train.max_staleness
+    if k == 0:
+        return None
+    info = distributed.current()
+    if info.enabled:  # the background thread's reward gathers would interleave with the update's collectives
+        raise ConfigError(f"train.max_staleness={k} with {info.world_size} trainer ranks is not supported yet; "
+                          "train in one process (the server has its own GPUs) or use train.max_staleness=0")
+    from cohort.serving.pipeline import RolloutPipeline
+
+    return RolloutPipeline(comp.engine, lambda s: _collect(cfg, comp, sampler, s), sampler, start_step=start_step,
+                           max_steps=cfg.train.max_steps, max_staleness=k)
+
+
+def _checkpoint_sampler(sampler, pipeline, step: int):
+    """What a checkpoint after `step` saves as the data position (the pipeline's sampler runs ahead)."""
+    return sampler if pipeline is None else pipeline.checkpoint_sampler(step)
+
+
+def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, step: int,
+          pipeline=None) -> dict[str, Any]:
+    timer = PhaseTimer()
+    t0 = time.perf_counter()
     with distributed.phase("generate", step), timer("generate"):  # scoring too: collect_rollouts rewards
-        batch = collect_rollouts(
-            comp.engine, comp.tokenizer, _next_prompts(comp, sampler), local,
-            params, comp.reward_runner, advantage_kwargs=comp.advantage_kwargs,
-            trainer_state=TrainerState(global_step=step, max_steps=cfg.train.max_steps),
-            dynamic_sampling=cfg.reward.dynamic_sampling, max_resample_tries=cfg.reward.max_resample_tries,
-            max_oversample=cfg.reward.max_oversample,
-            mask_truncated_completions=cfg.generation.mask_truncated_completions,
-            gather_rewards=distributed.all_gather_rows if info.enabled else None, rank=info.rank,
-            turn_loop=comp.turn_loop)
+        # with the pipeline (train.max_staleness >= 1): the wait for rollouts made in the background
+        batch = pipeline.get(step) if pipeline is not None else _collect(cfg, comp, sampler, step)
     metrics: dict[str, Any] = distributed.reduce_metrics(dict(batch.metrics))
+    if batch.policy_versions is not None:  # a served engine: versions behind the one this step trains from
+        metrics.update(distributed.reduce_metrics(staleness_metrics(batch.policy_versions, comp.engine.version)))
     if cfg.generation.release_kv_during_update and hasattr(comp.engine, "release_kv_cache"):
         comp.engine.release_kv_cache()  # its next generate takes it back
     with distributed.phase("update", step):

@@ -1,0 +1,182 @@
+"""`cohort serve` on the CPU, in a subprocess: same tokens as the in-process engine, weight pushes equal to
+loading the state dict, refused mismatches, named errors from a dead or silent server within the timeout,
+reconnection to a restarted server, and OpenAI-shaped answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from tests.helpers.serving import ServerProcess
+from tests.helpers.tiny_models import tiny_llama
+from tests.helpers.toy_task import tiny_model, write_toy_workspace
+
+from cohort.engine import CohortEngine
+from cohort.model import load_policy
+from cohort.serving import RemoteEngine, ServerUnavailable, WeightMismatchError
+from cohort.setup import _eos_ids
+from cohort.types import SamplingParams
+
+PARAMS = SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=5)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    model_dir, data = write_toy_workspace(tmp_path_factory.mktemp("serve"))
+    return model_dir, data
+
+
+@pytest.fixture(scope="module")
+def server(workspace):
+    proc = ServerProcess(workspace[0], "--replicas", "2")  # two CPU replicas: the prompts split between them
+    yield proc
+    proc.kill()
+
+
+def _local(model, tok) -> CohortEngine:
+    return CohortEngine(model, tok, eos_token_ids=_eos_ids(tok, model))
+
+
+def _prompts(tok) -> list[list[int]]:
+    return [tok(t)["input_ids"] for t in ("Say the digit 3", "Say the digit 7 many times", "What is 2 + 3?")]
+
+
+def _flat(groups):
+    return [(c.token_ids, c.finish_reason) for g in groups for c in g]
+
+
+def _same(served, local) -> bool:
+    """Same tokens and finish reasons; logprobs equal up to float rounding (the two replicas decode smaller
+    batches than one engine does, which changes the last bits of a matmul; one replica is bit-exact, see
+    test_serving_training.py)."""
+    assert _flat(served) == _flat(local)
+    for a, b in zip([c for g in served for c in g], [c for g in local for c in g]):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    return True
+
+
+def test_served_generation_equals_the_in_process_engine(server, workspace):
+    model, tok = load_policy(str(workspace[0]), dtype=torch.float32)
+    remote = RemoteEngine(server.address)  # no policy: reads the weights as loaded, pushes nothing
+    served = remote.generate(_prompts(tok), PARAMS)
+    assert _same(served, _local(model, tok).generate(_prompts(tok), PARAMS))
+    assert {c.version for g in served for c in g} == {0}
+
+
+def test_weight_push_equals_loading_the_state_dict(server, workspace):
+    _, tok = load_policy(str(workspace[0]), dtype=torch.float32)
+    other = tiny_model(tok, seed=7)  # same architecture, different weights
+    remote = RemoteEngine(server.address, other, bucket_bytes=64 << 10)  # several buckets
+    assert remote.last_push["buckets"] > 1
+    loaded, _ = load_policy(str(workspace[0]), dtype=torch.float32)
+    loaded.load_state_dict(other.state_dict())
+    expected = _local(loaded, tok).generate(_prompts(tok), PARAMS)
+    assert _same(remote.generate(_prompts(tok), PARAMS), expected)
+    with torch.no_grad():  # an optimizer step: the next push is version 1 and changes the outputs the same way
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    remote.sync_weights()
+    loaded.load_state_dict(other.state_dict())
+    served = remote.generate(_prompts(tok), PARAMS)
+    assert _same(served, _local(loaded, tok).generate(_prompts(tok), PARAMS))
+    assert _flat(served) != _flat(expected)
+    assert {c.version for g in served for c in g} == {1}
+
+
+def test_a_push_that_does_not_match_is_refused(server):
+    before = _get(server, "/health")
+    with pytest.raises(WeightMismatchError) as err:
+        RemoteEngine(server.address, tiny_llama(0))  # another architecture (vocab 64, hidden 32)
+    text = str(err.value)
+    assert f"{server.host}:{server.port}" in text and "refused" in text and "shape" in text
+    assert "model.embed_tokens.weight" in text
+    after = _get(server, "/health")
+    assert (after["version"], after["pushed"]) == (before["version"], before["pushed"])  # nothing changed
+
+
+def test_openai_endpoints_answer_in_openai_shapes(server):
+    out = _post(server, "/v1/completions", {"prompt": ["Say the digit 3", "What is"], "max_tokens": 5, "seed": 1,
+                                             "logprobs": 1})
+    assert out["object"] == "text_completion" and out["id"].startswith("cmpl-")
+    assert {"id", "object", "created", "model", "choices", "usage", "system_fingerprint"} <= set(out)
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    for c in out["choices"]:
+        assert isinstance(c["text"], str) and c["finish_reason"] in ("stop", "length")
+        assert len(c["logprobs"]["tokens"]) == len(c["logprobs"]["token_logprobs"]) <= 5
+    assert out["usage"]["total_tokens"] == out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"]
+    chat = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Say 3"}], "n": 2,
+                                                   "max_tokens": 4, "temperature": 0.0})
+    assert chat["object"] == "chat.completion" and chat["id"].startswith("chatcmpl-")
+    assert [c["message"]["role"] for c in chat["choices"]] == ["assistant", "assistant"]
+    assert all(isinstance(c["message"]["content"], str) for c in chat["choices"])
+    assert _get(server, "/v1/models")["data"][0]["object"] == "model"
+    status, err = _post_error(server, "/v1/completions", {"prompt": "x", "stream": True})
+    assert status == 400 and "stream" in err["error"]["message"] and err["error"]["param"] == "stream"
+    status, err = _post_error(server, "/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user",
+                                                                                               "content": "x"}]})
+    assert status == 404 and "gpt-4" in err["error"]["message"]
+
+
+def test_dead_and_silent_servers_give_a_named_error_within_the_timeout(workspace):
+    model, tok = load_policy(str(workspace[0]), dtype=torch.float32)
+    proc = ServerProcess(workspace[0])
+    try:
+        remote = RemoteEngine(proc.address, model, timeout_s=2.0, connect_timeout_s=2.0)
+        os.kill(proc.proc.pid, signal.SIGSTOP)  # alive but silent
+        started = time.monotonic()
+        with pytest.raises(ServerUnavailable) as err:
+            remote.generate(_prompts(tok), PARAMS)
+        assert time.monotonic() - started < 15
+        assert f"127.0.0.1:{proc.port}" in str(err.value) and "during generate" in str(err.value)
+        os.kill(proc.proc.pid, signal.SIGCONT)
+        proc.kill()  # dead
+        started = time.monotonic()
+        with pytest.raises(ServerUnavailable) as err:
+            remote.sync_weights()
+        assert time.monotonic() - started < 10
+        assert f"127.0.0.1:{proc.port}" in str(err.value) and "weight push" in str(err.value)
+    finally:
+        proc.kill()
+
+
+def test_the_trainer_reconnects_to_a_restarted_server_and_re_pushes(workspace):
+    _, tok = load_policy(str(workspace[0]), dtype=torch.float32)
+    policy = tiny_model(tok, seed=11)
+    proc = ServerProcess(workspace[0])
+    try:
+        remote = RemoteEngine(proc.address, policy, timeout_s=30.0, connect_timeout_s=60.0)
+        remote.sync_weights()
+        first = _flat(remote.generate(_prompts(tok), PARAMS))
+        port = proc.port
+        proc.kill()
+        proc = ServerProcess(workspace[0], port=port)  # a new process (weights as loaded) on the same port
+        again = remote.generate(_prompts(tok), PARAMS)  # notices the restart, re-pushes version 1, retries
+        assert _flat(again) == first and {c.version for g in again for c in g} == {1}
+        assert _get(proc, "/health")["pushed"] is True
+    finally:
+        proc.kill()
+
+
+def _get(server, path: str) -> dict:
+    with urllib.request.urlopen(f"http://{server.address}{path}", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _post(server, path: str, body: dict) -> dict:
+    req = urllib.request.Request(f"http://{server.address}{path}", data=json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def _post_error(server, path: str, body: dict) -> tuple[int, dict]:
+    try:
+        _post(server, path, body)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+    raise AssertionError("expected an error")

@@ -1,0 +1,97 @@
+"""Training against `cohort serve` (generation.placement=server) on the CPU: with train.max_staleness=0 the run
+equals the colocated one step for step; with max_staleness=1 generation runs ahead by one step and every
+completion was sampled with weights at most one version behind the ones it trains."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.helpers.serving import ServerProcess
+from tests.helpers.toy_task import digit_share, toy_rows, write_toy_workspace
+from tests.integration.test_trainer_learns import toy_config
+
+from cohort.config import CohortConfig
+from cohort.data import load_prompt_dataset
+from cohort.errors import ConfigError
+from cohort.model import load_policy
+from cohort.rewards import RewardRunner
+from cohort.serving import RemoteEngine
+from cohort.setup import build_components
+from cohort.trainer import train
+
+TIMING = ("time/", "step_time", "train_time", "staleness/")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    model_dir, _ = write_toy_workspace(tmp_path_factory.mktemp("served_training"))
+    proc = ServerProcess(model_dir)
+    yield model_dir, proc
+    proc.kill()
+
+
+def _components(cfg: CohortConfig, model_dir):
+    policy, tok = load_policy(str(model_dir), dtype=torch.float32)
+    data = load_prompt_dataset(toy_rows()).encode(tok, 64)
+    return build_components(cfg, policy=policy, tokenizer=tok, reward_runner=RewardRunner([digit_share]),
+                            train_data=data, echo=lambda *a: None)
+
+
+def _config(tmp_path, name: str, steps: int, server=None, staleness: int = 0) -> CohortConfig:
+    cfg = toy_config(tmp_path / name, steps=steps)
+    if server is not None:
+        cfg.generation.placement, cfg.generation.server_address = "server", server.address
+        cfg.generation.server_timeout_s, cfg.generation.server_connect_timeout_s = 60.0, 10.0
+    cfg.train.max_staleness = staleness
+    return cfg
+
+
+def _learning_metrics(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(TIMING)}
+
+
+def test_served_synchronous_run_equals_the_colocated_run(tmp_path, served):
+    model_dir, server = served
+    colocated = _config(tmp_path, "colocated", steps=3)
+    remote = _config(tmp_path, "served", steps=3, server=server)
+    expected = train(colocated, _components(colocated, model_dir), echo=lambda *a: None).history
+    comp = _components(remote, model_dir)
+    assert isinstance(comp.engine, RemoteEngine)
+    got = train(remote, comp, echo=lambda *a: None).history
+    assert len(got) == len(expected) == 3
+    for step, (a, b) in enumerate(zip(got, expected), start=1):
+        assert _learning_metrics(a) == _learning_metrics(b), step  # exactly: same tokens, logprobs, losses
+        assert a["staleness/max"] == 0.0 and a["staleness/mean"] == 0.0
+    assert comp.engine.version == 3  # one push per step after the initial one
+    assert "time/sync_weights" in got[-1]
+
+
+def test_staleness_one_samples_at_most_one_version_behind(tmp_path, served):
+    model_dir, server = served
+    cfg = _config(tmp_path, "async", steps=4, server=server, staleness=1)
+    comp = _components(cfg, model_dir)
+    seen: list[tuple[int, int, list[int]]] = []  # (engine version when sampled, required, versions)
+    generate = comp.engine.generate
+
+    def recording(prompts, params):
+        groups = generate(prompts, params)
+        seen.append((comp.engine.version, comp.engine._required_version(), [c.version for g in groups for c in g]))
+        return groups
+
+    comp.engine.generate = recording
+    history = train(cfg, comp, echo=lambda *a: None).history
+    assert len(history) == 4 and len(seen) == 4
+    for step, ((_, required, versions), row) in enumerate(zip(seen, history), start=1):
+        trained_from = step - 1  # the version of the weights that step `step` updates
+        assert required == trained_from - 1
+        assert all(trained_from - 1 <= v <= trained_from for v in versions), (step, versions)
+        assert 0.0 <= row["staleness/mean"] <= row["staleness/max"] <= 1.0
+        assert "sampling/importance_sampling_ratio/mean" in row
+    # generation ran ahead: some step trained on completions of the previous version
+    assert max(row["staleness/max"] for row in history) == 1.0
+
+
+def test_staleness_needs_server_placement(tmp_path):
+    cfg = _config(tmp_path, "bad", steps=1, staleness=1)
+    with pytest.raises(ConfigError, match=r"generation\.placement=server"):
+        cfg.validate()
