@@ -172,3 +172,15 @@ def test_unsupported_gemma_variants_are_named():
     model.config.use_bidirectional_attention = True
     ok, reason = engine_supports(model)
     assert not ok and "bidirectional" in reason
+
+
+def test_gumbel_noise_is_finite_for_every_hash():
+    """Found on Gemma's 262k vocabulary: u rounded to 1.0 gave +inf noise, and greedy (0 * inf = NaN) picked
+    that token. The extreme hashes must stay inside (0, 1); large-vocabulary rows must have finite noise."""
+    from cohort.engine.sampler import gumbel_noise, uniform_from_hash
+
+    u = uniform_from_hash(torch.tensor([0, 1 << 9, 0xFFFFFFFF], dtype=torch.int64))
+    assert bool(((u > 0) & (u < 1)).all())
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
+    keys = torch.arange(64, dtype=torch.int64) * 7919 + 12345  # rows that held an inf with 24-bit uniforms
+    assert torch.isfinite(gumbel_noise(keys, 262144)).all()

@@ -43,12 +43,20 @@ def row_keys(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return mix32(key ^ (positions & _MASK32))
 
 
+def uniform_from_hash(h: torch.Tensor) -> torch.Tensor:
+    """float32 u strictly inside (0, 1) from 32-bit hashes: the top 23 bits, centred in their bin.
+
+    23 bits, not 24: (2**24 - 1 + 0.5) / 2**24 rounds to exactly 1.0 in float32, whose Gumbel noise
+    -log(-log(1)) is +inf (a NaN score when greedy multiplies it by 0); about 1.5% of rows of a 262k
+    vocabulary held such a token. (2**23 - 0.5) / 2**23 = 1 - 2**-24 is exact in float32."""
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
+
+
 def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B, V] float32 standard Gumbel noise from int64 row keys (same bits as the Triton kernel)."""
     ids = torch.arange(vocab, device=keys.device, dtype=torch.int64)
     h = mix32((keys[:, None] + ids[None, :] * 0x61C88647) & _MASK32)
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
-    return -torch.log(-torch.log(u))
+    return -torch.log(-torch.log(uniform_from_hash(h)))
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence], penalty: torch.Tensor) -> torch.Tensor:

@@ -111,7 +111,7 @@ if triton is not None:
             x = tl.load(logits_ptr + row * stride_l + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
             c = tl.load(choice_ptr + row * stride_c + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
             h = _mix32(key + idx.to(tl.uint32) * 0x61C88647)
-            u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # < 1 in float32: sampler.uniform_from_hash
             score = c - noise * tl.log(-tl.log(u))
             # Lane-wise running max / logsumexp / argmax; lanes are combined after the loop.
             m_new = tl.maximum(m, x)
