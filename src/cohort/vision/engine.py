@@ -58,7 +58,7 @@ class VisionGroupEngine:
         self.eos_token_ids = frozenset(int(i) for i in (eos_token_ids or ()))
         base = unwrap(model)
         self.device = base.get_input_embeddings().weight.device
-        self.sampler = Sampler(self.device, use_triton=False)
+        self.sampler = Sampler(self.device)  # the fused Triton sampler on CUDA, torch elsewhere
         self.stats = VisionEngineStats()
         self._rng = random.Random()
         self._ids = itertools.count()
