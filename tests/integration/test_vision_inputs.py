@@ -108,3 +108,12 @@ def test_the_cli_exits_2_with_the_row_for_an_image_column_on_a_text_model(tmp_pa
     assert out.returncode == 2, out.stderr[-2000:]
     assert "row 0 has an 'image' column" in out.stderr + out.stdout
     assert not (tmp_path / "run").exists()
+
+
+def test_eval_overlap_compares_images_too():
+    from cohort.data import drop_overlap
+
+    train = load_prompt_dataset([{"prompt": QUESTION, "image": solid(c)} for c in ("red", "green", "blue")])
+    held_out = load_prompt_dataset([{"prompt": QUESTION, "image": solid("green")}])
+    kept, dropped = drop_overlap(train, held_out)
+    assert dropped == 1 and [r["image"].getpixel((0, 0)) for r in kept.rows] == [(220, 20, 20), (20, 20, 220)]

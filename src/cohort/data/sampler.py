@@ -103,8 +103,10 @@ def drop_overlap(dataset: PromptDataset, reference: PromptDataset) -> tuple[Prom
 
     Use it to keep a held-out set's problems out of training: `train_ds, n = drop_overlap(train_ds, eval_ds)`.
     """
-    seen = {prompt_key(r["prompt"]) for r in reference.rows}
-    keep = [i for i, r in enumerate(dataset.rows) if prompt_key(r["prompt"]) not in seen]
+    from cohort.vision.inputs import images_key  # rows with the same text over different images differ
+
+    seen = {(prompt_key(r["prompt"]), images_key(r)) for r in reference.rows}
+    keep = [i for i, r in enumerate(dataset.rows) if (prompt_key(r["prompt"]), images_key(r)) not in seen]
     if not keep:
         raise ConfigError(
             f"Every prompt of {dataset.source!r} also occurs in {reference.source!r}; nothing would be left. "

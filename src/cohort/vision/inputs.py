@@ -43,6 +43,27 @@ def row_images(row: Mapping[str, Any]) -> list[Any]:
     return []
 
 
+def images_key(row: Mapping[str, Any]) -> str:
+    """What identifies a row's images when comparing rows (eval/train overlap): paths as written, the sha1
+    of an in-memory image's pixels or of its bytes; "" for a row without images."""
+    import hashlib
+
+    from PIL import Image
+
+    parts = []
+    for value in row_images(row):
+        if isinstance(value, Image.Image):
+            parts.append(hashlib.sha1(value.tobytes() + repr((value.size, value.mode)).encode()).hexdigest())
+        elif isinstance(value, bytes | bytearray):
+            parts.append(hashlib.sha1(value).hexdigest())
+        elif isinstance(value, Mapping):
+            data = value.get("bytes")
+            parts.append(hashlib.sha1(data).hexdigest() if data else str(value.get("path")))
+        else:
+            parts.append(str(value))
+    return "|".join(parts)
+
+
 def has_image_column(dataset: PromptDataset) -> bool:
     return any(c in IMAGE_COLUMNS for c in dataset.column_names)
 
