@@ -278,6 +278,23 @@ def _is_cap(a, cfg, value, **_):
         _set(cfg, "loss.sampler_is_clip_max", value)
 
 
+def _vllm(a, cfg, value, **_):
+    """TRL's server mode (use_vllm=True, vllm_mode='server') -> generation.placement=server at the same address."""
+    mode = str(a.vllm_mode)
+    if mode not in ("colocate", "server"):
+        raise ConfigError(f"GRPOConfig(vllm_mode={mode!r}) is not supported: use 'colocate' or 'server'.")
+    if not (value and mode == "server"):
+        return
+    if a.vllm_server_base_url:
+        from cohort.serving.client import parse_address
+
+        host, port = parse_address(a.vllm_server_base_url)
+    else:
+        host = "127.0.0.1" if a.vllm_server_host in ("0.0.0.0", "") else a.vllm_server_host
+        port = int(a.vllm_server_port)
+    cfg.generation.placement, cfg.generation.server_address = "server", f"{host}:{port}"
+
+
 def _max_prompt_length(a, cfg, value, **_):
     cfg.data.max_prompt_length = int(value) if value is not None else 10**9
 
@@ -300,7 +317,8 @@ _DERIVED = {
     "save_steps": _save_steps, "use_cpu": _use_cpu, "fsdp": _fsdp, "num_generations_eval": _eval_samples,
     "min_p": _min_p, "generation_kwargs": _generation_kwargs, "scale_rewards": _scale,
     "vllm_importance_sampling_mode": _is_mode, "vllm_importance_sampling_cap": _is_cap,
-    "max_prompt_length": _max_prompt_length,
+    "max_prompt_length": _max_prompt_length, "use_vllm": _vllm, "vllm_mode": _noop,
+    "vllm_server_base_url": _noop, "vllm_server_host": _noop, "vllm_server_port": _noop,
 }
 
 

@@ -185,17 +185,21 @@ FIELDS: list[tuple[str, Any, str]] = [
     ("chat_template_kwargs", None, "trainer: passed to tokenizer.apply_chat_template for every prompt"),
     ("repetition_penalty", 1.0, "generation.repetition_penalty"),
     ("cache_implementation", None, "announce: the rollout engine keeps its own paged KV cache"),
-    ("use_vllm", False, f"announce: {_VLLM}"),
-    ("vllm_mode", "colocate", f"announce: {_VLLM}"),
+    ("use_vllm", False, "derived: with vllm_mode='server', generation.placement=server (sampling on a `cohort "
+     "serve` process, weights pushed after every step; docs/serving.md); otherwise cohort's in-process engine"),
+    ("vllm_mode", "colocate", "derived: 'server' (with use_vllm) -> generation.placement=server; 'colocate': "
+     "cohort's engine in each trainer process, reading the weights in place"),
     ("vllm_model_impl", "vllm", f"announce: {_VLLM}"),
     ("vllm_enable_sleep_mode", False, "generation.release_kv_during_update"),
     ("vllm_structured_outputs_regex", None, "reject: cohort's engine has no constrained decoding; score the "
      "format with a reward function instead"),
-    ("vllm_server_base_url", None, f"announce: {_VLLM}"),
-    ("vllm_server_host", "0.0.0.0", f"announce: {_VLLM}"),
-    ("vllm_server_port", 8000, f"announce: {_VLLM}"),
-    ("vllm_server_timeout", 240.0, f"announce: {_VLLM}"),
-    ("vllm_group_port", 51216, f"announce: {_VLLM}"),
+    ("vllm_server_base_url", None, "derived: generation.server_address (the URL's host:port); wins over "
+     "vllm_server_host/port, as in TRL"),
+    ("vllm_server_host", "0.0.0.0", "derived: generation.server_address's host (0.0.0.0: this machine)"),
+    ("vllm_server_port", 8000, "derived: generation.server_address's port"),
+    ("vllm_server_timeout", 240.0, "generation.server_connect_timeout_s"),
+    ("vllm_group_port", 51216, "announce: `cohort serve` opens the weight group on a free port it announces to "
+     "the trainer (docs/serving.md)"),
     ("vllm_gpu_memory_utilization", 0.3, "announce: the engine's KV cache takes extra={'generation."
      "kv_cache_fraction': f} of the free memory, lowered automatically so the update fits"),
     ("vllm_max_model_length", None, "generation.max_model_len"),

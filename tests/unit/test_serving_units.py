@@ -1,0 +1,131 @@
+"""Pure parts of cohort.serving: bucket plans, manifest checks, staleness, the readers-writer lock, addresses,
+OpenAI request parsing, and the TRL facade's server mode."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from cohort.errors import ConfigError
+from cohort.serving import openai_api
+from cohort.serving.client import parse_address
+from cohort.serving.engine_server import RWLock
+from cohort.serving.pipeline import staleness_metrics
+from cohort.serving.weights import (
+    TensorSpec,
+    WeightMismatchError,
+    check_manifest,
+    check_plan,
+    manifest_of,
+    plan_buckets,
+)
+
+
+def _spec(name, shape, dtype="float32"):
+    return TensorSpec(name, tuple(shape), dtype)
+
+
+def test_buckets_hold_consecutive_tensors_of_one_dtype_up_to_the_size():
+    specs = [_spec("a", [4]), _spec("b", [4]), _spec("c", [2], "bfloat16"), _spec("d", [2], "bfloat16"),
+             _spec("e", [100]), _spec("f", [1])]
+    # bytes: a 16, b 16, c 4, d 4, e 400 (alone: larger than a bucket), f 4
+    assert plan_buckets(specs, 32) == [[0, 1], [2, 3], [4], [5]]
+    assert plan_buckets(specs, 1 << 20) == [[0, 1], [2, 3], [4, 5]]
+    check_plan(plan_buckets(specs, 32), len(specs))
+    with pytest.raises(WeightMismatchError, match="once, in order"):
+        check_plan([[1, 0]], 2)
+
+
+def test_manifest_mismatches_are_named():
+    served = manifest_of([("w", torch.zeros(2, 3)), ("b", torch.zeros(3))])
+    check_manifest(served, served)
+    with pytest.raises(WeightMismatchError) as err:
+        check_manifest(manifest_of([("w", torch.zeros(3, 2)), ("extra", torch.zeros(1))]), served)
+    text = str(err.value)
+    assert "'w' has shape [3, 2] in the push but [2, 3] on the server" in text
+    assert "['extra']" in text and "['b']" in text
+    with pytest.raises(WeightMismatchError, match="'b' is bfloat16 in the push but float32"):
+        check_manifest(manifest_of([("w", torch.zeros(2, 3)), ("b", torch.zeros(3, dtype=torch.bfloat16))]), served)
+
+
+def test_staleness_counts_versions_behind_the_trained_one():
+    # trained from version 5: completions of 5, 4, 4 and 3 are 0, 1, 1 and 2 behind
+    assert staleness_metrics([5, 4, 4, 3], current=5) == {"staleness/mean": 1.0, "staleness/max": 2.0}
+    assert staleness_metrics([None, None], current=2) == {}
+
+
+def test_rwlock_commit_waits_for_readers_and_blocks_new_ones():
+    lock, events = RWLock(), []
+    lock.acquire_read()
+
+    def writer():
+        lock.acquire_write()
+        events.append("write")
+        time.sleep(0.05)
+        lock.release_write()
+
+    def late_reader():
+        lock.acquire_read()
+        events.append("late read")
+        lock.release_read()
+
+    w = threading.Thread(target=writer)
+    w.start()
+    time.sleep(0.05)
+    r = threading.Thread(target=late_reader)
+    r.start()
+    time.sleep(0.05)
+    assert events == []  # the writer waits for the first reader; the late reader waits behind the writer
+    lock.release_read()
+    w.join(2)
+    r.join(2)
+    assert events == ["write", "late read"]
+
+
+def test_addresses():
+    assert parse_address("127.0.0.1:8000") == ("127.0.0.1", 8000)
+    assert parse_address("http://gpu-box:9000/") == ("gpu-box", 9000)
+    with pytest.raises(ConfigError, match="host:port"):
+        parse_address("localhost")
+
+
+class _Tok:
+    chat_template = "x"
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return "".join(m["content"] for m in messages) + ">"
+
+
+def test_openai_requests_become_token_ids_and_sampling_params():
+    ids, params = openai_api.completion_request({"prompt": "ab", "max_tokens": 3, "stop": "\n", "seed": 4}, _Tok(), "m")
+    assert ids == [[97, 98]] and params.max_tokens == 3 and params.stop_strings == ("\n",) and params.seed == 4
+    ids, _ = openai_api.completion_request({"prompt": [[1, 2], [3]]}, _Tok(), "m")
+    assert ids == [[1, 2], [3]]
+    ids, params = openai_api.chat_request({"messages": [{"role": "user", "content": "hi"}], "n": 2}, _Tok(), "m")
+    assert ids == [[104, 105, 62]] and params.n == 2 and params.max_tokens == 256
+    with pytest.raises(openai_api.RequestError, match="does not exist") as err:
+        openai_api.completion_request({"model": "other", "prompt": "x"}, _Tok(), "m")
+    assert err.value.status == 404
+    with pytest.raises(openai_api.RequestError, match="unknown field"):
+        openai_api.completion_request({"prompt": "x", "tempreature": 1}, _Tok(), "m")
+
+
+def test_trl_server_mode_maps_to_server_placement():
+    from cohort.trl_compat.config import GRPOConfig
+
+    common = {"output_dir": "/tmp/x", "max_steps": 2, "per_device_train_batch_size": 8, "num_generations": 8}
+    cfg = GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_port=8123, vllm_server_timeout=30.0,
+                     **common).to_cohort()
+    assert (cfg.generation.placement, cfg.generation.server_address) == ("server", "127.0.0.1:8123")
+    assert cfg.generation.server_connect_timeout_s == 30.0
+    cfg = GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_base_url="http://10.0.0.2:9000", **common)
+    assert cfg.to_cohort().generation.server_address == "10.0.0.2:9000"
+    assert GRPOConfig(use_vllm=True, **common).to_cohort().generation.placement == "colocate"
+    with pytest.raises(ConfigError, match="vllm_mode"):
+        GRPOConfig(use_vllm=True, vllm_mode="remote", **common).to_cohort()
