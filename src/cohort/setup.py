@@ -120,7 +120,8 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
         return RemoteEngine(g.server_address, policy, timeout_s=g.server_timeout_s,
                             connect_timeout_s=g.server_connect_timeout_s, pusher=distributed.current().is_main)
 
-    vlm = vision_engine(policy, tokenizer, _eos_ids(tokenizer, policy), echo)  # None for text models
+    # a VLM the paged engine cannot run: the vision group engine (None for text models and supported VLMs)
+    vlm = vision_engine(policy, tokenizer, _eos_ids(tokenizer, policy), echo, cfg.generation.engine)
     if vlm is not None:
         return vlm
     choice = cfg.generation.engine

@@ -124,3 +124,58 @@ def test_sampling_is_seeded_per_completion():
     b = engine.generate(prompts, params)
     assert [[c.token_ids for c in g] for g in a] == [[c.token_ids for c in g] for g in b]
     assert len({tuple(c.token_ids) for g in a for c in g}) > 1  # the completions differ from each other
+
+
+def _count_vision_passes(model):
+    """Wrap the inner model's get_image_features to count its calls."""
+    inner = model.model
+    original = inner.get_image_features
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    inner.get_image_features = counted
+    return calls
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_paged_engine_runs_vlms_like_generate_with_one_prefill_and_vision_pass_per_group(family):
+    from cohort.engine import CohortEngine, engine_supports
+
+    model, processor = build(family, seed=3)
+    assert engine_supports(model) == (True, "ok")
+    prompts = _prompts(processor)
+    eos = processor.tokenizer.eos_token_id
+    engine = CohortEngine(model, processor.tokenizer, eos_token_ids=[eos], max_model_len=128)
+    reference = VisionGroupEngine(model, processor.tokenizer, eos_token_ids=[eos])
+    calls = _count_vision_passes(model)
+    greedy = engine.generate(prompts, SamplingParams(n=3, max_tokens=8, temperature=0.0))
+    # every prompt prefilled once (its G completions share the prompt's KV blocks), images encoded once
+    assert engine.stats.prefill_tokens == sum(len(p) for p in prompts)
+    assert len(calls) == 3
+    want = reference.generate(prompts, SamplingParams(n=1, max_tokens=8, temperature=0.0))
+    assert [[c.token_ids for c in g] for g in greedy] == [[w[0].token_ids] * 3 for w in want]  # = generate (above)
+    # sampling: the same seeded tokens and logprobs as the vision group engine
+    params = SamplingParams(n=4, max_tokens=6, temperature=1.0, top_k=20, seed=9)
+    a, b = engine.generate(prompts, params), reference.generate(prompts, params)
+    assert [[c.token_ids for c in g] for g in a] == [[c.token_ids for c in g] for g in b]
+    for ga, gb in zip(a, b):
+        for ca, cb in zip(ga, gb):
+            torch.testing.assert_close(torch.tensor(ca.logprobs), torch.tensor(cb.logprobs), atol=1e-5, rtol=1e-5)
+
+
+def test_paged_engine_recomputes_a_preempted_vlm_sequence_exactly():
+    from cohort.engine import CohortEngine
+
+    model, processor = build("qwen2_vl", seed=3)
+    prompts = _prompts(processor)
+    eos = processor.tokenizer.eos_token_id
+    params = SamplingParams(n=4, max_tokens=24, temperature=1.0, seed=2, ignore_eos=True)
+    roomy = CohortEngine(model, processor.tokenizer, eos_token_ids=[eos], max_model_len=64, block_size=4)
+    tight = CohortEngine(model, processor.tokenizer, eos_token_ids=[eos], max_model_len=64, block_size=4,
+                         num_kv_blocks=24)
+    a, b = roomy.generate(prompts, params), tight.generate(prompts, params)
+    assert tight.stats.prefill_tokens > roomy.stats.prefill_tokens  # preempted sequences were recomputed
+    assert [[c.token_ids for c in g] for g in a] == [[c.token_ids for c in g] for g in b]

@@ -12,6 +12,7 @@ import torch
 from tests.helpers.tiny_vlms import build
 
 from cohort.config import CohortConfig
+from cohort.engine import CohortEngine
 from cohort.rewards import RewardRunner
 from cohort.setup import build_components
 from cohort.trainer import train
@@ -62,16 +63,15 @@ def components(cfg, family="qwen2_vl", seed=0, reward=right_colour):
 def test_grpo_learns_to_name_the_colour_of_the_image(tmp_path):
     cfg = vlm_config(tmp_path, steps=40)
     comp = components(cfg)
-    assert isinstance(comp.engine, VisionGroupEngine)
+    assert isinstance(comp.engine, CohortEngine)  # the paged engine runs Qwen2-VL (engine/models/vision_decoder.py)
     assert all(isinstance(ids, VisionPrompt) for ids in comp.train_data.prompt_ids)
     result = train(cfg, comp, echo=lambda *a: None)
     rewards = [m["reward"] for m in result.history]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > 0.7, rewards  # well above the 1/3 a policy blind to the image can reach
     assert last > first + 0.4, rewards
-    # one vision pass and one prefill per group: 3 prompts per step
-    assert comp.engine.stats.prefills == 3 * cfg.train.max_steps
-    assert comp.engine.stats.vision_passes == 3 * cfg.train.max_steps
+    # one prefill per group: each step prefills its 3 prompts once (the 12 completions share their KV blocks)
+    assert comp.engine.stats.prefill_tokens == cfg.train.max_steps * sum(map(len, comp.train_data.prompt_ids[:3]))
     # greedy answers over the three images (the same text): a blind policy gets at most one right
     prompts = comp.train_data.prompt_ids[:3]
     answers = comp.engine.generate(prompts, SamplingParams(n=1, max_tokens=1, temperature=0.0))
@@ -107,3 +107,11 @@ def test_freeze_vision_trains_the_language_side_only(tmp_path):
     train(cfg, comp, echo=lambda *a: None)
     assert all(torch.equal(a, b) for a, b in zip(vision_before, inner.vision_model.parameters()))
     assert any(not torch.equal(a, b) for a, b in zip(text_before, inner.text_model.parameters()))
+
+
+def test_generation_engine_hf_gives_the_vision_group_engine(tmp_path):
+    cfg = vlm_config(tmp_path, steps=1, generation__engine="hf")
+    comp = components(cfg, "idefics3", reward=odd_length)
+    assert isinstance(comp.engine, VisionGroupEngine)  # never generate() on token ids alone: it would miss the images
+    train(cfg, comp, echo=lambda *a: None)
+    assert comp.engine.stats.prefills == 3 and comp.engine.stats.vision_passes == 3

@@ -108,7 +108,7 @@ class CohortEngine:
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts; pass one or one each.")
         self.runner.ensure_kv_cache()
         try:
-            groups = [self._add(i, list(prompt), p) for i, (prompt, p) in enumerate(zip(prompts, per_prompt))]
+            groups = [self._add(i, prompt, p) for i, (prompt, p) in enumerate(zip(prompts, per_prompt))]
             # The device context matters with one engine per rank: Triton and graph capture use the current one.
             with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
                 while self.scheduler.has_work():
@@ -215,7 +215,7 @@ class CohortEngine:
         seqs = [
             Sequence(seq_id=next(self._ids), token_ids=list(prompt), num_prompt_tokens=len(prompt), params=params,
                      seed=base + index * params.n + j, request_index=(index, j), stop_ids=stop_ids,
-                     multi_turn=multi_turn)
+                     multi_turn=multi_turn, vision=prompt if hasattr(prompt, "vision_inputs") else None)
             for j in range(params.n)
         ]
         # A group must fit one step's sequence limit and the cache; split it (losing some sharing) if not.

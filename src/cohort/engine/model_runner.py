@@ -32,7 +32,8 @@ class ModelRunner:
         self.config = config
         self.device = device
         dtype = model.get_input_embeddings().weight.dtype
-        head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+        text = model.config.get_text_config()  # a vision-language model's language model config
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.attention = AttentionOps(device, dtype, head_dim, config.block_size)
         self.net = build_forward(model, self.attention, config.max_model_len, config.fuse_projections)
         self.num_blocks = self._num_blocks()
@@ -172,7 +173,10 @@ class ModelRunner:
                                  for u, c in zip(units, prefix_lens)]
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
-        hidden = self.net.forward(input_ids, pos_t, ctx, self.kv_cache)
+        # prompts with images (models/vision_decoder.py): embeddings with image features, multimodal RoPE rows
+        prefill_inputs = getattr(self.net, "prefill_inputs", None)
+        extra = prefill_inputs(units, input_ids, pos_t) if prefill_inputs is not None else None
+        hidden = self.net.forward(input_ids, pos_t, ctx, self.kv_cache, **(extra or {}))
         last = torch.tensor(cu[1:], device=dev) - 1
         return self.net.logits(hidden[last])
 
@@ -185,7 +189,7 @@ class ModelRunner:
         n = len(seqs)
         lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
         host[0, :n] = [s.token_ids[-1] for s in seqs]
-        host[1, :n] = lengths - 1
+        host[1, :n] = lengths - 1 + np.fromiter((s.rope_delta for s in seqs), dtype=np.int64, count=n)
         last_blocks = np.fromiter((s.block_table[(len(s) - 1) // bs] for s in seqs), dtype=np.int64, count=n)
         host[2, :n] = last_blocks * bs + (lengths - 1) % bs
         host[3, :n] = lengths

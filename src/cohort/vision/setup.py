@@ -10,8 +10,9 @@ text models):
   non-adapter weight).
 - `encode_dataset`: image rows go through the processor (`encode_vision_dataset`); an image column on a
   text-only model, or on a VLM without its processor, is a DataError naming the row and the fix.
-- `build_engine`: VLM rollouts run on `VisionGroupEngine` (the paged engine has no vision tower yet), and the
-  log says so.
+- `build_engine`: VLM rollouts run on cohort's paged engine where it supports the family (Qwen2-VL,
+  Qwen2.5-VL, Idefics3/SmolVLM: engine/models/vision_decoder.py), else on `VisionGroupEngine` (the model's HF
+  modules, one vision pass and one prefill per group), and the log says why.
 """
 
 from __future__ import annotations
@@ -95,12 +96,19 @@ def encode_dataset(dataset, tokenizer, processor, policy, max_prompt_length: int
                           chat_template_kwargs=chat_template_kwargs)
 
 
-def build_engine(policy, tokenizer, eos_token_ids, echo=print):
-    """The rollout engine of a VLM (None for text models: the caller builds its usual engine)."""
+def build_engine(policy, tokenizer, eos_token_ids, echo=print, choice: str = "auto"):
+    """The rollout engine of a VLM: None when cohort's paged engine runs it (the caller builds that one, as for
+    text models; models/vision_decoder.py), else `VisionGroupEngine`. Never HF `generate` on token ids alone:
+    it would not see the images."""
     if not is_vision_model(policy):
         return None
+    from cohort.engine import engine_supports
     from cohort.vision.engine import VisionGroupEngine
 
-    echo("rollouts: vision group engine (cohort's paged engine has no vision tower or multimodal RoPE yet): "
-         "the vision tower and the prefill run once per prompt, the G completions decode on copies of its KV")
+    ok, why = engine_supports(policy)
+    if ok and choice in ("auto", "cohort"):
+        return None
+    reason = why if not ok else f"generation.engine={choice!r}"
+    echo(f"rollouts: vision group engine on the model's HF modules ({reason}): the vision tower and the prefill "
+         "run once per prompt, the G completions decode on copies of its KV")
     return VisionGroupEngine(policy, tokenizer, eos_token_ids=eos_token_ids)

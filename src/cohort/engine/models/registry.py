@@ -5,6 +5,7 @@
 | llama, mistral, qwen2, qwen3 | DecoderForward | decoder.py |
 | gemma3_text (Gemma3ForCausalLM) | Gemma3Forward | gemma3.py |
 | qwen3_moe | Qwen3MoeForward | qwen3_moe.py |
+| qwen2_vl, qwen2_5_vl, idefics3, smolvlm (their language model) | VisionDecoderForward | vision_decoder.py |
 
 `engine_supports(model)` answers (ok, reason) without building anything: the trainer uses the reason to
 say why it falls back to the Hugging Face backend. `build_forward` constructs the family's forward.
@@ -18,8 +19,9 @@ from cohort.engine.attention import AttentionOps
 from cohort.engine.models.decoder import DecoderForward, unwrap_model
 from cohort.engine.models.gemma3 import Gemma3Forward
 from cohort.engine.models.qwen3_moe import Qwen3MoeForward
+from cohort.engine.models.vision_decoder import VisionDecoderForward
 
-FAMILIES: tuple[type[DecoderForward], ...] = (DecoderForward, Gemma3Forward, Qwen3MoeForward)
+FAMILIES: tuple[type[DecoderForward], ...] = (DecoderForward, Gemma3Forward, Qwen3MoeForward, VisionDecoderForward)
 
 
 def supported_model_types() -> list[str]:
