@@ -10,9 +10,12 @@ merge; random pixel values) and 32 random text tokens. Completions are sampled a
 `--completion-len` tokens (EOS never ends them). Nothing is downloaded: the prompt ids and pixel tensors are
 built here, as Qwen2.5-VL's processor would lay them out.
 
-Rows of the table (each timed after a warm-up call, CUDA synchronised):
-- rollout, cohort: `VisionGroupEngine.generate` (the vision tower and the prefill once per prompt, the G
-  completions decode on copies of its KV, all rows in one batch);
+Rows of the table (each timed after a warm-up call, CUDA synchronised; vision passes = get_image_features
+calls, prefills = prefilled prompt tokens / prompt length):
+- rollout, cohort paged engine: `CohortEngine.generate` (engine/models/vision_decoder.py: the vision tower and
+  the prefill once per prompt, the G completions share its KV blocks; paged attention, CUDA-graph decode);
+- rollout, cohort vision group engine: `VisionGroupEngine.generate` (the fallback on the model's HF modules:
+  one vision pass and prefill per prompt, the G completions decode on copies of its KV);
 - rollout, HF generate: `model.generate(num_return_sequences=G)` on the batch of prompts, with
   output_logits=True (the logprobs a GRPO trainer needs): transformers expands every prompt G times before
   the prefill, so the vision tower and the prefill run G times per prompt;
@@ -107,20 +110,37 @@ def _peak(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
 
 
-def run_cohort_rollout(model, prompts, args, device):
+def run_cohort_rollout(model, prompts, args, device, paged: bool):
+    """(groups, seconds, vision passes, prefilled prompts, engine) of one timed generate call."""
+    from cohort.engine import CohortEngine
     from cohort.types import SamplingParams
     from cohort.vision.engine import VisionGroupEngine
 
-    engine = VisionGroupEngine(model, None, eos_token_ids=[])
-    params = SamplingParams(n=args.generations, max_tokens=args.completion_len, temperature=1.0, ignore_eos=True,
-                            seed=0)
-    engine.generate(prompts[:1], SamplingParams(n=2, max_tokens=4, temperature=1.0, ignore_eos=True, seed=1))
-    engine.stats = type(engine.stats)()
-    _sync(device)
-    t = time.perf_counter()
-    groups = engine.generate(prompts, params)
-    _sync(device)
-    return groups, time.perf_counter() - t, engine.stats
+    calls = []
+    inner = model.model
+    original = inner.get_image_features
+    inner.get_image_features = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        if paged:
+            engine = CohortEngine(model, None, eos_token_ids=[], max_num_seqs=args.prompts * args.generations,
+                                  max_model_len=len(prompts[0]) + args.completion_len + 64,
+                                  kv_cache_fraction=args.kv_cache_fraction)
+        else:
+            engine = VisionGroupEngine(model, None, eos_token_ids=[])
+        params = SamplingParams(n=args.generations, max_tokens=args.completion_len, temperature=1.0,
+                                ignore_eos=True, seed=0)
+        engine.generate(prompts[:1], SamplingParams(n=2, max_tokens=4, temperature=1.0, ignore_eos=True, seed=1))
+        calls.clear()
+        before = engine.stats.prefill_tokens
+        _sync(device)
+        t = time.perf_counter()
+        groups = engine.generate(prompts, params)
+        _sync(device)
+        seconds = time.perf_counter() - t
+    finally:
+        inner.get_image_features = original
+    prefilled = (engine.stats.prefill_tokens - before) / len(prompts[0])  # prompts of equal length
+    return groups, seconds, len(calls), prefilled, engine
 
 
 def run_hf_rollout(model, prompts, args, device):
@@ -201,6 +221,7 @@ def main(argv=None) -> int:
     parser.add_argument("--image-size", type=int, default=448)
     parser.add_argument("--text-tokens", type=int, default=32)
     parser.add_argument("--token-budget", type=int, default=16384)
+    parser.add_argument("--kv-cache-fraction", type=float, default=0.3)
     parser.add_argument("--train-vision", action="store_true", help="train the vision tower too (default: frozen)")
     parser.add_argument("--no-checkpointing", action="store_true")
     parser.add_argument("--skip-hf", action="store_true", help="skip the HF generate row")
@@ -218,21 +239,28 @@ def main(argv=None) -> int:
     rows, result = [], {"size": args.size, "params": params, "device": torch.cuda.get_device_name(device)
                         if device.type == "cuda" else "cpu", "args": vars(args)}
     gen_tokens = args.prompts * args.generations * args.completion_len
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    groups, seconds, stats = run_cohort_rollout(model, prompts, args, device)
-    rows.append(("rollout: cohort vision engine", seconds, gen_tokens / seconds, stats.vision_passes, stats.prefills,
-                 _peak(device)))
-    result["cohort_rollout"] = {"seconds": seconds, "tokens_per_s": gen_tokens / seconds,
-                                "vision_passes": stats.vision_passes, "prefills": stats.prefills,
-                                "decode_steps": stats.decode_steps, "peak_gib": _peak(device)}
+    groups = None
+    for key, name, paged in (("cohort_paged_rollout", "rollout: cohort paged engine", True),
+                             ("cohort_group_rollout", "rollout: cohort vision group engine", False)):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        out, seconds, vision, prefilled, engine = run_cohort_rollout(model, prompts, args, device, paged)
+        groups = groups or out
+        rows.append((name, seconds, gen_tokens / seconds, vision, prefilled, _peak(device)))
+        result[key] = {"seconds": seconds, "tokens_per_s": gen_tokens / seconds, "vision_passes": vision,
+                       "prompts_prefilled": prefilled, "peak_gib": _peak(device)}
+        if paged:
+            result[key]["engine"] = engine.engine_name()
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     if not args.skip_hf:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         _, hf_seconds = run_hf_rollout(model, prompts, args, device)
         n_rows = args.prompts * args.generations
-        rows.append(("rollout: HF generate (num_return_sequences)", hf_seconds, gen_tokens / hf_seconds, n_rows, n_rows,
-                     _peak(device)))
+        rows.append(("rollout: HF generate (num_return_sequences)", hf_seconds, gen_tokens / hf_seconds, n_rows,
+                     float(n_rows), _peak(device)))
         result["hf_rollout"] = {"seconds": hf_seconds, "tokens_per_s": gen_tokens / hf_seconds,
                                 "vision_passes": n_rows, "prefills": n_rows, "peak_gib": _peak(device)}
     step_s, tokens, metrics = run_train_step(model, prompts, groups, args, device)
@@ -240,11 +268,11 @@ def main(argv=None) -> int:
     result["train_step"] = {"seconds": step_s, "tokens": tokens, "tokens_per_s": tokens / step_s,
                             "peak_gib": _peak(device), "loss_metrics": {k: float(v) for k, v in metrics.items()}}
     print(f"\n| {'phase':<44} | {'seconds':>8} | {'tokens/s':>10} | {'vision passes':>13} | {'prefills':>8} | "
-          f"{'peak GiB':>8} |")
+          f"{'peak GiB':>8} |")  # prefills: prompts prefilled (prefill tokens / prompt length)
     print(f"|{'-' * 46}|{'-' * 10}|{'-' * 12}|{'-' * 15}|{'-' * 10}|{'-' * 10}|")
     for name, s, tps, vis, pre, peak in rows:
         print(f"| {name:<44} | {s:8.2f} | {tps:10.0f} | {vis if vis is not None else '':>13} | "
-              f"{pre if pre is not None else '':>8} | {peak:8.1f} |")
+              f"{'' if pre is None else f'{pre:g}':>8} | {peak:8.1f} |")
     print("(training step tokens/s: prompt + completion tokens of the batch, per second of forward+backward+AdamW; "
           "its vision passes: once per prompt per micro-batch)")
     out = Path(args.out) if args.out else (Path(__file__).resolve().parent / "results" /
