@@ -115,3 +115,31 @@ def test_generation_engine_hf_gives_the_vision_group_engine(tmp_path):
     assert isinstance(comp.engine, VisionGroupEngine)  # never generate() on token ids alone: it would miss the images
     train(cfg, comp, echo=lambda *a: None)
     assert comp.engine.stats.prefills == 3 and comp.engine.stats.vision_passes == 3
+
+
+def test_trl_facade_trains_a_vlm_with_its_processor_and_saves_it(tmp_path):
+    from tests.helpers.tiny_vlms import colour_rows
+
+    from cohort import GRPOConfig, GRPOTrainer
+
+    model, processor = build("idefics3")
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=6, num_generations=2,
+                      max_completion_length=2, max_steps=1, learning_rate=1e-3, use_cpu=True, report_to="none")
+    trainer = GRPOTrainer(model=model, reward_funcs=right_colour, args=args, train_dataset=colour_rows(2),
+                          processing_class=processor)
+    trainer.train()
+    assert isinstance(trainer._comp.train_data.prompt_ids[0], VisionPrompt)
+    trainer.save_model(str(tmp_path / "out"))
+    assert (tmp_path / "out" / "processor_config.json").is_file()
+
+
+def test_a_vlm_folder_loads_with_its_processor_from_model_name_or_path(tmp_path):
+    model, processor = build("idefics3")
+    model.save_pretrained(tmp_path / "vlm")
+    processor.save_pretrained(tmp_path / "vlm")
+    cfg = vlm_config(tmp_path, steps=1, model__name_or_path=str(tmp_path / "vlm"), model__lora_r=2)
+    comp = build_components(cfg, reward_runner=RewardRunner([odd_length]), echo=lambda *a: None)
+    assert comp.processor is not None and isinstance(comp.engine, CohortEngine)
+    result = train(cfg, comp, echo=lambda *a: None)
+    saved = result.run_dir / "checkpoints"
+    assert any(saved.rglob("preprocessor_config.json")) or any(saved.rglob("processor_config.json"))
