@@ -20,8 +20,10 @@ global batch per step:
                  trains.
 Columns: seconds per step and steps per minute (mean over the steps after --warmup), generate (the step's wait
 for its rollouts: all of generation in a and b, what is left of it after the overlap in c), update, the weight
-push per step (`time/sync_weights`: pack, NCCL broadcast, staging, atomic switch; 0 in a, whose engine reads the
-weights in place), mean staleness, and the speed-up over row a.
+push per step (`time/weight_push`: pack, NCCL broadcast into the server's staging copy, copy into the served
+weights; 0 in a, whose engine reads the weights in place), sync (`time/sync_weights`, what the trainer waited:
+the push plus, in c, the version switch waiting for the generation in flight), mean staleness, and the speed-up
+over row a.
 """
 
 from __future__ import annotations
@@ -170,7 +172,7 @@ def summarise(history: list[dict], warmup: int) -> dict:
     mean = lambda key: sum(float(m.get(key, 0.0)) for m in steps) / len(steps)  # noqa: E731
     step_s = mean("step_time")
     return {"step_s": step_s, "steps_per_min": 60.0 / step_s, "generate_s": mean("time/generate"),
-            "update_s": mean("time/update"), "push_s": mean("time/sync_weights"),
+            "update_s": mean("time/update"), "push_s": mean("time/weight_push"), "sync_s": mean("time/sync_weights"),
             "staleness_mean": mean("staleness/mean"), "reward": mean("reward")}
 
 
@@ -178,15 +180,15 @@ def table(results: list[dict]) -> str:
     base = next((r for r in results if r["row"] == "colocated" and "step_s" in r), None)
     names = {"colocated": "a) colocated DP, 2 GPUs", "server": "b) 1 engine GPU + 1 trainer GPU, sync",
              "server-k1": "c) 1 engine GPU + 1 trainer GPU, max_staleness=1"}
-    lines = ["| row | s/step | steps/min | generate s | update s | push s | staleness | vs a |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| row | s/step | steps/min | generate s | update s | push s | sync s | staleness | vs a |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "step_s" not in r:
-            lines.append(f"| {names[r['row']]} | {r['status']} | | | | | | |")
+            lines.append(f"| {names[r['row']]} | {r['status']} | | | | | | | |")
             continue
         speed = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
         lines.append(f"| {names[r['row']]} | {r['step_s']:.2f} | {r['steps_per_min']:.1f} | {r['generate_s']:.2f} | "
-                     f"{r['update_s']:.2f} | {r['push_s']:.3f} | {r['staleness_mean']:.2f} | {speed} |")
+                     f"{r['update_s']:.2f} | {r['push_s']:.3f} | {r['sync_s']:.3f} | {r['staleness_mean']:.2f} | {speed} |")
     return "\n".join(lines)
 
 

@@ -307,6 +307,9 @@ def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, 
     gathered = getattr(comp.engine, "weights", None)  # FSDP: the all-gather into the engine's weights
     if gathered is not None:
         timer.record("weight_gather", gathered.seconds)
+    pushed = getattr(comp.engine, "last_push", None)  # server placement: the push alone, without the switch's
+    if pushed is not None:  # wait for the request in flight (time/sync_weights has both); 0 on ranks that do not push
+        timer.record("weight_push", pushed.get("send_s", 0.0) + pushed.get("apply_s", 0.0))
     metrics.update(distributed.reduce_metrics(timer.pop()))
     comp.num_tokens += int(distributed.all_sum(sum(len(p) + len(c) for p, c in zip(batch.prompt_ids,
                                                                                     batch.completion_ids))))

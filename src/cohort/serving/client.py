@@ -211,9 +211,11 @@ class RemoteEngine:
                     from exc
             sent = time.perf_counter()
             out = self.client.request("POST", "/weights/commit", {"version": version}, phase=phase)
+            # send_s: pack + broadcast; wait_s: the switch waiting for requests in flight (the pipeline's next
+            # step); apply_s: copying the staging tensors in; seconds: all of it, as the trainer waited
             self.last_push = {"seconds": time.perf_counter() - started, "send_s": sent - started,
-                              "apply_s": float(out.get("apply_s", 0.0)), "buckets": float(len(plan)),
-                              "bytes": float(sum(s.nbytes for s in specs))}
+                              "wait_s": float(out.get("wait_s", 0.0)), "apply_s": float(out.get("apply_s", 0.0)),
+                              "buckets": float(len(plan)), "bytes": float(sum(s.nbytes for s in specs))}
 
     def _join_group(self, phase: str):
         if self._group is not None:

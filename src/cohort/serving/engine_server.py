@@ -205,7 +205,8 @@ class EngineServer:
             if push.error is not None or push.staged is None:
                 raise CohortError(f"receiving the weights of version {version} failed: {push.error}")
             received = time.perf_counter()
-            self._lock.acquire_write()
+            self._lock.acquire_write()  # waits for the requests in flight (they finish on the old version)
+            locked = time.perf_counter()
             try:
                 self._apply(push.staged)
                 with self._version_cond:
@@ -213,8 +214,8 @@ class EngineServer:
                     self._version_cond.notify_all()
             finally:
                 self._lock.release_write()
-            return {"version": self.version, "receive_s": received - push.started,
-                    "apply_s": time.perf_counter() - received}
+            return {"version": self.version, "receive_s": received - push.started, "wait_s": locked - received,
+                    "apply_s": time.perf_counter() - locked}
 
     @torch.no_grad()
     def _apply(self, staged: dict[str, torch.Tensor]) -> None:

@@ -157,6 +157,8 @@ def send_buckets(group, tensors: Sequence[torch.Tensor], plan: Sequence[Sequence
         parts = [tensors[i].detach().reshape(-1) for i in bucket]
         flat = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(device).contiguous()
         group.broadcast(flat, 0).wait()
+        if device.type == "cuda":  # NCCL's wait only orders streams: keep `flat` alive until it is sent
+            torch.cuda.current_stream(device).synchronize()
 
 
 def receive_buckets(group, specs: Sequence[TensorSpec], plan: Sequence[Sequence[int]],
