@@ -131,7 +131,7 @@ def start_server(args, work: str, log) -> tuple[subprocess.Popen, str]:
     seqs = min(512, args.prompts * args.generations)
     cmd = [sys.executable, "-m", "cohort.cli", "serve", _server_dir(args, work), "--port", str(port),
            "--load-format", "dummy", "--device", args.device, "--max-num-seqs", str(seqs),
-           "--kv-cache-fraction", "0.85", "--group-timeout-s", "300"]
+           "--kv-cache-fraction", "0.5", "--group-timeout-s", "300"]
     log.write("$ " + " ".join(cmd) + "\n")
     log.flush()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -14,11 +14,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class ServerProcess:
-    def __init__(self, model_dir, *extra: str, port: int = 0, timeout_s: float = 120.0) -> None:
+    def __init__(self, model_dir, *extra: str, port: int = 0, timeout_s: float = 120.0, device: str = "cpu",
+                 env: dict | None = None) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-                   TOKENIZERS_PARALLELISM="false")
+                   TOKENIZERS_PARALLELISM="false", **(env or {}))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cohort.cli", "serve", str(model_dir), "--port", str(port), "--device", "cpu",
+            [sys.executable, "-m", "cohort.cli", "serve", str(model_dir), "--port", str(port), "--device", device,
              "--group-timeout-s", "20", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
         deadline = time.monotonic() + timeout_s
