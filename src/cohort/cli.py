@@ -111,7 +111,7 @@ def _eval(args: argparse.Namespace) -> int:
     samples: list[dict] | None = [] if args.samples else None
     for k, v in evaluate(comp, cfg, samples=samples).items():
         print(f"{k}: {v:.4f}")
-    if args.samples:  # one JSON line per completion, to read what the model answered
+    if samples is not None:  # --samples: one JSON line per completion, to read what the model answered
         with open(args.samples, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in samples)
         print(f"samples: {args.samples} ({len(samples)} completions)")

@@ -3,7 +3,12 @@
 The estimate is arithmetic on the model config, not a measurement; its job is to fail early, with a
 message that says which setting to lower, instead of an out-of-memory error twenty minutes in.
 
-Terms (P parameters, b bytes per weight element, T = token_budget tokens per forward/backward):
+What it is for: the peak of a run whose completions all reach max_completion_length. T, the tokens of the
+largest forward/backward, is then the biggest micro-batch the update cuts (cohort.setup.micro_batch_tokens: a
+step smaller than train.token_budget is one micro-batch of its size); shorter completions pack more sequences
+into a micro-batch, up to train.token_budget. docs/memory.md compares it with measured peaks (bench/memory.py).
+
+Terms (P parameters, b bytes per weight element, T tokens per forward/backward):
 - weights P*b; gradients P*b; fp32 master weights 4P when the weights are not already fp32;
 - optimizer: AdamW keeps two moments per parameter, fp32 (8P) with master weights, else in the weight
   dtype (2bP); "adamw_8bit" 2P; "sgd" nothing; with optimizer_offload the moments live on the host and
@@ -12,8 +17,11 @@ Terms (P parameters, b bytes per weight element, T = token_budget tokens per for
   varlen/flash attention (no [T, T] scores): 7H + 3K + 4I elements in the weight dtype (norm inputs and
   outputs, q/k/v before and after RoPE, attention output, gate/up/act/product of the MLP) plus 2H fp32
   elements of RMSNorm internals; H hidden, K = kv heads x head dim, I intermediate. With gradient
-  checkpointing only each layer's input is kept (H*b per layer) plus one layer being recomputed;
-- logits chunk: one chunk of the chunked logprob kernel, chunk_tokens x vocab in the weight dtype plus
+  checkpointing only each layer's input is kept (H*b per layer) plus one layer being recomputed. Layers
+  compiled with torch.compile (model.compile_layers, CUDA) keep 3H + 2Q + 2K + 3I elements in the weight
+  dtype plus 2H fp32 (Q = heads x head dim): fitted to bench/grpo_step.py's update peaks on an H100;
+- logits chunk: one chunk of the chunked logprob kernel (at most the micro-batch's completion tokens, the
+  kernel's only input), chunk_tokens x vocab in the weight dtype plus
   three fp32 copies (logits, softmax, gradient) in the eager backward; with the fused CUDA kernels
   (fused_logprob_kernels) two copies in the weight dtype;
 - LM-head gradient: the same kernel's backward sums the LM-head weight gradient over chunks in an fp32
@@ -21,7 +29,11 @@ Terms (P parameters, b bytes per weight element, T = token_budget tokens per for
   not shrink with the token budget or chunk size: 0.76 GiB for Qwen2.5-0.5B in bf16, 1.30 GiB for 1.5B
   (bench/grpo_step.py's low-memory run peaked about 1 GiB above the estimate before this term existed);
   with lm_head_grad_fp32=False (train.master_weights=false) the sum is kept in the weight dtype: V*H*b;
-- KV cache: what the rollout engine reserves (given); reference model: P*b more when beta > 0.
+- KV cache: what the rollout engine reserves (given: setup fills in the pool as built); engine_weights: the
+  engine's fused QKV / gate-up copies (given); reference model: P*b more when beta > 0.
+- peak (`total`): the largest of three phases: the backward (every term, less the KV pool when
+  generation.release_kv_during_update frees it and the moments when they are offloaded), the optimizer
+  step (no activations or logprob buffers) and generation (no gradients either: zero_grad frees them).
 - sharded (train.sharding=fsdp over N ranks, per rank): the training copy (fp32 masters, or the weights'
   dtype without master weights), its gradients, the Adam moments and the reference are divided by N; the
   engine keeps whole weights in the compute dtype (engine_weights, P*b); FSDP holds the root (embeddings,
@@ -195,7 +207,8 @@ def estimate_memory(
         raise ConfigError(f"memory estimate optimizer={optimizer!r} is not known; use one of {list(_OPTIMIZERS)}")
     b = _dtype_bytes(dtype)
     known = not isinstance(model_config_or_num_params, int)
-    s = _shape(model_config_or_num_params) if known else None
+    # a bare parameter count has no shape: every term that reads `s` is guarded by `known`
+    s: dict[str, int] = _shape(model_config_or_num_params) if known else {}
     p = count_parameters(model_config_or_num_params) if known else int(model_config_or_num_params)
     master = 4 * p if master_weights_fp32 and b != 4 else 0
     state_bytes = 4 if (master_weights_fp32 or b == 4) else b

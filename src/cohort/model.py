@@ -26,6 +26,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -238,7 +239,7 @@ def load_policy(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(name_or_path, gguf_file=gguf_file, cache_dir=cache_dir)
-    kwargs = {"trust_remote_code": trust_remote_code}
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     tokenizer = _with_pad_token(_from_pretrained(AutoTokenizer, path, "tokenizer", **kwargs))
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation

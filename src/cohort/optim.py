@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -37,7 +38,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         self.state = self.inner.state
 
     @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
+    def step(self, closure=None):
         # multi-tensor copies (one launch per few dozen tensors, casting on the way) instead of one per parameter
         pairs = [(p, m) for p, m in zip(self.params, self.masters) if p.grad is not None]
         for m in self.masters:
@@ -56,10 +57,10 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             p.grad = None
         self.inner.zero_grad(set_to_none=True)
 
-    def state_dict(self):  # type: ignore[override]
+    def state_dict(self):
         return {"inner": self.inner.state_dict(), "masters": [m.detach().clone() for m in self.masters]}
 
-    def load_state_dict(self, state):  # type: ignore[override]
+    def load_state_dict(self, state):
         self.inner.load_state_dict(state["inner"])
         with torch.no_grad():
             for p, m, saved in zip(self.params, self.masters, state["masters"]):
@@ -102,7 +103,7 @@ class HostOffloadAdamW(torch.optim.Optimizer):
         return host
 
     @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
+    def step(self, closure=None):
         for opt in self.inner:
             live = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
             if not live:
@@ -129,7 +130,7 @@ class HostOffloadAdamW(torch.optim.Optimizer):
             p.grad = None
 
     @property
-    def state(self):  # type: ignore[override]
+    def state(self):
         merged = {}
         for opt in getattr(self, "inner", []):
             merged.update(opt.state)
@@ -139,12 +140,12 @@ class HostOffloadAdamW(torch.optim.Optimizer):
     def state(self, value) -> None:  # torch.optim.Optimizer.__init__ assigns it; the inner optimizers own it
         pass
 
-    def state_dict(self):  # type: ignore[override]
+    def state_dict(self):
         if self._pin:  # the last step's moment copies into host memory are asynchronous: let them land first
             torch.cuda.synchronize()
         return {"buckets": [opt.state_dict() for opt in self.inner]}
 
-    def load_state_dict(self, state):  # type: ignore[override]
+    def load_state_dict(self, state):
         for opt, saved in zip(self.inner, state["buckets"], strict=True):
             opt.load_state_dict(saved)
             for st in opt.state.values():  # load_state_dict moves tensors to the parameters' device
@@ -160,7 +161,7 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, b
     moments live in the parameters' dtype, as in TRL's bf16 runs: 6 bytes per parameter less).
     offload=True (needs master_weights=False or fp32 parameters) keeps the moments in host memory."""
     params = [p for p in model.parameters() if p.requires_grad]
-    kwargs = {"lr": lr, "weight_decay": weight_decay, "betas": betas, "eps": eps}
+    kwargs: dict[str, Any] = {"lr": lr, "weight_decay": weight_decay, "betas": betas, "eps": eps}
     if params and params[0].is_cuda:
         kwargs["fused"] = True  # one kernel for all parameters instead of a loop of small ones
     low_precision = bool(params) and params[0].dtype in (torch.bfloat16, torch.float16)

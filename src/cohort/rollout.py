@@ -98,7 +98,7 @@ def generate_in_environments(turn_loop, engine: RolloutEngine, tokenizer, batch:
     from cohort.data.dataset import _tokenize_prompt
 
     envs, g = turn_loop.environments, params.n
-    n_prompts = len(batch.prompt_ids)
+    n_prompts = len(_encoded(batch))
     rows = [{"prompt": batch.prompts[i], **{k: v[i] for k, v in batch.columns.items()}}
             for i in range(n_prompts) for _ in range(g)]
     sessions = envs.start(rows)
@@ -108,7 +108,7 @@ def generate_in_environments(turn_loop, engine: RolloutEngine, tokenizer, batch:
     def encode(r: int) -> list[int]:
         s = sessions[r]
         if s.observation is None and not envs.multi:  # the data's encoding (rendered with the same tools)
-            return list(batch.prompt_ids[r // g])
+            return list(_encoded(batch)[r // g])
         kwargs = {**turn_loop.template_kwargs, "tools": [t.schema for t in s.tools]}
         return _tokenize_prompt(tokenizer, prompts[r], "environment_factory", r, kwargs)
 
@@ -143,7 +143,7 @@ def _generate_and_score(engine: RolloutEngine, tokenizer, batch: PromptBatch, pa
     columns = {k: _repeat(v, g) for k, v in batch.columns.items()}
     prompts, per_rollout = _repeat(batch.prompts, g), None
     if turn_loop is None:
-        groups = engine.generate(batch.prompt_ids, params)
+        groups = engine.generate(_encoded(batch), params)
     elif getattr(turn_loop, "environments", None) is not None:
         env = generate_in_environments(turn_loop, engine, tokenizer, batch, params)
         groups, prompts, per_rollout = env.groups, env.prompts, (env.prompts, env.prompt_ids)
@@ -229,14 +229,14 @@ def collect_rollouts(
         completions, texts, result, per_rollout = _generate_and_score(engine, tokenizer, batch, params, reward_runner,
                                                                       trainer_state, turn_loop)
         zero = compute_advantages(result.rewards, g, **advantage_kwargs).is_std_zero.view(-1, g)[:, 0]
-        seen_groups += len(batch.prompt_ids)
+        seen_groups += len(_encoded(batch))
         zero_std_groups += int(zero.sum())
         keep = (~zero).nonzero().flatten().tolist()[:need]
         if tries >= max_resample_tries:  # the last try fills the step, all-equal groups included
             keep = sorted(keep + zero.nonzero().flatten().tolist()[:need - len(keep)])
         kept.append(_select_groups(batch, completions, texts, result, per_rollout, keep, g))
         batch = kept[-1][0]
-        have += len(batch.prompt_ids)
+        have += len(_encoded(batch))
     if gather_rewards is not None:  # the counts of every rank, so the metrics describe the whole step
         counts = gather_rewards(torch.tensor([zero_std_groups, seen_groups])).view(-1, 2).sum(dim=0)
         zero_std_groups, seen_groups = int(counts[0]), int(counts[1])
@@ -247,15 +247,22 @@ def collect_rollouts(
                      gather_rewards, rank)
 
 
+def _encoded(batch: PromptBatch) -> list[list[int]]:
+    """The batch's prompt token ids: rollouts need an encoded dataset (PromptDataset.encode)."""
+    if batch.prompt_ids is None:
+        raise ValueError("rollouts need tokenized prompts: encode the dataset first (PromptDataset.encode)")
+    return batch.prompt_ids
+
+
 def _first_prompts(batch: PromptBatch, count: int) -> PromptBatch:
-    return PromptBatch(prompts=batch.prompts[:count], prompt_ids=batch.prompt_ids[:count],
+    return PromptBatch(prompts=batch.prompts[:count], prompt_ids=_encoded(batch)[:count],
                        columns={k: v[:count] for k, v in batch.columns.items()}, indices=batch.indices[:count])
 
 
 def _select_groups(batch: PromptBatch, completions, texts, result, per_rollout, keep: list[int], g: int):
     rows = [i * g + j for i in keep for j in range(g)]
     new_batch = PromptBatch(
-        prompts=[batch.prompts[i] for i in keep], prompt_ids=[batch.prompt_ids[i] for i in keep],
+        prompts=[batch.prompts[i] for i in keep], prompt_ids=[_encoded(batch)[i] for i in keep],
         columns={k: [v[i] for i in keep] for k, v in batch.columns.items()},
         indices=[batch.indices[i] for i in keep],
     )

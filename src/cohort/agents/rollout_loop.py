@@ -93,13 +93,15 @@ class TurnLoop:
         convs = {(i, j): _Conversation(_prompt_messages(prompts[i] if prompts is not None else None))
                  for i in range(len(prompt_ids)) for j in range(params.n)}
         lock = threading.Lock()
+        parser = self.parser
+        assert parser is not None  # __post_init__ sets the default parser
         with ThreadPoolExecutor(self.max_workers, thread_name_prefix="cohort-turns") as pool:
 
             def on_turn_end(turn: TurnEnd):
                 if self.max_iterations is not None and turn.turn > self.max_iterations:
                     return None
                 raw = self.tokenizer.decode(turn.turn_ids, skip_special_tokens=False)
-                calls = self.parser(raw, self.tokenizer)
+                calls = parser(raw, self.tokenizer)
                 if not calls:
                     return None
                 conv = convs[(turn.prompt_index, turn.sample_index)]
@@ -120,8 +122,9 @@ class TurnLoop:
         from cohort.agents.messages import assistant_message, tool_result_messages
 
         turns: list[list[int]] = []
-        for k, (token, sampled) in enumerate(zip(completion.token_ids, completion.mask or [])):
-            if sampled and (k == 0 or not completion.mask[k - 1]):
+        mask = completion.mask or []
+        for k, (token, sampled) in enumerate(zip(completion.token_ids, mask)):
+            if sampled and (k == 0 or not mask[k - 1]):
                 turns.append([])
             if sampled:
                 turns[-1].append(token)

@@ -31,7 +31,7 @@ from .corrections import (
     sampler_is_weights,
 )
 from .kl import KL_ESTIMATORS, kl_penalty
-from .loss_io import AGGREGATIONS, LossInputs, LossOutput, aggregate
+from .loss_io import AGGREGATIONS, Count, LossInputs, LossOutput, aggregate
 
 
 @dataclass
@@ -45,8 +45,8 @@ class RatioContext:
     log_ratio: torch.Tensor
     ratio: torch.Tensor
     sampler_weights: torch.Tensor | None
-    num_tokens: object
-    num_sequences: object
+    num_tokens: Count
+    num_sequences: Count
 
 
 @dataclass
@@ -200,6 +200,7 @@ class PolicyLoss:
 
     def _sampler_metrics(self, ctx: RatioContext) -> dict[str, torch.Tensor]:
         w = ctx.sampler_weights
+        assert w is not None  # called only when sampler weights were computed
         flat = w.reshape(-1) if w.shape[-1] == 1 and ctx.mask.shape[-1] != 1 else w[ctx.mask.bool()]
         empty = flat.numel() == 0
         nan = torch.tensor(torch.nan, dtype=w.dtype, device=w.device)

@@ -47,7 +47,8 @@ class ClippedLoss(PolicyLoss):
 
     def objective(self, ctx: RatioContext) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ratio, adv = ctx.ratio, ctx.advantages
-        clipped = torch.clamp(ratio, 1 - self.epsilon, 1 + self.epsilon_high)
+        eps_high = self.epsilon if self.epsilon_high is None else self.epsilon_high  # set in __post_init__
+        clipped = torch.clamp(ratio, 1 - self.epsilon, 1 + eps_high)
         if self.delta is not None:
             ratio = torch.clamp(ratio, max=self.delta)
         per_token = -torch.min(ratio * adv, clipped * adv)
@@ -58,7 +59,7 @@ class ClippedLoss(PolicyLoss):
             per_token = torch.where(adv < 0, torch.min(per_token, bound), per_token)
             metrics["clip_ratio/dual_mean"] = self._mean(dual.to(ratio.dtype), ctx)
         low = ((ratio < 1 - self.epsilon) & (adv < 0)).to(ratio.dtype)
-        high = ((ratio > 1 + self.epsilon_high) & (adv > 0)).to(ratio.dtype)
+        high = ((ratio > 1 + eps_high) & (adv > 0)).to(ratio.dtype)
         metrics.update({
             "clip_ratio/low_mean": self._mean(low, ctx),
             "clip_ratio/high_mean": self._mean(high, ctx),

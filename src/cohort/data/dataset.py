@@ -96,7 +96,7 @@ class PromptDataset(Sequence):
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i):
         return self.rows[i]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -163,7 +163,8 @@ class PromptDataset(Sequence):
         if max_prompt_length is not None and max_prompt_length < 1:
             raise ConfigError(f"max_prompt_length={max_prompt_length} must be >= 1 (or None for no limit).")
         stats = EncodeStats(num_prompts=len(self.rows), max_prompt_length=max_prompt_length)
-        kept_rows, kept_ids = [], []
+        kept_rows: list[dict[str, Any]] = []
+        kept_ids: list[list[int]] = []
         for i, row in enumerate(self.rows):
             ids = _tokenize_prompt(tokenizer, row["prompt"], self.source, i, dict(chat_template_kwargs or {}))
             stats.longest_prompt_tokens = max(stats.longest_prompt_tokens, len(ids))
@@ -190,7 +191,8 @@ class PromptDataset(Sequence):
         s = self.stats
         stats = EncodeStats(num_prompts=s.num_prompts, num_truncated=s.num_truncated, num_dropped=s.num_dropped,
                             max_prompt_length=max_prompt_length, longest_prompt_tokens=s.longest_prompt_tokens)
-        kept_rows, kept_ids = [], []
+        kept_rows: list[dict[str, Any]] = []
+        kept_ids: list[list[int]] = []
         for row, ids in zip(self.rows, self.prompt_ids, strict=True):
             _keep(row, ids, max_prompt_length, truncation, stats, kept_rows, kept_ids)
         if not kept_rows:

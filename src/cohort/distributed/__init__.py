@@ -51,11 +51,11 @@ def init_from_env(timeout_s: float | None = None) -> DistInfo:
     environment already says otherwise) instead of hanging the launch. None: torch's default."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)  # None: torch's default
         if torch.cuda.is_available():
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", **kwargs)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
     return current()
 
 

@@ -243,7 +243,7 @@ def load_full_weights(path: Path, model: torch.nn.Module, read_full: Any) -> Non
     model's names first. Rank 0 checks the keys and tells every rank the verdict, so all raise or none does.
     """
     live = _drop_frozen(model, get_model_state_dict(model, options=_options(model)))
-    full: dict[str, torch.Tensor] = {}
+    full: dict[str, Any] = {}  # tensors; typed as set_model_state_dict's (invariant) dict of state values
     verdict: list[str | None] = [None]
     error: Exception | None = None
     if rank() == 0:

@@ -24,12 +24,16 @@ from __future__ import annotations
 import copy
 import time
 import types
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from cohort.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 PACKED_METHOD = "cohort_packed_pass"
 
@@ -52,7 +56,8 @@ def ensure_process_group(device: torch.device) -> None:
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder blocks of a *ForCausalLM, also inside a PEFT wrapper."""
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    get_base = getattr(model, "get_base_model", None)
+    base = get_base() if callable(get_base) else model
     body = getattr(base, "model", None)
     layers = getattr(body, "layers", None)
     if layers is None:
@@ -109,14 +114,14 @@ class WeightGather:
     def _gather_unit(self, unit: nn.Module) -> None:
         from torch.distributed.tensor import DTensor
 
-        unit.unshard()  # one all-gather of the unit's shards, in the compute dtype
+        _sharded(unit).unshard()  # one all-gather of the unit's shards, in the compute dtype
         try:
             for name, p in unit.named_parameters(remove_duplicate=False):
                 if isinstance(p, DTensor):  # a child unit's parameter: gathered with that unit
                     continue
                 self.targets[self.prefix[id(unit)] + name].copy_(p)
         finally:
-            unit.reshard()
+            _sharded(unit).reshard()
 
     def _gather_trainable(self) -> None:
         from torch.distributed.tensor import DTensor
@@ -151,6 +156,15 @@ def _upcast_trainable(module: nn.Module, recurse: bool) -> None:
             p.data = p.data.float()
 
 
+def _sharded(unit: nn.Module) -> FSDPModule:
+    """`unit` as the FSDPModule fully_shard made of it (fully_shard swaps the module's class at run time)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(unit, FSDPModule):
+        raise TypeError(f"{type(unit).__name__} is not sharded: call shard_model first")
+    return unit
+
+
 def shard_model(model: nn.Module, *, device: torch.device, master_weights: bool, trainable: bool = True,
                 reshard_after_forward: bool = True) -> list[nn.Module]:
     """fully_shard every decoder layer, then the root; returns the units (layers first, root last).
@@ -178,9 +192,10 @@ def shard_model(model: nn.Module, *, device: torch.device, master_weights: bool,
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     units.append(model)
     for unit in units:
-        unit.set_gradient_divide_factor(1.0)
-        if hasattr(unit, "set_force_sum_reduction_for_comms"):  # plain SUM: gloo has no PREMUL_SUM
-            unit.set_force_sum_reduction_for_comms(True)
+        sharded = _sharded(unit)
+        sharded.set_gradient_divide_factor(1.0)
+        if hasattr(sharded, "set_force_sum_reduction_for_comms"):  # plain SUM: gloo has no PREMUL_SUM
+            sharded.set_force_sum_reduction_for_comms(True)
     _register_packed_pass(model)
     return units
 

@@ -128,6 +128,7 @@ class GradientReducer:
                 self._next += 1
             self.armed = False  # a hook firing from here on is a backward outside the protocol: ignored
         for bucket in self.buckets:
+            assert bucket.work is not None  # every bucket was launched above
             bucket.work.wait()
         for bucket in self.buckets:
             self._write_back(bucket)
@@ -187,6 +188,7 @@ class GradientReducer:
 
     def _write_back(self, bucket: _Bucket) -> None:
         buf = bucket.buffer
+        assert buf is not None  # _launch filled it
         flags = None
         for k, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
             part = buf[offset:offset + p.numel()]

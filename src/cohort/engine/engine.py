@@ -208,7 +208,7 @@ class CohortEngine:
         return f"cohort engine ({self.runner.attention.name}, {graphs}, sampler={'triton' if self.sampler.use_triton else 'torch'}{fused})"
 
     # ---- internals ---------------------------------------------------------------------------------
-    def _add(self, index: int, prompt: list[int], params: SamplingParams, multi_turn: bool = False) -> list[Sequence]:
+    def _add(self, index: int, prompt: Seq[int], params: SamplingParams, multi_turn: bool = False) -> list[Sequence]:
         self._validate(index, prompt, params)
         base = params.seed if params.seed is not None else self._rng.getrandbits(62)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
@@ -227,7 +227,7 @@ class CohortEngine:
             self.scheduler.add(PrefillUnit(seqs[start : start + chunk]))
         return seqs
 
-    def _validate(self, index: int, prompt: list[int], params: SamplingParams) -> None:
+    def _validate(self, index: int, prompt: Seq[int], params: SamplingParams) -> None:
         if not prompt:
             raise ValueError(f"prompt {index} is empty; the engine needs at least one token (e.g. BOS).")
         if params.n < 1 or params.max_tokens < 1:

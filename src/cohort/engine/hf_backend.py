@@ -93,8 +93,8 @@ class HFGenerateEngine:
                  for j, c in enumerate(group)]
         live = [c for c in convs if c.finish_reason == "stop"]
         while live:
-            replies = [on_turn_end(c.turn_end()) for c in live]
-            replies = [r.result() if isinstance(r, Future) else r for r in replies]
+            pending = [on_turn_end(c.turn_end()) for c in live]
+            replies: list[list[int] | None] = [r.result() if isinstance(r, Future) else r for r in pending]
             following = []
             for conv, tokens in zip(live, replies):
                 if not tokens:
@@ -176,7 +176,9 @@ class _Conversation:
 
     def __init__(self, index: int, sample: int, prompt: list[int], first: Completion) -> None:
         self.index, self.sample, self.prompt = index, sample, prompt
-        self.ids, self.logprobs, self.mask = [], [], []
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.mask: list[int] = []
         self.turns, self.turn_start = 0, 0
         self.add_turn(first)
 

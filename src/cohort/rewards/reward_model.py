@@ -55,11 +55,11 @@ class RewardModel:
         self.__name__ = self.name
 
     def texts(self, prompts: list[Any], completions: list[Any]) -> list[str]:
-        out = []
+        out: list[str] = []
         for p, c in zip(prompts, completions, strict=True):
             if isinstance(p, list):
                 messages = list(p) + (list(c) if isinstance(c, list) else [{"role": "assistant", "content": c}])
-                out.append(self.tokenizer.apply_chat_template(messages, tokenize=False))
+                out.append(str(self.tokenizer.apply_chat_template(messages, tokenize=False)))  # tokenize=False: text
             else:
                 out.append(str(p) + completion_text(c))
         return out
