@@ -27,7 +27,7 @@ import dataclasses
 import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -68,7 +68,7 @@ class DataConfig:
     # prompt and before each conversational prompt's own messages: a small model copies their format
     few_shot: list[dict[str, Any]] = field(default_factory=list)
     max_prompt_length: int = 512
-    truncation: str = "left"  # left: keep the end of a long prompt (TRL); drop: skip the row
+    truncation: Literal["left", "drop"] = "left"  # left: keep the end of a long prompt (TRL); drop: skip the row
     eval_source: str | None = None  # default: a held-out split of `source`
     eval_options: dict[str, Any] = field(default_factory=dict)
     eval_size: int = 0
@@ -114,7 +114,7 @@ class RewardConfig:
     funcs: list[Any] = field(default_factory=lambda: ["accuracy"])  # names, "pkg.mod:fn", or {name: kwargs}
     reward_weights: list[float] | None = None
     timeout_s: float | None = None
-    on_error: str = "raise"  # raise | skip (the sample's reward becomes None and is counted)
+    on_error: Literal["raise", "skip"] = "raise"  # skip: the sample's reward becomes None and is counted
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more
     max_resample_tries: int = 3
     max_oversample: int = 4  # a resampling try draws at most this many times the missing prompts
@@ -318,7 +318,7 @@ class CohortConfig:
                  "use a positive number of seconds")
         factory = self.agent.environment_factory
         _require(factory is None or isinstance(factory, str) or callable(factory)
-                 or (isinstance(factory, dict) and factory and all(isinstance(v, str) or callable(v)
+                 or (isinstance(factory, dict) and bool(factory) and all(isinstance(v, str) or callable(v)
                                                                     for v in factory.values())),
                  "agent.environment_factory", factory,
                  "give 'pkg.module:Class', or a mapping {name: 'pkg.module:Class'} routed by the 'environment' column")
@@ -347,7 +347,8 @@ def _plain(value: Any) -> Any:
 
 
 def _section_types() -> dict[str, type]:
-    return {f.name: f.default_factory().__class__ for f in dataclasses.fields(CohortConfig)}  # type: ignore[misc]
+    defaults = CohortConfig()  # every field is a section dataclass with a default factory
+    return {f.name: type(getattr(defaults, f.name)) for f in dataclasses.fields(CohortConfig)}
 
 
 def _did_you_mean(key: str, options: list[str]) -> str:

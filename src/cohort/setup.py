@@ -250,7 +250,8 @@ def _turn_loop(cfg: CohortConfig, tokenizer, environments=None):
 
 def _data(cfg: CohortConfig, tokenizer, echo, tools=None, policy=None, processor=None):
     d = cfg.data
-    common = {"prompt_column": d.prompt_column, "system_prompt": d.system_prompt, "few_shot": d.few_shot}
+    common: dict[str, Any] = {"prompt_column": d.prompt_column, "system_prompt": d.system_prompt,
+                              "few_shot": d.few_shot}
     train = load_prompt_dataset(d.source, split=d.split, **common, **d.options)
     if d.eval_source:
         evald = load_prompt_dataset(d.eval_source, **common, **d.eval_options)
