@@ -203,6 +203,9 @@ class RunConfig:
     resume: bool | str = False  # true: from the newest checkpoint in output_dir; a path: from that checkpoint
     logging_steps: int = 1
     save_steps: int = 0  # 0: only at the end
+    # false: no checkpoint when training ends (TRL's save_strategy='no' with save_steps=0: none at all);
+    # run.time_limit_s still saves the checkpoint it stops at, to resume from
+    save_at_end: bool = True
     save_total_limit: int | None = 2
     # TRL's name: checkpoints without optimizer state (about 2/3 smaller with Adam); --resume then loads the
     # weights, data position, schedule and RNG, and Adam's moments restart from zero (it says so)

@@ -50,10 +50,14 @@ class TrainResult:
     stopped_at: int | None = None  # the step a time limit stopped the run at (resume to continue)
 
 
-# A hook is called as hook(event, step, payload) at "train_begin", "log" (payload: the step's metrics, after
-# they are logged), "save" ({"path": checkpoint folder}), "evaluate" (the held-out metrics) and "train_end";
-# a truthy return from "log" ends training after that step (with its checkpoint). The TRL facade's callbacks
-# ride on this; the loop knows nothing else about them.
+# A hook is called as hook(event, step, payload) at "train_begin", "resume" (after a checkpoint is loaded;
+# payload: the "hooks" state saved with it), "step_begin" (before the step generates), "update_begin",
+# "pre_optimizer_step", "optimizer_step", "update_end" (each optimiser update of the step), "log" (payload:
+# the step's metrics, after they are logged), "checkpoint_state" (before a save, on every rank; the hook adds
+# JSON-able entries to the payload dict, saved in the checkpoint and handed back at "resume"), "save"
+# ({"path": checkpoint folder, None on ranks that write none}), "evaluate" (the held-out metrics) and
+# "train_end"; a truthy return from "log" ends training after that step (with its checkpoint unless
+# run.save_at_end is false). The TRL facade's callbacks ride on this; the loop knows nothing else about them.
 Hook = Callable[[str, int, dict], Any]
 
 
@@ -145,8 +149,10 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo, hooks: S
             reduce_every_micro_batch=t.fsdp_reduce_every_micro_batch,
             max_nonfinite_updates=t.max_nonfinite_updates),
         grad_reducer=_grad_reducer(cfg, comp))
+    if hooks:
+        updater.on_update = lambda event: _emit(hooks, event, updater.step)
     result, started = TrainResult(run_dir=run_dir), time.monotonic()
-    start_step = _resume(cfg, comp, run_dir, sampler, result, echo, updater) if cfg.run.resume else 0
+    start_step = _resume(cfg, comp, run_dir, sampler, result, echo, updater, hooks) if cfg.run.resume else 0
     logger = MetricLogger(run_dir, total_steps=t.max_steps, report_to=cfg.run.report_to,
                           start_step=start_step) if main else _NoLogger()
     step, stopped = start_step, False
@@ -159,6 +165,7 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo, hooks: S
             echo("eval before training: " + _fmt(result.eval_before))
         while step < t.max_steps and not stopped and not _budget_spent(cfg, comp):
             step += 1
+            _emit(hooks, "step_begin", step)
             metrics = _step(cfg, comp, sampler, updater, step, pipeline)
             if step == start_step + 1:  # prompt truncation/drop counts, logged with the first step
                 metrics.update(getattr(comp.train_data.stats, "as_metrics", dict)())
@@ -175,11 +182,17 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo, hooks: S
                 last = stopped = True
             # a sharded checkpoint is written by every rank (each its shards); otherwise rank 0 alone
             writer = main or t.sharding == "fsdp"
-            if writer and ((cfg.run.save_steps and step % cfg.run.save_steps == 0) or last or out_of_time):
-                with distributed.phase("save", step):
-                    saved = _save(cfg, comp, run_dir, step, _checkpoint_sampler(sampler, pipeline, step), result, updater)
-                if saved is not None:  # (the benchmarks replace _save by a no-op)
-                    echo(f"checkpoint {saved.name}: {ckpt.describe_size(saved)}")
+            if ((cfg.run.save_steps and step % cfg.run.save_steps == 0) or (last and cfg.run.save_at_end)
+                    or out_of_time):
+                hook_state: dict[str, Any] = {}
+                _emit(hooks, "checkpoint_state", step, hook_state)
+                saved = None
+                if writer:
+                    with distributed.phase("save", step):
+                        saved = _save(cfg, comp, run_dir, step, _checkpoint_sampler(sampler, pipeline, step), result,
+                                      updater, hook_state)
+                    if saved is not None:  # (the benchmarks replace _save by a no-op)
+                        echo(f"checkpoint {saved.name}: {ckpt.describe_size(saved)}")
                 _emit(hooks, "save", step, {"path": saved})
             if out_of_time and not last:
                 echo(f"run.time_limit_s={cfg.run.time_limit_s} reached after step {step}: checkpoint saved; "
@@ -204,7 +217,7 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo, hooks: S
 
 
 def _resume(cfg: CohortConfig, comp: Components, run_dir: Path, sampler, result: TrainResult, echo,
-            updater: PolicyUpdater | None = None) -> int:
+            updater: PolicyUpdater | None = None, hooks: Sequence[Hook] = ()) -> int:
     """Load the newest complete checkpoint into the live objects; returns its step (0 when none)."""
     # run.resume: true resumes from the newest checkpoint, a path from that checkpoint folder
     latest = ckpt.latest_checkpoint(run_dir) if cfg.run.resume is True else Path(str(cfg.run.resume))
@@ -225,6 +238,7 @@ def _resume(cfg: CohortConfig, comp: Components, run_dir: Path, sampler, result:
     result.eval_before = state.get("eval_before", {})
     comp.engine.sync_weights()
     echo(f"resumed from {latest} at step {state['step']}")
+    _emit(hooks, "resume", int(state["step"]), dict(state.get("hooks", {})))
     return int(state["step"])
 
 
@@ -327,7 +341,7 @@ def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, 
 
 
 def _save(cfg: CohortConfig, comp: Components, run_dir: Path, step: int, sampler, result: TrainResult,
-          updater: PolicyUpdater | None = None) -> Path:
+          updater: PolicyUpdater | None = None, hook_state: dict | None = None) -> Path:
     return ckpt.save_checkpoint(
         run_dir, step, model=comp.policy, tokenizer=getattr(comp, "processor", None) or comp.tokenizer,
         optimizer=None if cfg.run.save_only_model else comp.optimizer,
@@ -335,7 +349,8 @@ def _save(cfg: CohortConfig, comp: Components, run_dir: Path, step: int, sampler
         trainer_state={"step": step, "sampler": sampler.state_dict(), "num_tokens": comp.num_tokens,
                        "train_time_s": comp.train_time_s,
                        "nonfinite_streak": updater.nonfinite_streak if updater is not None else 0,
-                       "eval_before": result.eval_before, "config": dump_config(cfg)})
+                       "eval_before": result.eval_before, "config": dump_config(cfg),
+                       **({"hooks": hook_state} if hook_state else {})})
 
 
 def _sample_prompt(prompt: Any, keep: int = 500) -> Any:

@@ -20,8 +20,9 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -61,7 +62,7 @@ def pad_rows(rows: Sequence[torch.Tensor], width: int, value: float = 0.0) -> to
 
 class PolicyUpdater:
     def __init__(self, policy, optimizer, scheduler, loss_fn, settings: UpdateSettings, *, reference=None,
-                 device: torch.device | str = "cpu", grad_reducer=None):
+                 device: torch.device | str = "cpu", grad_reducer=None, on_update=None):
         self.policy, self.optimizer, self.scheduler = policy, optimizer, scheduler
         self.loss_fn, self.s, self.reference, self.device = loss_fn, settings, reference, torch.device(device)
         # data parallel without sharding: sums gradients over ranks while the last backward runs
@@ -70,6 +71,10 @@ class PolicyUpdater:
         # optimiser updates skipped in a row for a non-finite loss or gradient norm (kept in checkpoints)
         self.nonfinite_streak = 0
         self.step = 0  # the training step being updated, for the error message
+        # on_update(event): "update_begin", "pre_optimizer_step" (gradients reduced and clipped),
+        # "optimizer_step", "update_end" (scheduler stepped, gradients zeroed), for each optimiser update; the
+        # trainer's hooks ride on it (the TRL facade's on_step_begin / on_pre_optimizer_step / ... callbacks)
+        self.on_update: Callable[[str], Any] = on_update or (lambda event: None)
 
     def _micro_batches(self, lengths: list[int]) -> list[list[int]]:
         """Token-budget micro-batches; sharded, every rank runs as many as the rank that needs the most
@@ -105,6 +110,7 @@ class PolicyUpdater:
         num_tokens = distributed.all_sum(sum(sum(batch.token_mask(r)) for r in rows))
         num_sequences = int(distributed.all_sum(len(rows)))
         lengths = [len(batch.prompt_ids[r]) + len(batch.completion_ids[r]) for r in rows]
+        self.on_update("update_begin")
         self.policy.train()
         parts: list[dict] = []
         finite = torch.ones((), dtype=torch.bool, device=self.device)  # read once, after the last backward
@@ -145,16 +151,19 @@ class PolicyUpdater:
         sums["grad_norm"] += grad_norm
         # every rank takes the same decision: a NaN on one rank's loss skips the update everywhere
         skip = distributed.any_rank(not (bool(finite) and math.isfinite(grad_norm)))
+        self.on_update("pre_optimizer_step")
         if skip:  # no optimizer.step(): weights and Adam's state stay as they are; the gradients go below
             sums["skipped_updates"] += 1
             self.nonfinite_streak += 1
         else:
             self.optimizer.step()
             self.nonfinite_streak = 0
+        self.on_update("optimizer_step")
         with warnings.catch_warnings():  # a skipped first update: torch warns of a scheduler step before any
             warnings.simplefilter("ignore", UserWarning)  # optimizer step, on purpose here
             self.scheduler.step()  # the schedule counts updates, taken or skipped (as with AMP's skipped steps)
         self.optimizer.zero_grad(set_to_none=True)
+        self.on_update("update_end")
         if self.nonfinite_streak >= self.s.max_nonfinite_updates:
             raise NonFiniteUpdateError(
                 f"step {self.step}: the loss or gradient norm was non-finite (NaN or inf) in "

@@ -224,3 +224,49 @@ def test_trl_command_line_parsers_build_cohorts_config():
 def test_logging_strategy_no():
     cfg = GRPOConfig(logging_strategy="no", report_to="tensorboard").to_cohort(num_rows=8)
     assert cfg.run.logging_steps == 0 and cfg.run.report_to == ["console"]
+
+
+# ------------------------------------------------------------------------- a trl.GRPOConfig object as args
+_SCRIPTS = [
+    dict(output_dir="out", use_cpu=True, bf16=False),
+    dict(output_dir="out", use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=4,
+         steps_per_generation=4, gradient_accumulation_steps=2, max_steps=10, logging_steps=2, save_strategy="no",
+         lr_scheduler_type="cosine", warmup_steps=0.1, report_to="none", learning_rate=3e-6, beta=0.04,
+         loss_type="grpo", scale_rewards="batch", gradient_checkpointing=False, max_completion_length=64,
+         generation_kwargs={"stop_strings": ["</answer>"]}, chat_template_kwargs={"enable_thinking": False}),
+]
+
+
+@pytest.mark.parametrize("kwargs", _SCRIPTS)
+def test_a_trl_config_object_maps_as_cohorts_own(kwargs, caplog):
+    theirs = trl.GRPOConfig(**kwargs)
+    with caplog.at_level(logging.WARNING, logger="cohort.trl_compat"):
+        converted = GRPOConfig.from_trl(theirs)
+    assert not caplog.records, caplog.text  # TRL's resolved defaults are defaults, nothing to announce
+    ours = GRPOConfig(**kwargs)
+    assert converted.to_cohort(num_rows=64).to_dict() == ours.to_cohort(num_rows=64).to_dict()
+    assert converted.chat_template_kwargs == ours.chat_template_kwargs
+
+
+def test_a_trl_config_object_keeps_trls_resolved_bf16_and_its_checks():
+    # TRL resolves bf16=None to True (bfloat16 even with use_cpu): the converted config means the same
+    assert GRPOConfig.from_trl(trl.GRPOConfig(output_dir="out", use_cpu=True)).to_cohort(64).model.dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="sync_ref_model"):
+        GRPOConfig.from_trl(trl.GRPOConfig(output_dir="out", use_cpu=True, sync_ref_model=True))
+
+
+def test_a_trl_config_object_is_accepted_by_the_trainer(tmp_path):
+    from tests.helpers.tiny_tokenizer import make_tiny_tokenizer
+    from tests.helpers.toy_task import digit_share, tiny_model, toy_rows
+
+    tok = make_tiny_tokenizer()
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, per_device_train_batch_size=8,
+                          num_generations=4, max_completion_length=6, max_steps=1, report_to="none",
+                          gradient_checkpointing=False)
+    trainer = cohort.GRPOTrainer(model=tiny_model(tok), processing_class=tok, reward_funcs=digit_share, args=args,
+                                 train_dataset=toy_rows())
+    assert isinstance(trainer.args, GRPOConfig) and trainer.config.train.prompts_per_step == 2
+    assert len(trainer.train().history) == 1
+    with pytest.raises(ConfigError, match="takes a GRPOConfig"):
+        cohort.GRPOTrainer(model=tiny_model(tok), processing_class=tok, reward_funcs=digit_share,
+                           args=object(), train_dataset=toy_rows())

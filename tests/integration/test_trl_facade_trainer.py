@@ -53,8 +53,8 @@ def test_callbacks_in_order_with_trl_state_and_log_history(tmp_path):
     trainer = _trainer(tmp_path, callbacks=[rec], save_steps=1)
     trainer.train()
     names = [e for e, _ in rec.events]
-    assert names == ["on_init_end", "on_train_begin", "on_epoch_begin",
-                     "on_step_end", "on_log", "on_save", "on_step_end", "on_log", "on_save",
+    one_step = ["on_step_begin", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_log", "on_save"]
+    assert names == ["on_init_end", "on_train_begin", "on_epoch_begin", *one_step, *one_step,
                      "on_epoch_end", "on_log", "on_train_end"]
     assert [s for e, s in rec.events if e == "on_save"] == [1, 2]
     history = trainer.state.log_history
@@ -74,6 +74,12 @@ def test_should_training_stop_ends_after_the_step_with_a_checkpoint(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "step-000001").is_dir()
 
 
+def _clock(key: str) -> bool:
+    """Metrics that measure wall-clock time (they differ between any two runs)."""
+    return key.startswith(("time/", "train_runtime", "train_samples_per", "train_steps_per")) or key in (
+        "step_time", "train_time", "tokens_per_second", "completions_per_second")
+
+
 def test_resume_from_checkpoint_equals_an_uninterrupted_run(tmp_path):
     tok = make_tiny_tokenizer()
     full = _trainer(tmp_path / "a", tok, max_steps=4)
@@ -86,6 +92,13 @@ def test_resume_from_checkpoint_equals_an_uninterrupted_run(tmp_path):
     for a, b in zip(full.model.state_dict().values(), resumed.model.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert [r["reward"] for r in full.result.history[2:]] == [r["reward"] for r in result.history]
+    # TrainerState restored from the checkpoint: the same log_history (all but wall-clock values), step, epoch
+    assert (resumed.state.global_step, resumed.state.epoch) == (full.state.global_step, full.state.epoch) == (4, 0.16)
+    assert [r["step"] for r in resumed.state.log_history] == [r["step"] for r in full.state.log_history] == [1, 2, 3, 4, 4]
+    for a, b in zip(full.state.log_history[:-1], resumed.state.log_history[:-1], strict=True):
+        assert set(a) == set(b)
+        assert {k: v for k, v in a.items() if not _clock(k)} == {k: v for k, v in b.items() if not _clock(k)}
+    assert set(full.state.log_history[-1]) == set(resumed.state.log_history[-1])  # the closing row
     # from an explicit checkpoint folder, into another output_dir
     elsewhere = _trainer(tmp_path / "c", tok, max_steps=4)
     step2 = tmp_path / "b" / "run" / "checkpoints" / "step-000002"
@@ -237,3 +250,26 @@ def test_model_init_kwargs_disable_dropout_and_eval_on_start(tmp_path):
     with pytest.raises(ConfigError, match="revision"):
         GRPOTrainer(model=str(model_dir), reward_funcs=digit_share, train_dataset=toy_rows(),
                     args=_args(tmp_path, model_init_kwargs={"revision": "v2"}))
+
+
+def test_save_strategy_no_writes_no_checkpoint(tmp_path):
+    rec = Recorder()
+    trainer = _trainer(tmp_path, callbacks=[rec], save_strategy="no", max_steps=2)
+    trainer.train()
+    assert not list((tmp_path / "run").glob("checkpoints/step-*")), "save_strategy='no' wrote a checkpoint"
+    assert "on_save" not in [e for e, _ in rec.events]
+    trainer.save_model()  # as in TRL, an explicit save_model() still saves
+    assert (tmp_path / "run" / "config.json").is_file()
+
+
+def test_saved_trainer_state_is_strict_json_and_round_trips_non_finite_metrics():
+    import json
+    import math
+
+    from cohort.trl_compat.callbacks import _from_json, _to_json
+
+    history = [{"loss": float("nan"), "reward": 0.5, "grad_norm": float("inf"), "step": 1}, {"note": "x"}]
+    text = json.dumps(_to_json(history), allow_nan=False)  # what checkpoint.py requires
+    back = _from_json(json.loads(text))
+    assert math.isnan(back[0]["loss"]) and back[0]["grad_norm"] == math.inf and back[0]["reward"] == 0.5
+    assert back[1] == {"note": "x"}

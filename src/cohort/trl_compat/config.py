@@ -46,6 +46,30 @@ class _GRPOConfigBase:
                 log.warning("GRPOConfig(%s=%r): %s.", name, value, status.split(":", 1)[1].strip())
         self._batch()  # TRL checks the batch arithmetic when the config is made; so does this
 
+    @classmethod
+    def from_trl(cls, trl_args: Any) -> _GRPOConfigBase:
+        """cohort's GRPOConfig from a `trl.GRPOConfig` object, field by field through the same table.
+
+        TRL's __post_init__ resolves some defaults (enums, report_to -> [], pad_to_multiple_of, bf16,
+        generation_batch_size, ...); a field still equal to what TRL resolves its default to stays at the
+        default here, so only the values the user set are mapped, announced or rejected. bf16 is taken as
+        TRL resolved it (None -> True), and steps_per_generation carries the batch split.
+        """
+        # the same script's config with only the fields that steer TRL's resolution: its resolved defaults
+        steering = ("output_dir", "use_cpu", "bf16", "fp16")
+        reference = type(trl_args)(**{name: getattr(trl_args, name) for name in steering})
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(trl_args):
+            if f.name not in TABLE:
+                raise ConfigError(f"trl.GRPOConfig has a field {f.name!r} this cohort does not know (it follows "
+                                  "TRL 1.16); build cohort's GRPOConfig instead.")
+            value = getattr(trl_args, f.name)
+            if f.name == "generation_batch_size" or (f.name not in (*steering, "steps_per_generation")
+                                                      and _same(value, getattr(reference, f.name))):
+                continue
+            kwargs[f.name] = getattr(value, "value", value)  # enums as their strings
+        return cls(**kwargs)
+
     # ----------------------------------------------------------------------------------------- batches
     def _batch(self) -> tuple[int, int]:
         """(generation_batch_size, steps_per_generation) as TRL's __post_init__ resolves them."""
@@ -129,6 +153,7 @@ def _loss(args, cfg: CohortConfig) -> None:
     only when they differ from the loss's own default; TRL's epsilon_high=None means epsilon."""
     from cohort.algorithms import policy_loss_parameters
 
+    cfg.loss.loss_type = args.loss_type
     try:
         owned = policy_loss_parameters(args.loss_type)
     except Exception:  # (a user loss by import path: pass everything, it checks its own)
@@ -220,6 +245,7 @@ def _save_steps(a, cfg, value, *, per_gen, total, **_):
     strategy = str(getattr(a.save_strategy, "value", a.save_strategy))
     steps = math.ceil(total * value) if 0 < value < 1 else value
     cfg.run.save_steps = 0 if strategy == "no" else _in_steps(steps, per_gen)
+    cfg.run.save_at_end = strategy != "no"  # TRL: no checkpoint at all, only an explicit save_model()
 
 
 def _use_cpu(a, cfg, value, **_):

@@ -105,8 +105,8 @@ FIELDS: list[tuple[str, Any, str]] = [
     ("include_for_metrics", [], f"announce: {_EVAL_LOOP}"),
     ("batch_eval_metrics", False, f"announce: {_EVAL_LOOP}"),
     ("save_only_model", False, "run.save_only_model"),
-    ("save_strategy", "steps", "derived: 'steps' saves every save_steps; 'no' saves only the final model; "
-     "'epoch' and 'best' are rejected (use save_steps)"),
+    ("save_strategy", "steps", "derived: 'steps' saves every save_steps and at the end; 'no' writes no "
+     "checkpoint (run.save_at_end=false; save_model() still saves); 'epoch' and 'best' are rejected (use save_steps)"),
     ("save_steps", 500, "derived: run.save_steps in cohort steps (a value below 1 is a fraction of the run)"),
     ("save_on_each_node", False, f"announce: {_ONE_PROCESS}"),
     ("save_total_limit", None, "run.save_total_limit"),

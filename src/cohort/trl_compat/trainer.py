@@ -63,10 +63,12 @@ class GRPOTrainer:
         if args is None:  # TRL's rule: "<model name>-GRPO" in the working directory
             name = model if isinstance(model, str | os.PathLike) else getattr(model.config, "_name_or_path", "")
             args = GRPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1] or 'model'}-GRPO")
+        if not hasattr(args, "to_cohort"):
+            if not _is_trl_config(args):
+                raise ConfigError(f"GRPOTrainer(args=...) takes a GRPOConfig (cohort's, or TRL's trl.GRPOConfig); "
+                                  f"got {type(args).__module__}.{type(args).__name__}.")
+            args = GRPOConfig.from_trl(args)  # TRL's own config object: the same fields, the same mapping
         self.args = args
-        if not hasattr(self.args, "to_cohort"):
-            raise ConfigError(f"GRPOTrainer(args=...) takes cohort's GRPOConfig (same fields as TRL's); got "
-                              f"{type(self.args).__module__}.{type(self.args).__name__}: change its import too.")
         self.model, self.processing_class, self.peft_config = model, processing_class, peft_config
         self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
         self.reward_processing_classes = reward_processing_classes
@@ -80,6 +82,7 @@ class GRPOTrainer:
             self._train_rows = [dict(r) for r in itertools.islice(iter(train_dataset), needed)]
         self.config.reward.funcs = self.reward_funcs
         _model_init(self.args.model_init_kwargs, self.config)
+        _join_process_group(self.config)
         from cohort.trl_compat.callbacks import CallbackBridge
 
         self.callback_handler = CallbackBridge(self, list(callbacks or []))
@@ -200,7 +203,7 @@ class GRPOTrainer:
             self.evaluate()
         started = time.monotonic()
         self.result = train(cfg, self._comp, hooks=[self.callback_handler.hook])
-        self.callback_handler.finish(time.monotonic() - started)
+        self.callback_handler.finish(time.monotonic() - started, steps_done=len(self.result.history))
         if self.args.push_to_hub:  # TRL pushes the final model when training ends
             self.push_to_hub()
         return self.result
@@ -237,6 +240,8 @@ class GRPOTrainer:
         loadable with from_pretrained."""
         from cohort.checkpoint import _unwrap
 
+        if self.config.train.sharding != "fsdp" and not self.is_world_process_zero():
+            return  # every rank holds the same weights: rank 0 writes them, as TRL's should_save
         out = Path(output_dir or self.config.run.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         model = self._comp.policy if self._comp is not None else self.model
@@ -325,6 +330,23 @@ class _Accelerator:
         from cohort import distributed
 
         distributed.barrier()
+
+
+def _join_process_group(cfg) -> None:
+    """Under torchrun (WORLD_SIZE > 1), join the process group as TRL's Trainer does when it is made (gloo on
+    CPUs, NCCL on GPUs); at exit every rank meets at a barrier before the group ends, so no rank tears
+    communication down under a peer still saving or evaluating."""
+    from cohort import distributed
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not distributed.current().enabled:
+        import atexit
+
+        distributed.init_from_env(timeout_s=cfg.train.dist_timeout_s)
+        atexit.register(distributed.shutdown)
+
+
+def _is_trl_config(args) -> bool:
+    return type(args).__module__.split(".")[0] == "trl" and type(args).__name__ == "GRPOConfig"
 
 
 # ------------------------------------------------------------------------------------------------ data
