@@ -110,15 +110,8 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
 
         echo(f"generation: on the cohort server at {g.server_address} (generation.placement=server)")
         return RemoteEngine(g.server_address, policy, timeout_s=g.server_timeout_s,
-                            connect_timeout_s=g.server_connect_timeout_s, pusher=distributed.current().is_main)
-
-    g = cfg.generation
-    if g.placement == "server":  # a `cohort serve` process samples; rank 0 pushes the weights after each step
-        from cohort.serving import RemoteEngine
-
-        echo(f"generation: on the cohort server at {g.server_address} (generation.placement=server)")
-        return RemoteEngine(g.server_address, policy, timeout_s=g.server_timeout_s,
-                            connect_timeout_s=g.server_connect_timeout_s, pusher=distributed.current().is_main)
+                            connect_timeout_s=g.server_connect_timeout_s, pusher=distributed.current().is_main,
+                            session=_run_session())
 
     # a VLM the paged engine cannot run: the vision group engine (None for text models and supported VLMs)
     vlm = vision_engine(policy, tokenizer, _eos_ids(tokenizer, policy), echo, cfg.generation.engine)
@@ -139,6 +132,18 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
         echo(f"cohort engine does not support this model ({why}); falling back to Hugging Face generate")
     return HFGenerateEngine(policy, tokenizer, eos_token_ids=_eos_ids(tokenizer, policy),
                             batch_size=cfg.generation.generation_batch_size)
+
+
+def _run_session() -> str:
+    """One id for the run, the same on every rank (rank 0's): a server serves the weights its rank 0 pushed."""
+    import uuid
+
+    session = [uuid.uuid4().hex]
+    if distributed.current().enabled:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(session, src=0)
+    return session[0]
 
 
 def model_context(cfg: CohortConfig, policy) -> int | None:

@@ -95,3 +95,58 @@ def test_staleness_needs_server_placement(tmp_path):
     cfg = _config(tmp_path, "bad", steps=1, staleness=1)
     with pytest.raises(ConfigError, match=r"generation\.placement=server"):
         cfg.validate()
+
+
+def _rank(rank: int, world: int, out: str, init_file: str, address: str | None) -> None:
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from tests.integration.test_trainer_learns import toy_components
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        cfg = toy_config(Path(out), steps=2)
+        cfg.train.device = "cpu"
+        if address is not None:
+            cfg.generation.placement, cfg.generation.server_address = "server", address
+        comp = toy_components(cfg)
+        train(cfg, comp, echo=lambda *a: None)
+        torch.save({n: p.detach() for n, p in comp.policy.named_parameters()}, f"{out}/weights-{rank}.pt")
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_served_ranks_equal_one_colocated_rank(request, tmp_path, served):
+    """Rank 0 pushes, rank 1 only counts versions and its requests wait for rank 0's push of the same run.
+    About 50 s on 2 cores: runs with `-m slow` or COHORT_SLOW_TESTS=1."""
+    import math
+    import os
+
+    if "slow" not in (request.config.option.markexpr or "") and not os.environ.get("COHORT_SLOW_TESTS"):
+        pytest.skip("slow: run with -m slow or COHORT_SLOW_TESTS=1")
+
+    import torch.multiprocessing as mp
+    from tests.integration.test_distributed import COMPARED
+
+    from cohort.logging import read_jsonl
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    mp.spawn(_rank, args=(1, str(one), str(tmp_path / "init1"), None), nprocs=1, join=True)
+    mp.spawn(_rank, args=(2, str(two), str(tmp_path / "init2"), served[1].address), nprocs=2, join=True)
+    a = {r["step"]: r for r in read_jsonl(one / "run" / "metrics.jsonl")}
+    b = {r["step"]: r for r in read_jsonl(two / "run" / "metrics.jsonl")}
+    assert sorted(a) == sorted(b) == [1, 2]
+    for step in (1, 2):
+        assert b[step]["staleness/max"] == 0.0
+        for key in COMPARED:
+            assert math.isclose(a[step][key], b[step][key], rel_tol=1e-4, abs_tol=1e-6), (step, key)
+    w0, w1 = torch.load(two / "weights-0.pt"), torch.load(two / "weights-1.pt")
+    assert all(torch.equal(w0[n], w1[n]) for n in w0)

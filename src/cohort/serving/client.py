@@ -21,6 +21,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -112,13 +113,15 @@ class RemoteEngine:
     """cohort.types.RolloutEngine over a `cohort serve` process."""
 
     def __init__(self, address: str, policy: torch.nn.Module | None = None, *, timeout_s: float = 600.0,
-                 connect_timeout_s: float = 60.0, pusher: bool = True,
+                 connect_timeout_s: float = 60.0, pusher: bool = True, session: str | None = None,
                  bucket_bytes: int = W.DEFAULT_BUCKET_BYTES) -> None:
         host, port = parse_address(address)
         self.client = ServerClient(host, port, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
         self.policy = policy
         self.pusher = pusher and policy is not None
         self.bucket_bytes = bucket_bytes
+        # the run's id, the same on all its ranks: requests wait for this run's pushes, never another's
+        self.session = session or uuid.uuid4().hex
         self.version = 0
         self.last_push: dict[str, float] = {}
         self._group = None
@@ -135,7 +138,7 @@ class RemoteEngine:
         from cohort.serving.server import params_to_json
 
         body = {"prompts": [list(map(int, p)) for p in prompts], "params": params_to_json(params),
-                "min_version": self._required_version(),
+                "min_version": self._required_version(), "session": self.session if self.policy is not None else None,
                 "wait_s": 0.0 if self.pusher else self.client.timeout_s}
         for attempt in (0, 1):
             try:
@@ -201,7 +204,7 @@ class RemoteEngine:
             specs = W.manifest_of(tensors)
             plan = W.plan_buckets(specs, self.bucket_bytes)
             group, device = self._join_group(phase)
-            self.client.request("POST", "/weights/begin", {"version": version, "plan": plan,
+            self.client.request("POST", "/weights/begin", {"version": version, "plan": plan, "session": self.session,
                                                             "manifest": [s.to_json() for s in specs]}, phase=phase)
             try:
                 W.send_buckets(group, [t for _, t in tensors], plan, device)

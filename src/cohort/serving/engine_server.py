@@ -78,6 +78,7 @@ class _Push:
     staged: dict[str, torch.Tensor] | None = None
     error: BaseException | None = None
     started: float = 0.0
+    session: str | None = None
 
 
 class EngineServer:
@@ -93,6 +94,7 @@ class EngineServer:
         self.server_id = uuid.uuid4().hex
         self.version = 0  # 0: the weights as loaded; a push sets the trainer's version number
         self.pushed = False
+        self.session: str | None = None  # the training run whose weights are served (its ranks share it)
         self._lock = RWLock()
         self._version_cond = threading.Condition()
         self._group = None
@@ -106,15 +108,20 @@ class EngineServer:
 
     # ---- generation --------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, min_version: int | None = None,
-                 wait_s: float = 0.0) -> tuple[list[list[Completion]], int]:
+                 wait_s: float = 0.0, session: str | None = None) -> tuple[list[list[Completion]], int]:
         """Completions of every prompt, all sampled with one version (returned). With `min_version`, wait up to
-        `wait_s` for a push of at least that version, else raise StaleVersion."""
+        `wait_s` for a push of at least that version (by the run `session`, when given), else raise
+        StaleVersion."""
         if min_version is not None:
+            def ready() -> bool:
+                return self.pushed and session in (None, self.session) and self.version >= min_version
+
             with self._version_cond:
-                if not self._version_cond.wait_for(lambda: self.pushed and self.version >= min_version, wait_s):
-                    state = "pushed" if self.pushed else "as loaded, no push yet"
+                if not self._version_cond.wait_for(ready, wait_s):
+                    state = (f"pushed by run {self.session}" if self.pushed else "as loaded, no push yet")
                     raise StaleVersion(f"the server holds version {self.version} ({state}), the request needs "
-                                       f"{min_version}; no such push arrived within {wait_s:.0f} s")
+                                       f"{min_version} from run {session}; no such push arrived within "
+                                       f"{wait_s:.0f} s")
         self._lock.acquire_read()
         try:
             version = self.version
@@ -161,14 +168,16 @@ class EngineServer:
             return {"port": store.port, "backend": self.backend, "rank": 0, "world_size": 2,
                     "timeout_s": self.group_timeout_s}
 
-    def weights_begin(self, version: int, manifest: Sequence, plan: Sequence[Sequence[int]]) -> dict:
+    def weights_begin(self, version: int, manifest: Sequence, plan: Sequence[Sequence[int]],
+                      session: str | None = None) -> dict:
         """Check the announced manifest and plan, then receive the buckets into staging in the background."""
         with self._admin:
             specs = [W.TensorSpec.from_json(item) for item in manifest]
             W.check_manifest(specs, self.specs)
             W.check_plan(plan, len(specs))
             group = self._joined_group()
-            push = _Push(version=int(version), specs=specs, thread=threading.Thread(), started=time.perf_counter())
+            push = _Push(version=int(version), specs=specs, thread=threading.Thread(), started=time.perf_counter(),
+                         session=session)
             device = self.replicas[0].device
 
             def receive() -> None:
@@ -210,7 +219,7 @@ class EngineServer:
             try:
                 self._apply(push.staged)
                 with self._version_cond:
-                    self.version, self.pushed = push.version, True
+                    self.version, self.pushed, self.session = push.version, True, push.session
                     self._version_cond.notify_all()
             finally:
                 self._lock.release_write()
@@ -228,6 +237,7 @@ class EngineServer:
 
     def health(self) -> dict:
         return {"status": "ok", "server_id": self.server_id, "version": self.version, "pushed": self.pushed,
+                "session": self.session,
                 "model": self.model_name, "replicas": len(self.replicas),
                 "devices": [str(r.device) for r in self.replicas], "backend": self.backend,
                 "engine": getattr(self.replicas[0].engine, "engine_name", lambda: "hf generate")()}

@@ -65,7 +65,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         routes = {"/generate": self._generate, "/weights/init": lambda b: self.engine.weights_init(),
-                  "/weights/begin": lambda b: self.engine.weights_begin(b["version"], b["manifest"], b["plan"]),
+                  "/weights/begin": lambda b: self.engine.weights_begin(b["version"], b["manifest"], b["plan"],
+                                                                        b.get("session")),
                   "/weights/commit": lambda b: self.engine.weights_commit(b["version"]),
                   "/v1/completions": self._completions, "/v1/chat/completions": self._chat}
         route = routes.get(self.path.split("?")[0])
@@ -113,7 +114,7 @@ class _Handler(BaseHTTPRequestHandler):
         params = params_from_json(body.get("params") or {})
         min_version = body.get("min_version")
         groups, version = self.engine.generate(prompts, params, min_version=min_version,
-                                               wait_s=float(body.get("wait_s", 0.0)))
+                                               wait_s=float(body.get("wait_s", 0.0)), session=body.get("session"))
         return {"version": version, "server_id": self.engine.server_id,
                 "completions": [[completion_to_json(c) for c in g] for g in groups]}
 
