@@ -1,7 +1,8 @@
 """Tiny random-weight vision-language models with processors built offline (no hub).
 
-Two families: Qwen2-VL (multimodal RoPE, patch-merged image tokens) and Idefics3 (SmolVLM's architecture:
-a SigLIP-style tower, pixel-shuffle connector, Llama text model). Each comes with a word-level tokenizer
+Three families: Qwen2-VL (multimodal RoPE, patch-merged image tokens), Qwen2.5-VL (the same with a
+window-attention vision tower) and Idefics3 (SmolVLM's architecture: a SigLIP-style tower, pixel-shuffle
+connector, Llama text model). Each comes with a word-level tokenizer
 holding the family's special tokens, a small chat template that renders `{"type": "image"}` parts, and the
 family's PIL image processor sized so an image becomes 4 image tokens. Everything is a few tens of thousands
 of parameters: forward, generate and a few GRPO steps take well under a second each on the CPU.
@@ -85,6 +86,32 @@ def qwen2_vl(processor, seed: int = 0, hidden: int = 32, layers: int = 2):
     return model
 
 
+def qwen2_5_vl(processor, seed: int = 0, hidden: int = 32, layers: int = 2):
+    """Qwen2.5-VL: Qwen2-VL's text side and processor layout, a vision tower with window attention."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tok = processor.tokenizer
+    ids = tok.convert_tokens_to_ids
+    cfg = Qwen2_5_VLConfig(
+        text_config={"vocab_size": len(tok), "hidden_size": hidden, "num_hidden_layers": layers,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 2 * hidden,
+                     "max_position_embeddings": 512,
+                     "rope_scaling": {"type": "mrope", "mrope_section": [hidden // 32, hidden // 32, hidden // 16]},
+                     "eos_token_id": tok.eos_token_id, "bos_token_id": None, "pad_token_id": tok.pad_token_id},
+        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                       "out_hidden_size": hidden, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                       "window_size": 56, "fullatt_block_indexes": [1], "in_channels": 3},
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+        eos_token_id=tok.eos_token_id, bos_token_id=None, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(cfg)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.bos_token_id = None
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model
+
+
 def idefics3_processor():
     from transformers import Idefics3Processor
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
@@ -115,11 +142,12 @@ def idefics3(processor, seed: int = 0, hidden: int = 32, layers: int = 2):
     return model
 
 
-FAMILIES = {"qwen2_vl": (qwen2_vl_processor, qwen2_vl), "idefics3": (idefics3_processor, idefics3)}
+FAMILIES = {"qwen2_vl": (qwen2_vl_processor, qwen2_vl), "qwen2_5_vl": (qwen2_vl_processor, qwen2_5_vl),
+            "idefics3": (idefics3_processor, idefics3)}
 
 
 def build(family: str, seed: int = 0, **kwargs):
-    """(model, processor) of a tiny random VLM of `family` ('qwen2_vl' or 'idefics3')."""
+    """(model, processor) of a tiny random VLM of `family` ('qwen2_vl', 'qwen2_5_vl' or 'idefics3')."""
     make_processor, make_model = FAMILIES[family]
     processor = make_processor()
     return make_model(processor, seed=seed, **kwargs).eval(), processor

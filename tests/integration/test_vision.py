@@ -18,7 +18,7 @@ from cohort.types import SamplingParams
 from cohort.vision import VisionGroupEngine, encode_vision_prompt
 from cohort.vision.model import image_token_id
 
-FAMILIES = ["qwen2_vl", "idefics3"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "idefics3"]
 
 
 def _prompts(processor):
