@@ -4,20 +4,27 @@ Device command (from the repository root; one call on 2 H100s, about 5-7 minutes
 
     export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false && python3 bench/serve.py --out $OUT/serve.json --log $OUT/serve.log
 
-    python3 bench/serve.py --device cpu --size tiny --prompts 4 --generations 4 --prompt-len 16 \\
-        --completion-len 16 --warmup 1 --steps 2                     # CPU smoke test of every row (gloo)
+On 4 GPUs (`--gpus 4 --engine-gpus 1`: colocated on 4 vs 1 engine GPU + 3 data-parallel trainer GPUs; row c
+needs a single trainer process, so use `--engine-gpus 3` for it: 3 engine replicas + 1 trainer GPU):
+
+    ... && python3 bench/serve.py --gpus 4 --engine-gpus 3 --out $OUT/serve4.json --log $OUT/serve4.log
+
+    OMP_NUM_THREADS=1 python3 bench/serve.py --device cpu --size tiny --prompts 4 --generations 4 \\
+        --prompt-len 16 --completion-len 16 --warmup 1 --steps 2     # CPU smoke test of every row (gloo; one
+                                                                     # thread each: server and trainer share cores)
 
 Workload (bench/grpo_step.py's, built by its functions): the Qwen2.5-1.5B architecture with random bf16 weights,
-each step --prompts prompts (default 64: bench/scale.py's 32 per GPU on 2 GPUs) x 8 completions, prompts of 128
+each step --prompts prompts (default 32 per GPU: 64 on 2 GPUs, as bench/scale.py) x 8 completions, prompts of 128
 random tokens, completions of exactly 256 (ignore_eos), a length reward, one optimizer update per step, beta 0,
 grpo_step.py's fast cohort settings (compiled decoder layers, token budget 8192). Every row trains the same
 global batch per step:
-  a) colocated   torchrun on 2 GPUs, data parallel: each GPU generates and trains half of the step.
-  b) server      `cohort serve` on GPU 1 (--load-format dummy; the trainer's first push gives it the weights),
-                 one trainer process on GPU 0 (generation.placement=server), synchronous (train.max_staleness=0):
-                 generate on GPU 1, train on GPU 0, push the weights over NCCL, repeat.
-  c) server k=1  the same server and trainer with train.max_staleness=1: the next step generates while this one
-                 trains.
+  a) colocated   torchrun on --gpus GPUs, data parallel: each GPU generates and trains its share of the step.
+  b) server      `cohort serve` on the last --engine-gpus GPUs (one replica each; --load-format dummy: the
+                 trainer's first push gives it the weights), the trainer on the others (torchrun when several,
+                 generation.placement=server), synchronous (train.max_staleness=0): generate on the engine
+                 GPU(s), train, push the weights over NCCL, repeat.
+  c) server k=1  the same with train.max_staleness=1 (one trainer process only): the next step generates while
+                 this one trains.
 Columns: seconds per step and steps per minute (mean over the steps after --warmup), generate (the step's wait
 for its rollouts: all of generation in a and b, what is left of it after the overlap in c), update, the weight
 push per step (`time/weight_push`: pack, NCCL broadcast into the server's staging copy, copy into the served
@@ -123,13 +130,18 @@ def _server_dir(args, work: str) -> str:
     return folder
 
 
+def _gpus(first: int, count: int) -> str:
+    return ",".join(str(i) for i in range(first, first + count))
+
+
 def start_server(args, work: str, log) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     env = {**os.environ, **CHILD_ENV}
     if args.device == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = args.engine_gpu
-    seqs = min(512, args.prompts * args.generations)
+        env["CUDA_VISIBLE_DEVICES"] = _gpus(args.gpus - args.engine_gpus, args.engine_gpus)
+    seqs = min(512, -(-args.prompts * args.generations // args.engine_gpus))
     cmd = [sys.executable, "-m", "cohort.cli", "serve", _server_dir(args, work), "--port", str(port),
+           "--replicas", str(args.engine_gpus if args.device == "cuda" else 1),
            "--load-format", "dummy", "--device", args.device, "--max-num-seqs", str(seqs),
            "--kv-cache-fraction", "0.5", "--group-timeout-s", "300"]
     log.write("$ " + " ".join(cmd) + "\n")
@@ -142,13 +154,14 @@ def run_row(args, row: str, work: str, server: str | None, deadline: float) -> d
     out = os.path.join(work, f"{row}.json")
     child = [os.path.abspath(__file__), "--worker", "--json", out, "--run-dir", os.path.join(work, row),
              *_workload(args)]
-    if row == "colocated":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *child]
-    else:
-        cmd = [sys.executable, *child, "--server", server, "--staleness", "1" if row == "server-k1" else "0"]
+    trainers = args.gpus if row == "colocated" else args.gpus - args.engine_gpus
+    if row != "colocated":
+        child += ["--server", server, "--staleness", "1" if row == "server-k1" else "0"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(trainers)]
+    cmd = [*torchrun, *child] if trainers > 1 else [sys.executable, *child]
     env_gpu = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if row != "colocated" and args.device == "cuda":
-        os.environ["CUDA_VISIBLE_DEVICES"] = args.trainer_gpu
+    if args.device == "cuda":
+        os.environ["CUDA_VISIBLE_DEVICES"] = _gpus(0, trainers)
     try:
         status, wall = launch(cmd, deadline - time.monotonic(), os.path.join(work, f"{row}.log"))
     finally:
@@ -178,8 +191,8 @@ def summarise(history: list[dict], warmup: int) -> dict:
 
 def table(results: list[dict]) -> str:
     base = next((r for r in results if r["row"] == "colocated" and "step_s" in r), None)
-    names = {"colocated": "a) colocated DP, 2 GPUs", "server": "b) 1 engine GPU + 1 trainer GPU, sync",
-             "server-k1": "c) 1 engine GPU + 1 trainer GPU, max_staleness=1"}
+    names = {"colocated": "a) colocated DP", "server": "b) engine GPU(s) + trainer GPU(s), sync",
+             "server-k1": "c) engine GPU(s) + 1 trainer GPU, max_staleness=1"}
     lines = ["| row | s/step | steps/min | generate s | update s | push s | sync s | staleness | vs a |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -198,6 +211,10 @@ def parent(args) -> int:
     work = tempfile.mkdtemp(prefix="serve_bench_")
     results: list[dict] = []
     rows = [r for r in args.rows.split(",") if r]
+    if args.gpus - args.engine_gpus > 1 and "server-k1" in rows:
+        rows.remove("server-k1")
+        print(f"serve bench: row server-k1 skipped: {args.gpus - args.engine_gpus} trainer ranks (max_staleness >= 1 "
+              f"needs one trainer process; use --engine-gpus {args.gpus - 1})", flush=True)
     server_proc = None
     log = open(args.log or os.path.join(work, "server.log"), "a")  # noqa: SIM115 (the server writes to it)
     try:
@@ -232,15 +249,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--size", default="1.5b", help="grpo_step.py's model sizes (tiny: CPU smoke test)")
-    p.add_argument("--prompts", type=int, default=64, help="prompts per step (global; data parallel splits them)")
+    p.add_argument("--gpus", type=int, default=2, help="GPUs of every row")
+    p.add_argument("--engine-gpus", type=int, default=1, help="of them, the server's (one engine replica each)")
+    p.add_argument("--prompts", type=int, default=None,
+                   help="prompts per step (global; data parallel splits them; default 32 per GPU)")
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--completion-len", type=int, default=256)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3, help="measured steps after warmup")
     p.add_argument("--rows", default=",".join(ROWS), help=f"any of {', '.join(ROWS)}")
-    p.add_argument("--engine-gpu", default="1", help="CUDA_VISIBLE_DEVICES of the server")
-    p.add_argument("--trainer-gpu", default="0", help="CUDA_VISIBLE_DEVICES of the server rows' trainer")
     p.add_argument("--budget-s", type=float, default=540.0, help="every launch is killed after this long in all")
     p.add_argument("--out", default=None, help="JSON (default bench/results/serve-<date>.json)")
     p.add_argument("--log", default=None, help="the server's output")
@@ -249,7 +267,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     p.add_argument("--server", default=None, help=argparse.SUPPRESS)
     p.add_argument("--staleness", type=int, default=0, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.prompts is None:
+        args.prompts = 32 * args.gpus
+    if not 1 <= args.engine_gpus < args.gpus:
+        p.error(f"--engine-gpus={args.engine_gpus} must leave at least one of --gpus={args.gpus} for training")
+    return args
 
 
 def main(argv=None) -> int:
