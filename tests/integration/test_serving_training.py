@@ -150,3 +150,20 @@ def test_two_served_ranks_equal_one_colocated_rank(request, tmp_path, served):
             assert math.isclose(a[step][key], b[step][key], rel_tol=1e-4, abs_tol=1e-6), (step, key)
     w0, w1 = torch.load(two / "weights-0.pt"), torch.load(two / "weights-1.pt")
     assert all(torch.equal(w0[n], w1[n]) for n in w0)
+
+
+def test_a_pipelined_checkpoint_saves_the_next_steps_data_position(tmp_path, served):
+    """The pipeline's sampler runs ahead; a checkpoint after step 2 still holds the position step 3 starts from,
+    the one a synchronous run saves."""
+    import json
+
+    model_dir, server = served
+    states = {}
+    for staleness in (0, 1):
+        cfg = _config(tmp_path, f"k{staleness}", steps=3, server=server, staleness=staleness)
+        cfg.run.save_steps, cfg.run.save_total_limit = 2, None
+        train(cfg, _components(cfg, model_dir), echo=lambda *a: None)
+        state = json.loads((tmp_path / f"k{staleness}" / "run" / "checkpoints" / "step-000002" /
+                            "trainer_state.json").read_text())
+        states[staleness] = state["sampler"]
+    assert states[1] == states[0]
