@@ -35,6 +35,37 @@ def image_features(model, prompt, device) -> torch.Tensor | None:
     return torch.cat(list(pooled), dim=0) if isinstance(pooled, list | tuple) else pooled.reshape(-1, pooled.shape[-1])
 
 
+def batched_image_features(model, prompts: Sequence, device) -> dict[int, torch.Tensor | None]:
+    """id(prompt) -> its image features, for distinct prompts. Prompts whose images come as flattened patches
+    with a grid (Qwen2-VL / Qwen2.5-VL: pixel_values [patches, C], image_grid_thw [images, 3]) go through the
+    vision tower in one call, as transformers batches them (attention stays within each image); others one
+    call per prompt."""
+    out: dict[int, torch.Tensor | None] = {}
+    grid_style, seen = [], set()
+    for prompt in prompts:
+        if id(prompt) in seen:
+            continue
+        seen.add(id(prompt))
+        inputs = prompt.vision_inputs(device) if getattr(prompt, "num_images", 0) else {}
+        if not inputs:
+            out[id(prompt)] = None
+        elif set(inputs) == {"pixel_values", "image_grid_thw"}:
+            grid_style.append(prompt)
+        else:
+            out[id(prompt)] = image_features(model, prompt, device)
+    if len(grid_style) == 1:
+        out[id(grid_style[0])] = image_features(model, grid_style[0], device)
+    elif grid_style:
+        inputs = [p.vision_inputs(device) for p in grid_style]
+        pooled = inner_model(model).get_image_features(
+            pixel_values=torch.cat([x["pixel_values"] for x in inputs]),
+            image_grid_thw=torch.cat([x["image_grid_thw"] for x in inputs]), return_dict=True).pooler_output
+        per_image = iter(pooled)  # one tensor per image, in order
+        for prompt, x in zip(grid_style, inputs):
+            out[id(prompt)] = torch.cat([next(per_image) for _ in range(x["image_grid_thw"].shape[0])], dim=0)
+    return out
+
+
 def mrope_positions(model, ids: torch.Tensor, prompt) -> torch.Tensor:
     """[3, L] Qwen2-VL positions of one sequence (prompt + completion) from the model's get_rope_index. Only
     the prompt's image tokens are images: one the policy generated is text, as in `generate`."""
@@ -52,18 +83,12 @@ def embed_with_images(model, ids: torch.Tensor, prompts: Sequence, owners: Seque
                       in_prompt: torch.Tensor | None = None) -> torch.Tensor:
     """Token embeddings [1, T, d] of a (packed) row with image features scattered into the image-token
     positions. `owners[k]` is the index in `prompts` of the k-th sequence, in row order; the vision tower runs
-    once per distinct prompt object. in_prompt: [T] bools, True on prompt tokens (None: all are): an image
+    once per distinct prompt object (Qwen-style images of several prompts in one batched call). in_prompt: [T] bools, True on prompt tokens (None: all are): an image
     token the policy generated is an ordinary token, as `generate` treats it."""
     base = unwrap(model)
     embeds = base.get_input_embeddings()(ids[None])
-    features: dict[int, torch.Tensor | None] = {}
-    ordered = []
-    for k in owners:
-        prompt = prompts[k]
-        if id(prompt) not in features:
-            features[id(prompt)] = image_features(base, prompt, ids.device)
-        if features[id(prompt)] is not None:
-            ordered.append(features[id(prompt)])
+    features = batched_image_features(base, [prompts[k] for k in owners], ids.device)
+    ordered = [features[id(prompts[k])] for k in owners if features[id(prompts[k])] is not None]
     mask = ids == image_token_id(base)
     if in_prompt is not None:
         mask = mask & in_prompt
