@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 from tests.helpers.toy_task import digit_share, toy_rows, write_toy_workspace
+from transformers import TrainerCallback
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -82,9 +83,11 @@ class _FixedEngine:
             group = []
             for j in range(params.n):
                 ids = _fixed_completion(self.tok, list(p), j, self.limit)
+                device = next(self.policy.parameters()).device
                 with torch.no_grad():
-                    logits = self.policy(torch.tensor([list(p) + ids])).logits[0, len(p) - 1:-1].float()
-                logp = logits.log_softmax(-1).gather(-1, torch.tensor(ids)[:, None])[:, 0].tolist()
+                    logits = self.policy(torch.tensor([list(p) + ids], device=device)).logits[0, len(p) - 1:-1]
+                logp = logits.float().log_softmax(-1).gather(-1, torch.tensor(ids, device=device)[:, None])[:, 0]
+                logp = logp.tolist()
                 group.append(Completion(ids, logp, "stop" if ids[-1] == self.tok.eos_token_id else "length"))
             groups.append(group)
         return groups
@@ -97,9 +100,10 @@ def _fixed_script(GRPOConfig, GRPOTrainer, model_dir, out, seen, **kw):
     import cohort
 
     limit = 8
+    kw = {"use_cpu": True, "bf16": False, **kw}  # tests/gpu/test_trl_facade_gpu.py runs it on CUDA too
     args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=limit, max_steps=1, logging_steps=1, learning_rate=1e-4, use_cpu=True,
-                      bf16=False, seed=0, gradient_checkpointing=False, report_to="none", save_strategy="no", **kw)
+                      max_completion_length=limit, max_steps=1, logging_steps=1, learning_rate=1e-4, seed=0,
+                      gradient_checkpointing=False, report_to="none", save_strategy="no", **kw)
     rows = [{"prompt": "Say the digit 3 many times", "digit": "3"},
             {"prompt": "Say the digit 7 many times", "digit": "7"}]  # one step takes both, in either order
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=digit_share, args=args,
@@ -151,7 +155,7 @@ _EVENTS = ["on_init_end", "on_train_begin", "on_epoch_begin", "on_step_begin", "
            "on_train_end"]
 
 
-class _Recorder:
+class _Recorder(TrainerCallback):
     """Every callback event with the state and control it saw."""
 
     def __init__(self):
@@ -166,13 +170,14 @@ class _Recorder:
         return record
 
 
-def _events(GRPOConfig, GRPOTrainer, model_dir, out, **kw):
+def _events(GRPOConfig, GRPOTrainer, model_dir, out, eval_rows=None, **kw):
     rec = _Recorder()
     args = GRPOConfig(output_dir=str(out), num_generations=4, max_completion_length=4, logging_steps=1,
                       learning_rate=1e-4, use_cpu=True, bf16=False, seed=0, gradient_checkpointing=False,
                       report_to="none", **kw)
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=digit_share, args=args, callbacks=[rec],
-                          train_dataset=datasets.Dataset.from_list(toy_rows(1)))
+                          train_dataset=datasets.Dataset.from_list(toy_rows(1)),
+                          eval_dataset=None if eval_rows is None else datasets.Dataset.from_list(eval_rows))
     trainer.train()
     return rec.events, [row["step"] for row in trainer.state.log_history]
 
@@ -181,12 +186,14 @@ def test_callbacks_are_called_as_trl_calls_them(tmp_path):
     import cohort
 
     model_dir, _ = write_toy_workspace(tmp_path)
-    # one optimiser step per generation (TRL's default split): the very same calls, states and flags
-    kw = dict(per_device_train_batch_size=8, max_steps=3, save_steps=2)
+    # one optimiser step per generation (TRL's default split), evaluation every 2 steps and at the end: the very
+    # same calls, states and flags
+    kw = dict(per_device_train_batch_size=8, max_steps=3, save_steps=2, eval_strategy="steps", eval_steps=2,
+              eval_rows=toy_rows(1)[:4])
     theirs, their_rows = _events(trl.GRPOConfig, trl.GRPOTrainer, model_dir, tmp_path / "trl", **kw)
     ours, our_rows = _events(cohort.GRPOConfig, cohort.GRPOTrainer, model_dir, tmp_path / "cohort", **kw)
     assert ours == theirs
-    assert our_rows == their_rows == [1, 2, 3, 3]
+    assert our_rows == their_rows == [1, 2, 2, 3, 3, 3]  # train rows, eval rows (steps 2 and 3), closing row
     # two optimiser steps per generation: the same calls, except that cohort logs once per generation
     kw = dict(per_device_train_batch_size=4, steps_per_generation=2, max_steps=4, save_steps=2)
     theirs, _ = _events(trl.GRPOConfig, trl.GRPOTrainer, model_dir, tmp_path / "trl2", **kw)

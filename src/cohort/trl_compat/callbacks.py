@@ -57,6 +57,7 @@ class CallbackBridge:
         self._losses: list[float] = []
         self._pending: list[dict[str, Any]] = []  # the steps' metrics since the last logged row
         self._update = 0  # optimiser updates done in the current cohort step
+        self._deferred_save: dict | None = None  # the last step's on_save, called after its evaluation
 
     def add(self, callback) -> None:
         self.callbacks.append(callback() if isinstance(callback, type) else callback)
@@ -144,13 +145,26 @@ class CallbackBridge:
         payload["trl_state"] = self._saved()
 
     def _on_save(self, step: int, payload: dict) -> None:
+        comp = self.trainer._comp
+        if self.control.should_training_stop and comp is not None and comp.eval_data is not None:
+            # the loop evaluates the last step after its checkpoint; TRL evaluates first, then saves
+            self._deferred_save = payload
+            return
         self.control.should_save = False
         self.event("on_save", checkpoint=payload.get("path"))
 
+    def _flush_save(self) -> None:
+        if self._deferred_save is not None:
+            payload, self._deferred_save = self._deferred_save, None
+            self.control.should_save = False
+            self.event("on_save", checkpoint=payload.get("path"))
+
     def _on_evaluate(self, step: int, payload: dict) -> None:
         self.log_eval({f"eval_{k}": v for k, v in payload.items()})
+        self._flush_save()
 
     def _on_train_end(self, step: int, payload: dict) -> None:
+        self._flush_save()
         self._at(step)
         self.event("on_epoch_end")
 
