@@ -184,3 +184,18 @@ def test_gumbel_noise_is_finite_for_every_hash():
     assert torch.isfinite(-torch.log(-torch.log(u))).all()
     keys = torch.arange(64, dtype=torch.int64) * 7919 + 12345  # rows that held an inf with 24-bit uniforms
     assert torch.isfinite(gumbel_noise(keys, 262144)).all()
+
+
+def test_gemma3_lora_adapters_apply_without_merging():
+    peft = pytest.importorskip("peft")
+    model = tiny_model("gemma3")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
+                             init_lora_weights=False)
+    lora = peft.get_peft_model(model, config).eval()
+    prompts = random_prompts([5, 17], seed=2)
+    engine = make_engine(lora)
+    assert not engine.runner.net.fused
+    expected = hf_greedy(lora, prompts, 12)
+    assert greedy(engine, prompts, 12) == expected
+    with lora.disable_adapter():
+        assert hf_greedy(lora, prompts, 12) != expected
