@@ -273,3 +273,19 @@ def test_saved_trainer_state_is_strict_json_and_round_trips_non_finite_metrics()
     back = _from_json(json.loads(text))
     assert math.isnan(back[0]["loss"]) and back[0]["grad_norm"] == math.inf and back[0]["reward"] == 0.5
     assert back[1] == {"note": "x"}
+
+
+def test_a_logged_row_averages_the_steps_since_the_previous_one_as_trl(tmp_path):
+    # logging_steps=2 over 3 steps: a row at step 2 (the mean of steps 1-2; grad_norm and learning_rate of step 2,
+    # as transformers logs them), and the closing row carries step 3's metrics (TRL's GRPOTrainer.log merges the
+    # metrics gathered since the last row into it), without loss / grad_norm / learning_rate
+    trainer = _trainer(tmp_path, max_steps=3, logging_steps=2, learning_rate=1e-2)
+    steps = trainer.train().history
+    rows = trainer.state.log_history
+    assert [r["step"] for r in rows] == [2, 3]
+    for key in ("reward", "loss", "entropy", "completions/mean_length"):
+        assert rows[0][key] == pytest.approx((steps[0][key] + steps[1][key]) / 2), key
+    assert rows[0]["grad_norm"] == steps[1]["grad_norm"] and rows[0]["learning_rate"] == steps[1]["learning_rate"]
+    assert rows[1]["reward"] == pytest.approx(steps[2]["reward"]) and "train_runtime" in rows[1]
+    assert not {"loss", "grad_norm", "learning_rate"} & set(rows[1])
+    assert rows[1]["train_loss"] == pytest.approx(sum(s["loss"] for s in steps) / 3)
