@@ -179,3 +179,16 @@ def test_paged_engine_recomputes_a_preempted_vlm_sequence_exactly():
     a, b = roomy.generate(prompts, params), tight.generate(prompts, params)
     assert tight.stats.prefill_tokens > roomy.stats.prefill_tokens  # preempted sequences were recomputed
     assert [[c.token_ids for c in g] for g in a] == [[c.token_ids for c in g] for g in b]
+
+
+def test_paged_engine_refuses_to_continue_a_conversation_with_images():
+    from cohort.engine import CohortEngine
+
+    model, processor = build("qwen2_vl", seed=3)
+    prompts = _prompts(processor)[:1]
+    eos = processor.tokenizer.eos_token_id
+    engine = CohortEngine(model, processor.tokenizer, eos_token_ids=[eos], max_model_len=128)
+    words = processor.tokenizer.convert_tokens_to_ids(["the", "sky"])
+    params = SamplingParams(n=1, max_tokens=20, temperature=0.0)  # the first turn ends on EOS
+    with pytest.raises(ValueError, match="continuing a conversation with images is not supported"):
+        engine.generate_turns(prompts, params, lambda end: words)

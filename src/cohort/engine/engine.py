@@ -134,7 +134,7 @@ class CohortEngine:
         self.runner.ensure_kv_cache()
         pending: dict[Future, Sequence] = {}
         try:
-            groups = [self._add(i, list(prompt), p, multi_turn=True)
+            groups = [self._add(i, prompt, p, multi_turn=True)  # a prompt with images keeps them (first turn)
                       for i, (prompt, p) in enumerate(zip(prompts, per_prompt))]
             with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
                 while self.scheduler.has_work() or pending:

@@ -60,9 +60,11 @@ def check_settings(cfg, policy) -> None:
     if vision and cfg.train.sharding == "fsdp":
         raise ConfigError("train.sharding=fsdp is not supported for vision-language models yet; use "
                           "train.sharding=none (data parallel) or LoRA (model.lora_r) to fit the model")
-    if vision and cfg.agent.tools:
-        raise ConfigError("agent.tools with a vision-language model is not supported yet (the turn loop re-encodes "
-                          "text only); remove agent.tools or use a text model")
+    if vision and (cfg.agent.tools or cfg.agent.environment_factory is not None):
+        field = "agent.tools" if cfg.agent.tools else "agent.environment_factory"
+        raise ConfigError(f"{field} with a vision-language model is not supported yet (multi-turn rollouts "
+                          f"re-encode text only and do not continue a conversation with images); remove {field} "
+                          "or use a text model")
 
 
 def lora_targets(policy, names: list[str]) -> list[str]:
