@@ -199,3 +199,16 @@ def test_gemma3_lora_adapters_apply_without_merging():
     assert greedy(engine, prompts, 12) == expected
     with lora.disable_adapter():
         assert hf_greedy(lora, prompts, 12) != expected
+
+
+def test_qwen3_moe_grouped_path_in_the_engine_matches_hf_generate():
+    """The grouped-matmul expert path (CUDA bf16's default) forced on in float32 on the CPU."""
+    from cohort.engine.models.qwen3_moe import _grouped_mm_fn
+
+    if _grouped_mm_fn() is None:
+        pytest.skip("this torch has no grouped_mm")
+    model = tiny_model("qwen3_moe")
+    engine = make_engine(model)
+    engine.runner.net.grouped = True
+    prompts = random_prompts(LENGTHS, seed=2)
+    assert greedy(engine, prompts) == hf_greedy(model, prompts, 20)
