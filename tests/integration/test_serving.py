@@ -159,6 +159,10 @@ def test_the_trainer_reconnects_to_a_restarted_server_and_re_pushes(workspace):
         again = remote.generate(_prompts(tok), PARAMS)  # notices the restart, re-pushes version 1, retries
         assert _flat(again) == first and {c.version for g in again for c in g} == {1}
         assert _get(proc, "/health")["pushed"] is True
+        proc.kill()
+        proc = ServerProcess(workspace[0], port=port)  # restarted again, now before a push
+        remote.sync_weights()  # the push finds the new server and sends version 2 there
+        assert {c.version for g in remote.generate(_prompts(tok), PARAMS) for c in g} == {2}
     finally:
         proc.kill()
 

@@ -160,7 +160,15 @@ class RemoteEngine:
         """After an optimizer step: push the policy as the next version (rank 0; other ranks only count)."""
         version = self.version + 1
         if self.pusher:
-            self._push(version=version, phase="weight push")
+            try:
+                self._push(version=version, phase="weight push")
+            except ServerError as exc:  # a restarted server gets this version; a dead one: the error
+                with self._weights_lock:
+                    info = self.client.wait_ready("weight push")
+                    if info["server_id"] == self.server_id:
+                        raise exc from None
+                    self.server_id, self._group = info["server_id"], None
+                    self._push(version=version, phase=f"pushing version {version} to the restarted server")
         with self._version_cond:
             self.version = version
             self._version_cond.notify_all()
