@@ -260,6 +260,8 @@ def test_save_strategy_no_writes_no_checkpoint(tmp_path):
     assert "on_save" not in [e for e, _ in rec.events]
     trainer.save_model()  # as in TRL, an explicit save_model() still saves
     assert (tmp_path / "run" / "config.json").is_file()
+    with pytest.raises(ConfigError, match=r"no checkpoint in .* to resume from"):  # TRL raises too
+        _trainer(tmp_path, save_strategy="no", max_steps=3).train(resume_from_checkpoint=True)
 
 
 def test_saved_trainer_state_is_strict_json_and_round_trips_non_finite_metrics():

@@ -11,10 +11,14 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cohort.errors import ConfigError
 from cohort.trl_compat.config import GRPOConfig
+
+if TYPE_CHECKING:
+    from cohort.setup import Components
+    from cohort.trainer import TrainResult
 
 log = logging.getLogger("cohort.trl_compat")
 
@@ -87,8 +91,8 @@ class GRPOTrainer:
 
         self.callback_handler = CallbackBridge(self, list(callbacks or []))
         self.state = self.callback_handler.state
-        self.result = None
-        self._comp = None
+        self.result: TrainResult | None = None
+        self._comp: Components | None = None
         if tools:  # functions (or "pkg.module:function" paths): multi-turn tool calling (cohort.agents)
             self.config.agent.tools = list(tools)
         if environment_factory is not None:  # a class, a factory, a path, or {name: one} routed by `environment`
@@ -189,6 +193,13 @@ class GRPOTrainer:
             path = resume_from_checkpoint
             if path is not True and not Path(path).is_dir():
                 raise ConfigError(f"train(resume_from_checkpoint={path!r}): no such checkpoint folder.")
+            if path is True:
+                from cohort.checkpoint import latest_checkpoint
+
+                if latest_checkpoint(cfg.run.output_dir) is None:  # TRL raises here too
+                    raise ConfigError(f"train(resume_from_checkpoint=True): no checkpoint in {cfg.run.output_dir}"
+                                      "/checkpoints to resume from (save_strategy='no' writes none); call train() "
+                                      "without it to start over, or pass a checkpoint folder.")
             cfg.run.resume = True if path is True else str(path)
         elif not cfg.run.resume:
             from cohort.run_dir import is_run_dir
@@ -366,7 +377,7 @@ def _rows(data: Any, args, what: str) -> list[dict] | None:
     try:
         from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
     except ImportError:  # pragma: no cover - datasets is a dependency
-        Dataset = DatasetDict = IterableDataset = IterableDatasetDict = ()  # type: ignore[assignment]
+        Dataset = DatasetDict = IterableDataset = IterableDatasetDict = ()
     if isinstance(data, DatasetDict | IterableDatasetDict):
         if what == "train_dataset":
             raise ConfigError(f"{what} is a DatasetDict with splits {list(data)}; pass one split, e.g. "
