@@ -190,7 +190,7 @@ def _check_placement(cfg: CohortConfig) -> None:
         _require(g.server_address is not None, "generation.server_address", g.server_address,
                  "generation.placement=server needs the server's host:port, e.g. 127.0.0.1:8000 (what `cohort "
                  "serve MODEL --port 8000` prints)")
-        parse_address(g.server_address)
+        parse_address(str(g.server_address))
         _require(not (cfg.agent.tools or cfg.agent.environment_factory), "generation.placement", g.placement,
                  "tool calling (agent.tools / agent.environment_factory) needs multi-turn generation, which the "
                  "server does not offer yet; use generation.placement=colocate")

@@ -109,7 +109,7 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
         from cohort.serving import RemoteEngine
 
         echo(f"generation: on the cohort server at {g.server_address} (generation.placement=server)")
-        return RemoteEngine(g.server_address, policy, timeout_s=g.server_timeout_s,
+        return RemoteEngine(str(g.server_address), policy, timeout_s=g.server_timeout_s,
                             connect_timeout_s=g.server_connect_timeout_s, pusher=distributed.current().is_main,
                             session=_run_session())
 

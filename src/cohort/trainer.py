@@ -310,7 +310,8 @@ def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, 
         batch = pipeline.get(step) if pipeline is not None else _collect(cfg, comp, sampler, step)
     metrics: dict[str, Any] = distributed.reduce_metrics(dict(batch.metrics))
     if batch.policy_versions is not None:  # a served engine: versions behind the one this step trains from
-        metrics.update(distributed.reduce_metrics(staleness_metrics(batch.policy_versions, comp.engine.version)))
+        metrics.update(distributed.reduce_metrics(staleness_metrics(batch.policy_versions,
+                                                                      getattr(comp.engine, "version", 0))))
     if cfg.generation.release_kv_during_update and hasattr(comp.engine, "release_kv_cache"):
         comp.engine.release_kv_cache()  # its next generate takes it back
     with distributed.phase("update", step):

@@ -83,7 +83,7 @@ class ServerClient:
             reason = getattr(exc, "reason", exc)
             raise ServerUnavailable(f"{self.where} did not answer during {phase}: {reason}") from exc
 
-    def _http_error(self, exc: urllib.error.HTTPError, phase: str) -> ServerError:
+    def _http_error(self, exc: urllib.error.HTTPError, phase: str) -> CohortError:
         try:
             err = json.loads(exc.read()).get("error", {})
         except (ValueError, AttributeError):
@@ -124,7 +124,7 @@ class RemoteEngine:
         self.session = session or uuid.uuid4().hex
         self.version = 0
         self.last_push: dict[str, float] = {}
-        self._group = None
+        self._group: tuple | None = None  # (process group, the device its buffers live on)
         self._weights_lock = threading.RLock()
         self._version_cond = threading.Condition()
         self._local = threading.local()
@@ -206,6 +206,7 @@ class RemoteEngine:
     # ---- weights ----------------------------------------------------------------------------------
     def _push(self, *, version: int | None = None, phase: str) -> None:
         version = self.version if version is None else version
+        assert self.policy is not None, "only an engine with a policy pushes"
         with self._weights_lock:
             started = time.perf_counter()
             tensors = W.model_tensors(self.policy)
@@ -231,6 +232,7 @@ class RemoteEngine:
     def _join_group(self, phase: str):
         if self._group is not None:
             return self._group
+        assert self.policy is not None
         info = self.client.request("POST", "/weights/init", {}, phase=phase)
         weights_device = next(self.policy.parameters()).device
         if info["backend"] == "nccl" and weights_device.type != "cuda":

@@ -136,11 +136,13 @@ class EngineServer:
         if r == 1:
             return self._run(self.replicas[0], prompts, params)
         size = -(-len(prompts) // r)
+        pool = self._pool
+        assert pool is not None  # made for more than one replica
         jobs = []
         for k, start in enumerate(range(0, len(prompts), size)):
             chunk_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed
                                                                                   + start * params.n)
-            jobs.append(self._pool.submit(self._run, self.replicas[k], prompts[start:start + size], chunk_params))
+            jobs.append(pool.submit(self._run, self.replicas[k], prompts[start:start + size], chunk_params))
         return [group for job in jobs for group in job.result()]
 
     @staticmethod

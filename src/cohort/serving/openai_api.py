@@ -99,7 +99,7 @@ def _text(tokenizer, ids: list[int]) -> str:
 
 
 def completion_response(body: dict, tokenizer, served: str, prompts, groups, version: int) -> dict[str, Any]:
-    choices = []
+    choices: list[dict[str, Any]] = []
     for c in (c for g in groups for c in g):
         choice: dict[str, Any] = {"index": len(choices), "text": _text(tokenizer, c.token_ids), "logprobs": None,
                                   "finish_reason": c.finish_reason}
@@ -118,7 +118,7 @@ def completion_response(body: dict, tokenizer, served: str, prompts, groups, ver
 
 
 def chat_response(body: dict, tokenizer, served: str, prompts, groups, version: int) -> dict[str, Any]:
-    choices = []
+    choices: list[dict[str, Any]] = []
     for c in groups[0]:
         logprobs = None
         if body.get("logprobs"):

@@ -41,7 +41,7 @@ def params_from_json(data: dict) -> SamplingParams:
     unknown = sorted(set(data) - names)
     if unknown:
         raise openai_api.RequestError(f"unknown sampling field(s) {unknown}; known: {sorted(names)}")
-    values = {k: tuple(v) if k in ("stop_token_ids", "stop_strings") else v for k, v in data.items()}
+    values: dict[str, Any] = {k: tuple(v) if k in ("stop_token_ids", "stop_strings") else v for k, v in data.items()}
     return SamplingParams(**values)
 
 
@@ -187,6 +187,7 @@ def build_replicas(args) -> tuple[list[Replica], Any]:
         model, tokenizer = _load(args.model, device, args.dtype, args.load_format)
         model.eval().requires_grad_(False)
         ok, why = engine_supports(model)
+        engine: Any
         if ok and args.engine in ("auto", "cohort"):
             engine = CohortEngine(model, tokenizer, eos_token_ids=_eos_ids(tokenizer, model),
                                   kv_cache_fraction=args.kv_cache_fraction, max_num_seqs=args.max_num_seqs,
@@ -207,7 +208,7 @@ def serve(args) -> int:
     engine = EngineServer(replicas, tokenizer, model_name=args.served_model_name or args.model, host=args.host,
                           group_timeout_s=args.group_timeout_s)
     httpd = make_http_server(engine, args.host, args.port)
-    host, port = httpd.server_address[:2]
+    host, port = str(httpd.server_address[0]), int(httpd.server_address[1])
     print(f"cohort serve: ready on http://{host}:{port} (model {engine.model_name}, {len(replicas)} replica(s) on "
           f"{', '.join(str(r.device) for r in replicas)}, weights over {engine.backend}, "
           f"{engine.health()['engine']})", flush=True)
