@@ -73,6 +73,7 @@ def prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnCon
     q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
     out = torch.empty_like(q)
     cu = ctx.cu_seqlens_host
+    assert cu is not None  # set on every prefill context
     groups = q.shape[1] // k.shape[1]
     for start, end in itertools.pairwise(cu):
         qi = q[start:end].transpose(0, 1)
@@ -109,20 +110,22 @@ def decode_gather(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   scale: float, window: int | None = None) -> torch.Tensor:
     """Decode attention by gathering each sequence's blocks into a padded tensor. q [B, H, D] -> [B, H, D].
     The new token sits at position ctx_len - 1; with a window W it sees positions ctx_len - W .. ctx_len - 1."""
+    block_tables, ctx_lens = ctx.block_tables, ctx.ctx_lens
+    assert block_tables is not None and ctx_lens is not None  # set on every decode context
     block_size = k_cache.shape[1]
-    width = ctx.block_tables.shape[1]
+    width = block_tables.shape[1]
     if ctx.max_ctx_len is not None:
         width = min(width, -(-ctx.max_ctx_len // block_size))
-    tables = ctx.block_tables[:, :width].long()
+    tables = block_tables[:, :width].long()
     k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
     v = v_cache[tables].flatten(1, 2).transpose(1, 2)
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, 1)
     v = v.repeat_interleave(groups, 1)
     positions = torch.arange(k.shape[2], device=q.device)
-    mask = positions[None, :] < ctx.ctx_lens[:, None]  # [B, S]
+    mask = positions[None, :] < ctx_lens[:, None]  # [B, S]
     if window is not None:
-        mask &= positions[None, :] >= ctx.ctx_lens[:, None] - window
+        mask &= positions[None, :] >= ctx_lens[:, None] - window
     out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale)
     return out[:, :, 0, :]
 
@@ -153,7 +156,10 @@ def prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnC
             k = k.repeat_interleave(groups, 1)
             v = v.repeat_interleave(groups, 1)
     cu = ctx.cu_seqlens
-    return varlen_attn(q, k, v, cu, cu, ctx.max_seqlen, ctx.max_seqlen, **kwargs)
+    assert cu is not None  # set on every prefill context
+    out = varlen_attn(q, k, v, cu, cu, ctx.max_seqlen, ctx.max_seqlen, **kwargs)
+    assert isinstance(out, torch.Tensor)  # (out, aux) only with return_aux
+    return out
 
 
 def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -186,9 +192,12 @@ class AttentionOps:
         if ctx.prefix_lens:
             # Sequences with a cached prefix were computed above as if they started at 0 (a little wasted
             # work on a few tokens, which keeps the packed kernel for the rest); redo them over their prefix.
-            for i, (start, end) in enumerate(itertools.pairwise(ctx.cu_seqlens_host)):
-                if ctx.prefix_lens[i]:
-                    out[start:end] = prefix_sdpa(q[start:end], k_cache, v_cache, ctx.prefix_tables[i],
+            bounds, tables = ctx.cu_seqlens_host, ctx.prefix_tables
+            assert bounds is not None and tables is not None  # set with prefix_lens
+            for i, (start, end) in enumerate(itertools.pairwise(bounds)):
+                table = tables[i]
+                if ctx.prefix_lens[i] and table is not None:
+                    out[start:end] = prefix_sdpa(q[start:end], k_cache, v_cache, table,
                                                  ctx.prefix_lens[i], scale, window)
         return out
 
@@ -207,5 +216,6 @@ class AttentionOps:
         if self.use_triton:
             from cohort.engine.triton_ops import paged_decode_attention
 
+            assert ctx.block_tables is not None and ctx.ctx_lens is not None  # set on every decode context
             return paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.ctx_lens, scale, window)
         return decode_gather(q, k_cache, v_cache, ctx, scale, window)

@@ -69,15 +69,15 @@ class CohortEngine:
         ok, reason = engine_supports(model)
         if not ok:
             raise ValueError(reason)
-        model = unwrap_model(model)
-        weights_device = model.get_input_embeddings().weight.device
+        hf = unwrap_model(model)
+        weights_device = hf.get_input_embeddings().weight.device
         self.device = torch.device(device) if device is not None else weights_device
         if self.device.type != weights_device.type:
             raise ValueError(f"device={self.device} but the model's weights are on {weights_device}: the engine "
                              "computes with the weights in place; move the model or drop device=.")
         self.device = weights_device
         if max_model_len is None:
-            max_model_len = min(getattr(model.config, "max_position_embeddings", 4096) or 4096, 4096)
+            max_model_len = min(getattr(hf.config, "max_position_embeddings", 4096) or 4096, 4096)
         self.config = EngineConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(16384, max_model_len),
@@ -92,7 +92,7 @@ class CohortEngine:
         if isinstance(eos_token_ids, int):
             eos_token_ids = [eos_token_ids]
         self.eos_token_ids = frozenset(eos_token_ids or ())
-        self.runner = ModelRunner(model, self.config, self.device)
+        self.runner = ModelRunner(hf, self.config, self.device)
         self.blocks = BlockManager(self.runner.num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.blocks)
         self.sampler = Sampler(self.device)

@@ -19,6 +19,7 @@ import torch
 
 from cohort.engine.attention import AttentionOps, AttnContext
 from cohort.engine.config import EngineConfig
+from cohort.engine.models.decoder import HFModule
 from cohort.engine.models.registry import build_forward
 from cohort.engine.sampler import temperature_rows
 from cohort.engine.scheduler import PrefillUnit
@@ -28,7 +29,7 @@ _CPU_KV_BUDGET = 4 << 30
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, device: torch.device) -> None:
+    def __init__(self, model: HFModule, config: EngineConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
         dtype = model.get_input_embeddings().weight.dtype
@@ -109,6 +110,12 @@ class ModelRunner:
             with torch.cuda.device(self.device):
                 self._capture_graphs()
 
+    def _cache(self) -> torch.Tensor:
+        """The KV pool; generate() takes it back (ensure_kv_cache) before any step runs."""
+        if self.kv_cache is None:
+            raise RuntimeError("the KV cache is released: call ensure_kv_cache() before running the model")
+        return self.kv_cache
+
     def bytes_per_block(self) -> int:
         net = self.net
         return 2 * net.num_layers * self.config.block_size * net.num_kv_heads * net.head_dim * net.dtype.itemsize
@@ -136,7 +143,8 @@ class ModelRunner:
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
         with torch.inference_mode():
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+            cache = self._cache()
+            cache[:, :, dst] = cache[:, :, src]
 
     # ---- prefill -----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -176,7 +184,7 @@ class ModelRunner:
         # prompts with images (models/vision_decoder.py): embeddings with image features, multimodal RoPE rows
         prefill_inputs = getattr(self.net, "prefill_inputs", None)
         extra = prefill_inputs(units, input_ids, pos_t) if prefill_inputs is not None else None
-        hidden = self.net.forward(input_ids, pos_t, ctx, self.kv_cache, **(extra or {}))
+        hidden = self.net.forward(input_ids, pos_t, ctx, self._cache(), **(extra or {}))
         last = torch.tensor(cu[1:], device=dev) - 1
         return self.net.logits(hidden[last])
 
@@ -237,7 +245,7 @@ class ModelRunner:
             ctx_lens=rows_dev[3].to(torch.int32),
             max_ctx_len=max(len(s) for s in seqs),
         )
-        return self.net.logits(self.net.forward(rows_dev[0], rows_dev[1], ctx, self.kv_cache)), None
+        return self.net.logits(self.net.forward(rows_dev[0], rows_dev[1], ctx, self._cache())), None
 
     # ---- CUDA graphs -------------------------------------------------------------------------------
     def graph_batch_sizes(self) -> list[int]:
@@ -270,7 +278,7 @@ class ModelRunner:
             def run(ctx=ctx, ids=ids, pos=pos, bs=bs):
                 self._static_ctx_lens.copy_(self._static_rows[3].to(torch.int32))
                 out = None if self._graph_logits is None else self._graph_logits[:bs]
-                logits = self.net.logits(self.net.forward(ids, pos, ctx, self.kv_cache), out=out)
+                logits = self.net.logits(self.net.forward(ids, pos, ctx, self._cache()), out=out)
                 if not self.sample_in_graph:
                     return logits, None, None
                 from cohort.engine.triton_ops import fused_sample

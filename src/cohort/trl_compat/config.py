@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import logging
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cohort.config import CohortConfig, _set
 from cohort.errors import ConfigError
@@ -26,6 +27,15 @@ log = logging.getLogger("cohort.trl_compat")
 
 class _GRPOConfigBase:
     """Methods of `GRPOConfig`; its fields come from `fields.TABLE` (TRL 1.16's names and defaults)."""
+
+    if TYPE_CHECKING:  # the fields are made at run time (make_dataclass below): any name, any value
+        scale_rewards: bool | str
+
+        def __init__(self, **fields: Any) -> None: ...
+
+        def __getattr__(self, name: str) -> Any: ...
+
+        def __setattr__(self, name: str, value: Any) -> None: ...
 
     def __post_init__(self) -> None:
         for name in _JSON_FIELDS:  # a command line gives dicts as JSON strings (TRL parses them the same way)
@@ -387,11 +397,11 @@ def _type(name: str, default: Any) -> Any:
 
 def _field(default: Any) -> Any:
     if isinstance(default, list | dict):
-        return dataclasses.field(default_factory=lambda d=default: copy.deepcopy(d))
+        return dataclasses.field(default_factory=functools.partial(copy.deepcopy, default))
     return dataclasses.field(default=default)
 
 
-GRPOConfig = dataclasses.make_dataclass(
+GRPOConfig: type[_GRPOConfigBase] = dataclasses.make_dataclass(
     "GRPOConfig", [(name, _type(name, default), _field(default)) for name, (default, _) in TABLE.items()],
     bases=(_GRPOConfigBase,))
 GRPOConfig.__module__ = __name__

@@ -14,6 +14,8 @@ window from `layer_windows` and pass it to the attention.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,8 +28,16 @@ _UNSUPPORTED_ROPE = ("dynamic", "longrope")
 _MISSING = object()
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The *ForCausalLM inside a PEFT wrapper (its LoRA layers stay in place and run in our forward)."""
+# A Hugging Face module the engine reaches into by attribute name (layer.self_attn.q_proj, norm.weight): torch types
+# every nn.Module attribute as `Tensor | Module`, so these are duck-typed; each family's `unsupported` checks the
+# structure before a forward is built.
+HFModule = Any
+
+
+def unwrap_model(model: nn.Module) -> HFModule:
+    """The *ForCausalLM inside a PEFT wrapper (its LoRA layers stay in place and run in our forward).
+
+    An HFModule: the engine reaches its parts by name (`.model.layers[i].self_attn.q_proj`)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
 
@@ -46,8 +56,8 @@ def rope_types(config) -> list[str]:
     if not isinstance(rope, dict):
         return ["default"]
     if any(isinstance(v, dict) for v in rope.values()):
-        return [v.get("rope_type", v.get("type", "default")) for v in rope.values() if isinstance(v, dict)]
-    return [rope.get("rope_type", rope.get("type", "default"))]
+        return [str(v.get("rope_type", v.get("type", "default"))) for v in rope.values() if isinstance(v, dict)]
+    return [str(rope.get("rope_type", rope.get("type", "default")))]
 
 
 def layer_windows(model: nn.Module) -> list[int | None]:
@@ -61,7 +71,7 @@ def layer_windows(model: nn.Module) -> list[int | None]:
     config = unwrap_model(model).config
     windows = []
     for layer in inner.layers:
-        window = getattr(layer.self_attn, "sliding_window", _MISSING)
+        window: Any = getattr(layer.self_attn, "sliding_window", _MISSING)
         if window is _MISSING:
             window = getattr(config, "sliding_window", None)
         windows.append(int(window) if window else None)
@@ -76,7 +86,7 @@ class DecoderForward:
     graph_safe = True
 
     @classmethod
-    def unsupported(cls, model: nn.Module) -> str | None:
+    def unsupported(cls, model: HFModule) -> str | None:
         """Why this class cannot run `model` (None: it can). `model` is already unwrapped from PEFT."""
         config = model.config
         inner = getattr(model, "model", None)
@@ -93,13 +103,13 @@ class DecoderForward:
 
     def __init__(self, model: nn.Module, attention: AttentionOps, max_len: int,
                  fuse_projections: bool | None = None) -> None:
-        model = unwrap_model(model)
-        reason = self.unsupported(model)
+        hf = unwrap_model(model)
+        reason = self.unsupported(hf)
         if reason is not None:
             raise ValueError(reason)
-        config = model.config
-        self.hf = model
-        self.inner = model.model
+        config = hf.config
+        self.hf = hf
+        self.inner = hf.model
         self.attention = attention
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -189,14 +199,14 @@ class DecoderForward:
             x, h = ops.add_rms_norm(x, delta, norm.weight, norm.variance_epsilon)
         return h
 
-    def _qkv(self, i: int, attn: nn.Module, h: torch.Tensor):
+    def _qkv(self, i: int, attn: HFModule, h: torch.Tensor):
         if self.fused:
             weight, bias, _ = self.fused[i]
             q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             return F.linear(h, weight, bias).split([q_size, kv_size, kv_size], dim=-1)
         return attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
 
-    def _attention(self, i: int, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _attention(self, i: int, layer: HFModule, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    ctx: AttnContext, kv_cache: torch.Tensor) -> torch.Tensor:
         attn = layer.self_attn
         tokens = h.shape[0]
@@ -217,11 +227,11 @@ class DecoderForward:
             o = self.attention.decode(q, kv_cache[0, i], kv_cache[1, i], ctx, self.scale, window=window)
         return attn.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
 
-    def _head_norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    def _head_norm(self, x: torch.Tensor, norm: HFModule) -> torch.Tensor:
         """Qwen3's per-head q/k RMSNorm (Llama-style: weight times the normalised input)."""
         return self.ops.rms_norm(x, norm.weight, norm.variance_epsilon)
 
-    def _mlp(self, i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, i: int, layer: HFModule, h: torch.Tensor) -> torch.Tensor:
         mlp = layer.mlp
         if self.fused:
             gate, up = F.linear(h, self.fused[i][2]).chunk(2, dim=-1)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from cohort.engine.attention import AttentionOps, AttnContext
-from cohort.engine.models.decoder import DecoderForward, rope_types
+from cohort.engine.models.decoder import DecoderForward, HFModule, rope_types
 
 _DYNAMIC_ROPE = ("dynamic", "longrope")
 
@@ -59,7 +59,7 @@ class Gemma3Forward(DecoderForward):
     model_types = ("gemma3_text",)
 
     @classmethod
-    def unsupported(cls, model: nn.Module) -> str | None:
+    def unsupported(cls, model: HFModule) -> str | None:
         config = model.config
         inner = getattr(model, "model", None)
         if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
@@ -114,10 +114,10 @@ class Gemma3Forward(DecoderForward):
                               layer.post_feedforward_layernorm.eps)
         return h
 
-    def _head_norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    def _head_norm(self, x: torch.Tensor, norm: HFModule) -> torch.Tensor:
         return self.gemma.rms_norm(x, norm.weight, norm.eps)
 
-    def _mlp(self, i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, i: int, layer: HFModule, h: torch.Tensor) -> torch.Tensor:
         mlp = layer.mlp
         if self.fused:
             gate, up = torch.nn.functional.linear(h, self.fused[i][2]).chunk(2, dim=-1)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cohort.engine.attention import AttentionOps
-from cohort.engine.models.decoder import DecoderForward
+from cohort.engine.models.decoder import DecoderForward, HFModule
 
 
 def _grouped_mm_fn():
@@ -61,9 +61,9 @@ def moe_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, g
         y = mm(act(gate) * up, down.transpose(1, 2), offs=offsets)
         out.index_add_(0, token, (y * pair_weight[:, None]).to(out.dtype))
         return out
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    per_expert: list[int] = torch.bincount(flat, minlength=num_experts).tolist()
     start = 0
-    for e, n in enumerate(counts):
+    for e, n in enumerate(per_expert):
         if n == 0:
             continue
         rows = slice(start, start + n)
@@ -74,7 +74,7 @@ def moe_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, g
     return out
 
 
-def _is_sparse(mlp: nn.Module) -> bool:
+def _is_sparse(mlp: HFModule) -> bool:
     return hasattr(mlp, "experts") and hasattr(mlp, "gate")
 
 
@@ -82,7 +82,7 @@ class Qwen3MoeForward(DecoderForward):
     model_types = ("qwen3_moe",)
 
     @classmethod
-    def unsupported(cls, model: nn.Module) -> str | None:
+    def unsupported(cls, model: HFModule) -> str | None:
         reason = super().unsupported(model)
         if reason is not None:
             return reason
@@ -110,7 +110,7 @@ class Qwen3MoeForward(DecoderForward):
         # not worth a second code path here (correctness first).
         return False
 
-    def _mlp(self, i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, i: int, layer: HFModule, h: torch.Tensor) -> torch.Tensor:
         mlp = layer.mlp
         if not _is_sparse(mlp):
             return super()._mlp(i, layer, h)

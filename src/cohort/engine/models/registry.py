@@ -49,6 +49,7 @@ def build_forward(model: nn.Module, attention: AttentionOps, max_len: int,
                   fuse_projections: bool | None = None) -> DecoderForward:
     """The engine forward of `model`'s family (ValueError naming the reason when none can run it)."""
     ok, reason = engine_supports(model)
-    if not ok:
+    cls = forward_class(model)
+    if not ok or cls is None:
         raise ValueError(reason)
-    return forward_class(model)(model, attention, max_len, fuse_projections)
+    return cls(model, attention, max_len, fuse_projections)

@@ -23,13 +23,13 @@ import torch
 from torch import nn
 
 from cohort.engine.attention import AttentionOps, AttnContext
-from cohort.engine.models.decoder import _UNSUPPORTED_ROPE, DecoderForward, rope_types, unwrap_model
+from cohort.engine.models.decoder import _UNSUPPORTED_ROPE, DecoderForward, HFModule, rope_types, unwrap_model
 from cohort.engine.models.layers import fused_ops
 
 _LANGUAGE = ("language_model", "text_model")
 
 
-def _language_model(model: nn.Module) -> nn.Module | None:
+def _language_model(model: HFModule) -> HFModule | None:
     inner = getattr(model, "model", None)
     return next((getattr(inner, n) for n in _LANGUAGE if getattr(inner, n, None) is not None), None)
 
@@ -38,7 +38,7 @@ class VisionDecoderForward(DecoderForward):
     model_types = ("qwen2_vl", "qwen2_5_vl", "idefics3", "smolvlm")
 
     @classmethod
-    def unsupported(cls, model: nn.Module) -> str | None:
+    def unsupported(cls, model: HFModule) -> str | None:
         body = _language_model(model)
         if body is None or not hasattr(getattr(model, "model", None), "get_image_features"):
             return f"{type(model).__name__}: expected .model.get_image_features and .model.language_model/.text_model"
@@ -59,13 +59,14 @@ class VisionDecoderForward(DecoderForward):
                  fuse_projections: bool | None = None) -> None:
         # DecoderForward.__init__ on the language model: `self.hf` keeps the whole VLM (its LM head, its
         # vision tower), `self.inner` the decoder body
-        model = unwrap_model(model)
-        reason = self.unsupported(model)
+        hf = unwrap_model(model)
+        reason = self.unsupported(hf)
         if reason is not None:
             raise ValueError(reason)
-        body = _language_model(model)
+        body = _language_model(hf)
+        assert body is not None  # unsupported() found it
         config = body.config
-        self.hf, self.inner, self.attention = model, body, attention
+        self.hf, self.inner, self.attention = hf, body, attention
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -129,7 +130,7 @@ class VisionDecoderForward(DecoderForward):
                 sin: torch.Tensor | None = None) -> torch.Tensor:
         ops, layers = self.ops, self.inner.layers
         x = self.inner.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        if cos is None:
+        if cos is None or sin is None:
             cos, sin = self.cos[positions], self.sin[positions]
         norm = layers[0].input_layernorm
         h = ops.rms_norm(x, norm.weight, norm.variance_epsilon)
