@@ -135,11 +135,16 @@ def _error(message: str, kind: str, param: str | None = None, **extra) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": None, **extra}}
 
 
-def make_http_server(engine: EngineServer, host: str, port: int) -> ThreadingHTTPServer:
+def make_http_server(engine: EngineServer | None, host: str, port: int) -> ThreadingHTTPServer:
+    """Bound at once (a port in use fails before any model loads); `set_engine` before serving if None."""
     handler = type("CohortHandler", (_Handler,), {"engine": engine})
     httpd = ThreadingHTTPServer((host, port), handler)
     httpd.daemon_threads = True
     return httpd
+
+
+def set_engine(httpd: ThreadingHTTPServer, engine: EngineServer) -> None:
+    httpd.RequestHandlerClass.engine = engine  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -204,10 +209,17 @@ def serve(args) -> int:
     """`cohort serve`: build, announce the address on stdout (one line), serve until killed."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not 0 < args.kv_cache_fraction <= 1:
+        raise CohortError(f"--kv-cache-fraction={args.kv_cache_fraction} must be in (0, 1], e.g. 0.8")
+    try:
+        httpd = make_http_server(None, args.host, args.port)  # requests wait in the backlog until serve_forever
+    except OSError as exc:
+        raise CohortError(f"--host={args.host} --port={args.port}: cannot listen there ({exc}); pick another port "
+                          "(0: a free one) or stop what uses it") from None
     replicas, tokenizer = build_replicas(args)
     engine = EngineServer(replicas, tokenizer, model_name=args.served_model_name or args.model, host=args.host,
                           group_timeout_s=args.group_timeout_s)
-    httpd = make_http_server(engine, args.host, args.port)
+    set_engine(httpd, engine)
     host, port = str(httpd.server_address[0]), int(httpd.server_address[1])
     print(f"cohort serve: ready on http://{host}:{port} (model {engine.model_name}, {len(replicas)} replica(s) on "
           f"{', '.join(str(r.device) for r in replicas)}, weights over {engine.backend}, "
