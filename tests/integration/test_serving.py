@@ -184,3 +184,44 @@ def _post_error(server, path: str, body: dict) -> tuple[int, dict]:
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
     raise AssertionError("expected an error")
+
+
+def test_the_version_switch_waits_for_requests_in_flight(workspace):
+    """In process: a commit that arrives mid-generation waits for it (the request finishes on the old weights,
+    reported as the old version); the next request sees the new weights whole."""
+    import threading
+
+    from cohort.serving.engine_server import EngineServer, Replica, _Push
+    from cohort.serving.weights import model_tensors
+
+    model, tok = load_policy(str(workspace[0]), dtype=torch.float32)
+    engine = _local(model, tok)
+    server = EngineServer([Replica(model, engine, torch.device("cpu"), threading.Lock())], tok, model_name="m")
+    old = engine.generate(_prompts(tok), PARAMS)
+    other = tiny_model(tok, seed=3)
+    new = _local(other, tok).generate(_prompts(tok), PARAMS)
+    started, original = threading.Event(), engine.generate
+
+    def slow_generate(prompts, params):
+        started.set()
+        time.sleep(0.3)  # the commit arrives meanwhile
+        return original(prompts, params)
+
+    engine.generate = slow_generate
+    results = []
+    request = threading.Thread(target=lambda: results.append(server.generate(_prompts(tok), PARAMS)))
+    request.start()
+    assert started.wait(10)
+    done = threading.Thread(target=lambda: None)
+    done.start()
+    done.join()
+    staged = {n: t.detach().clone() for n, t in model_tensors(other)}
+    server._push = _Push(version=1, specs=server.specs, thread=done, staged=staged)
+    switched = server.weights_commit(1)
+    request.join(10)
+    (groups, version), = results
+    assert version == 0 and _flat(groups) == _flat(old)  # all of it from the old weights
+    assert switched["version"] == 1 and switched["wait_s"] > 0.1  # the switch waited for that request
+    engine.generate = original
+    groups, version = server.generate(_prompts(tok), PARAMS)
+    assert version == 1 and _flat(groups) == _flat(new)
