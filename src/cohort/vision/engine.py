@@ -30,6 +30,7 @@ import itertools
 import random
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +39,9 @@ from cohort.engine.sequence import Sequence
 from cohort.types import Completion, SamplingParams
 from cohort.vision.forward import embed_with_images, mrope_positions
 from cohort.vision.model import language_model, unwrap, uses_mrope
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 
 @dataclass
@@ -92,7 +96,7 @@ class VisionGroupEngine:
             self.model.train(was_training)
 
     # -----------------------------------------------------------------------------------------------------
-    def _prefill(self, prompts: list) -> tuple[object, torch.Tensor, torch.Tensor, list[int]]:
+    def _prefill(self, prompts: list) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, list[int]]:
         """One batched forward over every prompt, left-padded to the longest: (cache, last-token logits [P, V],
         attention mask [P, width], each prompt's next text position)."""
         from transformers import DynamicCache

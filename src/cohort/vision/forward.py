@@ -88,7 +88,7 @@ def embed_with_images(model, ids: torch.Tensor, prompts: Sequence, owners: Seque
     base = unwrap(model)
     embeds = base.get_input_embeddings()(ids[None])
     features = batched_image_features(base, [prompts[k] for k in owners], ids.device)
-    ordered = [features[id(prompts[k])] for k in owners if features[id(prompts[k])] is not None]
+    ordered = [f for k in owners if (f := features[id(prompts[k])]) is not None]
     mask = ids == image_token_id(base)
     if in_prompt is not None:
         mask = mask & in_prompt

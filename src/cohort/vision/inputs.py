@@ -98,7 +98,7 @@ def load_image(value: Any, source: str, index: int, column: str):
                         "with a readable PNG/JPEG or remove the row") from None
 
 
-class VisionPrompt(list):
+class VisionPrompt(list[int]):
     """A prompt's token ids (image tokens included) that also knows its images.
 
     It is a list of ints, so PromptBatch, the rollout and the update carry it unchanged; the vision engine and
@@ -115,7 +115,7 @@ class VisionPrompt(list):
     def num_images(self) -> int:
         return len(self.images)
 
-    def __getitem__(self, key):  # type: ignore[override]
+    def __getitem__(self, key):
         if isinstance(key, slice) and (key.start not in (None, 0) or key.stop not in (None, len(self))):
             raise DataError("a prompt with images cannot be truncated (its image tokens would lose their pixels); "
                             "set data.truncation=drop, or raise data.max_prompt_length / generation.max_model_len")
@@ -223,7 +223,8 @@ def encode_vision_dataset(dataset: PromptDataset, processor, max_prompt_length: 
     unreadable file fails before training). A prompt longer than `max_prompt_length` is dropped, whatever
     `truncation` says: cutting it could cut image tokens (counted in stats.num_dropped; the log says so)."""
     stats = EncodeStats(num_prompts=len(dataset.rows), max_prompt_length=max_prompt_length)
-    kept_rows, kept_ids = [], []
+    kept_rows: list[dict[str, Any]] = []
+    kept_ids: list[list[int]] = []
     for i, row in enumerate(dataset.rows):
         column = "images" if row.get("images") is not None else "image"
         images = [load_image(v, dataset.source, i, column) for v in row_images(row)]

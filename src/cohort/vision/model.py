@@ -9,11 +9,14 @@ they need these handles; peft's LoRA wrapper is looked through.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cohort.errors import ConfigError
+
+if TYPE_CHECKING:  # a Hugging Face module reached by attribute name (see cohort.engine.models.decoder)
+    from cohort.engine.models.decoder import HFModule
 
 _LANGUAGE_NAMES = ("language_model", "text_model")
 
@@ -23,7 +26,7 @@ def is_vision_config(config: Any) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap(model: torch.nn.Module) -> HFModule:
     """The transformers model under a peft wrapper (the model itself otherwise)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
@@ -33,7 +36,7 @@ def is_vision_model(model: torch.nn.Module) -> bool:
     return is_vision_config(getattr(unwrap(model), "config", None))
 
 
-def inner_model(model: torch.nn.Module) -> torch.nn.Module:
+def inner_model(model: torch.nn.Module) -> HFModule:
     """The `<Family>Model` inside `<Family>ForConditionalGeneration` (it owns get_image_features)."""
     base = unwrap(model)
     inner = getattr(base, "model", None)
@@ -44,7 +47,7 @@ def inner_model(model: torch.nn.Module) -> torch.nn.Module:
     return inner
 
 
-def language_model(model: torch.nn.Module) -> torch.nn.Module:
+def language_model(model: torch.nn.Module) -> HFModule:
     """The text decoder body (embeddings, layers, final norm; no LM head)."""
     inner = inner_model(model)
     for name in _LANGUAGE_NAMES:
