@@ -194,6 +194,13 @@ def test_callbacks_are_called_as_trl_calls_them(tmp_path):
     ours, our_rows = _events(cohort.GRPOConfig, cohort.GRPOTrainer, model_dir, tmp_path / "cohort", **kw)
     assert ours == theirs
     assert our_rows == their_rows == [1, 2, 2, 3, 3, 3]  # train rows, eval rows (steps 2 and 3), closing row
+
+
+@pytest.mark.slow
+def test_callbacks_with_two_optimiser_steps_per_generation_are_trls_but_logging(tmp_path):
+    import cohort
+
+    model_dir, _ = write_toy_workspace(tmp_path)
     # two optimiser steps per generation: the same calls, except that cohort logs once per generation
     kw = dict(per_device_train_batch_size=4, steps_per_generation=2, max_steps=4, save_steps=2)
     theirs, _ = _events(trl.GRPOConfig, trl.GRPOTrainer, model_dir, tmp_path / "trl2", **kw)
