@@ -88,6 +88,7 @@ def run_worker(args) -> None:
     cfg.run.output_dir = args.run_dir
     if args.server:
         cfg.generation.placement, cfg.generation.server_address = "server", args.server
+        cfg.generation.server_connect_timeout_s = 300.0  # the server may still be capturing its CUDA graphs
         cfg.train.max_staleness = args.staleness
     rows = [{"prompt": p} for p in make_prompts(args.prompts * cfg.train.max_steps, args.prompt_len,
                                                  model.config.vocab_size)]
