@@ -21,7 +21,8 @@ checkpoint included). `facade`: cohort's GRPOTrainer with TRL's defaults (gradie
 completions, 8 completions per step) on SmolLM2-135M-Instruct and 16 chain_sum prompts, --steps steps.
 `chain_sum_gpu`: recipes/chain_sum_gpu.yaml, --steps steps. `fast-0.5b`, `lowmem-0.5b`, `fast-1.5b`,
 `lowmem-1.5b`: bench/grpo_step.py's cohort rows with its defaults (32 prompts x 8 completions of 128 + 256
-tokens; the low-memory rows under the TRL peaks docs/benchmarks.md measured: 4.99 / 13.30 GiB).
+tokens; the low-memory rows under the TRL peaks docs/benchmarks.md measured: 4.99 / 13.30 GiB). `fast-tiny`,
+`lowmem-tiny`: the same code path on its tiny CPU smoke-test model (a check of the script, not a measurement).
 """
 
 from __future__ import annotations
@@ -145,17 +146,20 @@ def _length_reward(completions, **kwargs) -> list[float]:
     return [len(str(c)) / 100.0 for c in completions]
 
 
-def _run_grpo_step(row: str, steps: int) -> None:
+def _run_grpo_step(row: str, steps: int, device: str) -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     import grpo_step
 
     kind, size = row.split("-")
     lowmem = kind == "lowmem"
+    # "tiny" (bench/grpo_step.py's CPU smoke-test size): a quick check of this path, not a measurement
+    shape = {"prompts": 4, "generations": 4, "prompt_len": 16, "completion_len": 16} if size == "tiny" else {
+        "prompts": 32, "generations": 8, "prompt_len": 128, "completion_len": 256}
     args = argparse.Namespace(
-        size=size, device="cuda", warmup=0, steps=steps, prompts=32, generations=8, prompt_len=128, completion_len=256,
-        token_budget=None, chunk_tokens=None, lowmem_token_budget=None, lowmem_chunk_tokens=256,
-        lowmem_release_kv=True, lowmem_offload=True, mem_cap=int(TRL_PEAK_GIB[size] * GIB) if lowmem else None,
-        compile_layers=True, profile_update=False)
+        size=size, device=device, warmup=0, steps=steps, **shape, token_budget=None, chunk_tokens=None,
+        lowmem_token_budget=None, lowmem_chunk_tokens=256, lowmem_release_kv=True, lowmem_offload=device == "cuda",
+        mem_cap=int(TRL_PEAK_GIB[size] * GIB) if lowmem and size in TRL_PEAK_GIB else None,
+        compile_layers=device == "cuda", profile_update=False)
     grpo_step.run_cohort(args, lowmem=lowmem)
 
 
@@ -165,7 +169,7 @@ def child(row: str, steps: int, out: str, natural: bool) -> None:
     import cohort.setup  # imported before the baseline: libraries are not part of the peak
     import cohort.trainer  # noqa: F401
 
-    cuda = row not in CPU_ROWS
+    cuda = row not in CPU_ROWS and (torch.cuda.is_available() or not row.endswith("-tiny"))
     if cuda and not torch.cuda.is_available():
         raise SystemExit(f"row {row} needs a GPU")
     # every completion at max_completion_length: the micro-batch the estimate sizes (--natural: as sampled)
@@ -182,7 +186,7 @@ def child(row: str, steps: int, out: str, natural: bool) -> None:
         elif row == "chain_sum_gpu":
             _run_recipe("recipes/chain_sum_gpu.yaml", steps, ["run.eval_steps=0", "data.eval_size=0", *max_length])
         else:
-            _run_grpo_step(row, steps)
+            _run_grpo_step(row, steps, "cuda" if cuda else "cpu")
         wall = time.perf_counter() - start
     est = seen["comp"].memory_estimate
     result = {"row": row, "device": "cuda" if cuda else "cpu", "wall_s": wall,

@@ -477,7 +477,7 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
                                 total_steps=total_updates, kwargs=t.lr_scheduler_kwargs)
     longest = _longest_prompt(train_data, eval_data)
     kv_fraction, memory_estimate = _check_memory(cfg, policy, device, reference is not None, echo, dtype=compute_dtype,
-                                                 longest_prompt=longest)
+                                                 longest_prompt=_longest_prompt(train_data))  # trained on
     if sharded is None:
         engine = build_engine(cfg, policy, tokenizer, device, echo, kv_fraction, longest)
     else:
