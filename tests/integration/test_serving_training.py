@@ -12,7 +12,7 @@ from tests.integration.test_trainer_learns import toy_config
 
 from cohort.config import CohortConfig
 from cohort.data import load_prompt_dataset
-from cohort.errors import ConfigError
+from cohort.errors import CohortError, ConfigError
 from cohort.model import load_policy
 from cohort.rewards import RewardRunner
 from cohort.serving import RemoteEngine
@@ -167,3 +167,21 @@ def test_a_pipelined_checkpoint_saves_the_next_steps_data_position(tmp_path, ser
                             "trainer_state.json").read_text())
         states[staleness] = state["sampler"]
     assert states[1] == states[0]
+
+
+def test_an_error_in_the_background_generation_reaches_the_training_loop(tmp_path, served):
+    model_dir, server = served
+    cfg = _config(tmp_path, "failing", steps=4, server=server, staleness=1)
+    calls = []
+
+    def flaky(completions, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # step 2's scoring, in the pipeline's thread
+            raise RuntimeError("reward backend unavailable")
+        return [0.0] * len(completions)
+
+    policy, tok = load_policy(str(model_dir), dtype=torch.float32)
+    comp = build_components(cfg, policy=policy, tokenizer=tok, reward_runner=RewardRunner([flaky]),
+                            train_data=load_prompt_dataset(toy_rows()).encode(tok, 64), echo=lambda *a: None)
+    with pytest.raises(CohortError, match="reward backend unavailable"):  # the RewardError naming the function
+        train(cfg, comp, echo=lambda *a: None)
