@@ -74,7 +74,9 @@ def test_rwlock_commit_waits_for_readers_and_blocks_new_ones():
 
     w = threading.Thread(target=writer)
     w.start()
-    time.sleep(0.05)
+    deadline = time.monotonic() + 5
+    while lock._writers_waiting == 0 and time.monotonic() < deadline:  # the writer is queued
+        time.sleep(0.01)
     r = threading.Thread(target=late_reader)
     r.start()
     time.sleep(0.05)
