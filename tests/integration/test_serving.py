@@ -200,11 +200,11 @@ def test_the_version_switch_waits_for_requests_in_flight(workspace):
     old = engine.generate(_prompts(tok), PARAMS)
     other = tiny_model(tok, seed=3)
     new = _local(other, tok).generate(_prompts(tok), PARAMS)
-    started, original = threading.Event(), engine.generate
+    started, go, original = threading.Event(), threading.Event(), engine.generate
 
     def slow_generate(prompts, params):
         started.set()
-        time.sleep(0.3)  # the commit arrives meanwhile
+        assert go.wait(10)  # held until the commit is queued behind this request
         return original(prompts, params)
 
     engine.generate = slow_generate
@@ -217,11 +217,19 @@ def test_the_version_switch_waits_for_requests_in_flight(workspace):
     done.join()
     staged = {n: t.detach().clone() for n, t in model_tensors(other)}
     server._push = _Push(version=1, specs=server.specs, thread=done, staged=staged)
-    switched = server.weights_commit(1)
+    switched = []
+    commit = threading.Thread(target=lambda: switched.append(server.weights_commit(1)))
+    commit.start()
+    deadline = time.monotonic() + 10
+    while server._lock._writers_waiting == 0 and time.monotonic() < deadline:  # the switch waits for the request
+        time.sleep(0.01)
+    assert server._lock._writers_waiting == 1 and server.version == 0
+    go.set()
     request.join(10)
+    commit.join(10)
     (groups, version), = results
     assert version == 0 and _flat(groups) == _flat(old)  # all of it from the old weights
-    assert switched["version"] == 1 and switched["wait_s"] > 0.1  # the switch waited for that request
+    assert switched[0]["version"] == 1
     engine.generate = original
     groups, version = server.generate(_prompts(tok), PARAMS)
     assert version == 1 and _flat(groups) == _flat(new)
