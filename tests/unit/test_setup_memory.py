@@ -68,3 +68,15 @@ def test_micro_batch_tokens_at_max_completion_length():
     assert setup.micro_batch_tokens(cfg, longest_prompt=80) == (144, 64)
     cfg.train.token_budget, cfg.train.mini_batches = 8192, 2  # each update sees half the step
     assert setup.micro_batch_tokens(cfg, longest_prompt=80) == (16 * 144, 16 * 64)
+
+
+def test_engine_memory_is_the_pool_as_allocated():
+    from cohort.engine import CohortEngine
+
+    engine = CohortEngine(tiny_llama(0), num_kv_blocks=7, max_model_len=64, fuse_projections=False)
+    kv, copies = setup.engine_memory(engine)
+    pool = engine.runner.kv_cache
+    assert kv == pool.numel() * pool.element_size() and copies == 0  # 7 blocks + the scratch block
+    # 2 (K, V) x 1 layer x 8 blocks x 16 tokens (CPU block size) x 2 kv heads x 8 head dim x 4 bytes
+    assert kv == 2 * 1 * 8 * 16 * 2 * 8 * 4
+    assert setup.engine_memory(object()) == (0, 0)  # Hugging Face generate: no pool
