@@ -21,9 +21,9 @@ Terms (P parameters, b bytes per weight element, T tokens per forward/backward):
   compiled with torch.compile (model.compile_layers, CUDA) keep 3H + 2Q + 2K + 3I elements in the weight
   dtype plus 2H fp32 (Q = heads x head dim): fitted to bench/grpo_step.py's update peaks on an H100;
 - logits chunk: one chunk of the chunked logprob kernel (at most the micro-batch's completion tokens, the
-  kernel's only input), chunk_tokens x vocab in the weight dtype plus
-  three fp32 copies (logits, softmax, gradient) in the eager backward; with the fused CUDA kernels
-  (fused_logprob_kernels) two copies in the weight dtype;
+  kernel's only input), chunk_tokens x vocab elements: in the eager code the logits, an fp32 working copy
+  (none for fp32 weights), exp() in fp32 and the gradient cast back (8 bytes per element in fp32, 12 in bf16:
+  measured); with the fused CUDA kernels (fused_logprob_kernels) two copies in the weight dtype;
 - LM-head gradient: the same kernel's backward sums the LM-head weight gradient over chunks in an fp32
   [vocab, hidden] buffer next to one chunk's product in the weight dtype (4 + b bytes per element). It does
   not shrink with the token budget or chunk size: 0.76 GiB for Qwen2.5-0.5B in bf16, 1.30 GiB for 1.5B
@@ -219,7 +219,9 @@ def estimate_memory(
         opt = 2 * state_bytes * min(p, biggest)
     activations = _activation_bytes(s, b, token_budget, gradient_checkpointing, compiled_layers) if known else 0
     # fused (compiled, CUDA) kernels keep two [chunk, vocab] tensors in the weight dtype (logits, gradient)
-    per_element = 2 * b if fused_logprob_kernels else b + 3 * 4
+    # eager: the logits, an fp32 working copy (none when they are fp32 already), exp(logits) in fp32 and the
+    # gradient cast back to the weight dtype: 8 bytes per element in fp32, 12 in bf16 (measured on the CPU)
+    per_element = 2 * b if fused_logprob_kernels else (8 if b == 4 else 2 * b + 8)
     chunk_rows = min(chunk_tokens, token_budget, token_budget if completion_tokens is None else completion_tokens)
     logits = chunk_rows * s["V"] * per_element if known else 0
     # fp32 sum plus one chunk's product; or (lm_head_grad_fp32=False) one buffer in the weight dtype

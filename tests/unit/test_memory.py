@@ -35,10 +35,10 @@ def test_bf16_adamw_master_weights_by_hand():
     assert est.optimizer == 8 * P  # two fp32 moments
     # per layer and token: 2 bytes * (7*64 + 3*32 + 4*128 = 1056) + 4 * 2*64 = 2624; outer 2*2*64 = 256
     assert est.activations == 10 * (2 * 2624 + 256)
-    assert est.logits_chunk == 4 * 100 * (2 + 12)
+    assert est.logits_chunk == 4 * 100 * (2 + 4 + 4 + 2)  # bf16 logits, fp32 copy and exp, bf16 gradient
     assert est.lm_head_grad == 100 * 64 * (4 + 2)  # fp32 accumulator + one bf16 chunk product
     assert est.kv_cache == 1000
-    assert est.total == 2 * P * 3 + 4 * P + 8 * P + 55040 + 5600 + 38400 + 1000
+    assert est.total == 2 * P * 3 + 4 * P + 8 * P + 55040 + 4800 + 38400 + 1000
 
 
 def test_checkpointing_bf16_optimizer_fp32_and_param_count_only():
@@ -53,6 +53,7 @@ def test_checkpointing_bf16_optimizer_fp32_and_param_count_only():
     bare = estimate_memory(1_000_000, dtype="bf16", optimizer="adamw_8bit")
     assert bare.activations == 0 and bare.logits_chunk == 0 and bare.optimizer == 2_000_000
     assert bare.lm_head_grad == 0 and fp32.lm_head_grad == 100 * 64 * (4 + 4)
+    assert fp32.logits_chunk == 10 * 100 * 8  # fp32: the logits are the working copy; exp() beside them
     assert "unknown" in bare.table() and "total" in bare.table()
 
 
@@ -86,7 +87,7 @@ def test_phases_when_the_kv_pool_is_released_and_the_moments_offloaded():
                           chunk_tokens=4, kv_cache_bytes=10**6, kv_released_in_update=True, optimizer_offload=True)
     # offloaded moments: one bucket of at most 32Mi elements (here the whole model), two bf16 moments
     assert est.optimizer == 2 * 2 * P
-    act, logits, head = 10 * (2 * 2624 + 256), 4 * 100 * (2 + 12), 100 * 64 * 2
+    act, logits, head = 10 * (2 * 2624 + 256), 4 * 100 * 12, 100 * 64 * 2
     assert (est.activations, est.logits_chunk, est.lm_head_grad) == (act, logits, head)
     assert est.phases == {
         "backward": 2 * P + 2 * P + act + logits + head,  # no KV pool, no moments on the device
