@@ -14,7 +14,9 @@ memory the run added for all of that:
 - on the CPU, the process's peak resident set (`ru_maxrss`) minus its resident set just before the model is
   loaded (after importing torch, transformers and cohort), so interpreter and libraries are not counted.
   A thread samples the resident set every 5 ms to tell which phase (load, generate, update, save) peaked.
-A row is within the issue's bar when |estimate / peak - 1| <= 25%.
+Every completion runs to max_completion_length (generation.ignore_eos; bench/grpo_step.py's rows do so
+anyway): the step the estimate sizes. --natural lets them end at EOS as sampled, to see how far a real run
+lands from it. A row is within the issue's bar when |estimate / peak - 1| <= 25%.
 
 Rows. `default`: recipes/default.yaml with train.max_steps=--steps (the held-out evals and the final
 checkpoint included). `facade`: cohort's GRPOTrainer with TRL's defaults (gradient checkpointing, 512-token
