@@ -57,7 +57,9 @@ class TrainResult:
 # JSON-able entries to the payload dict, saved in the checkpoint and handed back at "resume"), "save"
 # ({"path": checkpoint folder, None on ranks that write none}), "evaluate" (the held-out metrics) and
 # "train_end"; a truthy return from "log" ends training after that step (with its checkpoint unless
-# run.save_at_end is false). The TRL facade's callbacks ride on this; the loop knows nothing else about them.
+# run.save_at_end is false), one from "evaluate_requested" (before the step's metrics are logged) or
+# "save_requested" (after "log") evaluates or saves at that step besides the configured ones. The TRL facade's
+# callbacks ride on this; the loop knows nothing else about them.
 Hook = Callable[[str, int, dict], Any]
 
 
@@ -177,13 +179,16 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo, hooks: S
             with distributed.phase("log", step):
                 out_of_time = distributed.any_rank(
                     cfg.run.time_limit_s is not None and time.monotonic() - started > cfg.run.time_limit_s)
-                _record(cfg, comp, logger, step, metrics, last=last)
+                _record(cfg, comp, logger, step, metrics, last=last,
+                        requested=_emit(hooks, "evaluate_requested", step))
             if _emit(hooks, "log", step, metrics):  # a hook asked to stop: end here as at max_steps
                 last = stopped = True
             # a sharded checkpoint is written by every rank (each its shards); otherwise rank 0 alone
             writer = main or t.sharding == "fsdp"
+            # a hook may ask for a checkpoint at this step (the ranks agree: sharded saves are collective)
+            requested = bool(hooks) and distributed.any_rank(_emit(hooks, "save_requested", step))
             if ((cfg.run.save_steps and step % cfg.run.save_steps == 0) or (last and cfg.run.save_at_end)
-                    or out_of_time):
+                    or out_of_time or requested):
                 hook_state: dict[str, Any] = {}
                 _emit(hooks, "checkpoint_state", step, hook_state)
                 saved = None
@@ -242,9 +247,11 @@ def _resume(cfg: CohortConfig, comp: Components, run_dir: Path, sampler, result:
     return int(state["step"])
 
 
-def _record(cfg: CohortConfig, comp: Components, logger, step: int, metrics: dict, *, last: bool) -> None:
-    """Periodic held-out evaluation (rank 0; the final one happens after the loop), metrics, sample rows."""
-    due = cfg.run.eval_steps and step % cfg.run.eval_steps == 0 and not last
+def _record(cfg: CohortConfig, comp: Components, logger, step: int, metrics: dict, *, last: bool,
+            requested: bool = False) -> None:
+    """Periodic held-out evaluation (rank 0; the final one happens after the loop; `requested`: a hook asked
+    for one at this step), metrics, sample rows."""
+    due = ((cfg.run.eval_steps and step % cfg.run.eval_steps == 0) or requested) and not last
     if comp.eval_data is not None and due and distributed.current().is_main:
         with distributed.phase("eval", step):
             metrics.update({f"eval/{k}": v for k, v in evaluate(comp, cfg).items()})

@@ -291,3 +291,23 @@ def test_a_logged_row_averages_the_steps_since_the_previous_one_as_trl(tmp_path)
     assert rows[1]["reward"] == pytest.approx(steps[2]["reward"]) and "train_runtime" in rows[1]
     assert not {"loss", "grad_norm", "learning_rate"} & set(rows[1])
     assert rows[1]["train_loss"] == pytest.approx(sum(s["loss"] for s in steps) / 3)
+
+
+class AskAtStep1(TrainerCallback):
+    """Asks for a checkpoint and an evaluation at step 1, as a TRL user's callback would."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            control.should_save = control.should_evaluate = True
+        return control
+
+
+def test_a_callbacks_should_save_and_should_evaluate_are_honoured(tmp_path):
+    rec = Recorder()
+    trainer = _trainer(tmp_path, callbacks=[AskAtStep1(), rec], max_steps=3, save_steps=500, eval_steps=100,
+                       eval_strategy="steps", eval_dataset=toy_rows(1)[:4])
+    trainer.train()
+    assert (tmp_path / "run" / "checkpoints" / "step-000001").is_dir()
+    assert [s for e, s in rec.events if e == "on_save"] == [1, 3]  # asked for, and the end (save_strategy steps)
+    assert [s for e, s in rec.events if e == "on_evaluate"] == [1, 3]  # asked for, and the end
+    assert [row["step"] for row in trainer.state.log_history if "eval_reward" in row] == [1, 3]

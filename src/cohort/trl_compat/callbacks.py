@@ -9,8 +9,8 @@ step's metrics are logged once, after its last update (`state.log_history` holds
 
 `control` flags are set as transformers' DefaultFlowCallback sets them before the user's on_step_end runs
 (should_log / should_evaluate / should_save when due, should_training_stop at max_steps) and cleared where its
-CallbackHandler clears them. A callback's `should_training_stop` and `should_log` are honoured at the end of the
-cohort step; `should_save` / `should_evaluate` set by a callback are not (cohort saves every save_steps).
+CallbackHandler clears them. A callback's `should_training_stop`, `should_log`, `should_evaluate` and
+`should_save` are honoured at the end of the cohort step (the loop's "evaluate_requested" / "save_requested").
 The state is saved in each checkpoint (the loop's "checkpoint_state" event) and restored on resume, so a
 resumed run's `log_history` and `global_step` equal an uninterrupted run's.
 """
@@ -140,6 +140,12 @@ class CallbackBridge:
         if evals:
             self.log_eval(evals)
         return bool(self.control.should_training_stop)
+
+    def _on_evaluate_requested(self, step: int, payload: dict) -> bool:
+        return bool(self.control.should_evaluate)  # set by the flow when due, or by a callback's on_step_end
+
+    def _on_save_requested(self, step: int, payload: dict) -> bool:
+        return bool(self.control.should_save)  # set by the flow when due, or by a callback
 
     def _on_checkpoint_state(self, step: int, payload: dict) -> None:
         payload["trl_state"] = self._saved()
