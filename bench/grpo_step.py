@@ -175,7 +175,7 @@ def _cohort_config(args, lowmem: bool, kv_fraction: float, token_budget: int):
     cfg = CohortConfig()
     cfg.model.gradient_checkpointing = lowmem
     # setup compiles the decoder layers on CUDA (and the memory estimate it prints knows they are compiled)
-    cfg.model.compile_layers = bool(args.compile_layers)
+    cfg.model.compile_layers = bool(getattr(args, "compile_layers", False))  # bench/scale.py sets its own
     g = cfg.generation
     g.num_generations, g.max_completion_length, g.temperature = args.generations, args.completion_len, 1.0
     g.ignore_eos, g.engine, g.kv_cache_fraction = True, "cohort", kv_fraction
