@@ -46,7 +46,9 @@ def _hf_logprobs(model, prompt, completion):
     logits = out.logits[0].float()
     if len(completion) > 1:
         rest = torch.tensor([list(completion[:-1])])
-        more = model(input_ids=rest, cache=out.cache, use_cache=True).logits[0].float()
+        # transformers >= 5.2x names the cache `cache`, 5.17 `past_key_values` (as VisionGroupEngine)
+        arg = "cache" if hasattr(out, "cache") else "past_key_values"
+        more = model(input_ids=rest, use_cache=True, **{arg: getattr(out, arg)}).logits[0].float()
         logits = torch.cat([logits, more])
     logp = torch.log_softmax(logits, -1)
     p = len(prompt)

@@ -16,13 +16,12 @@ Attention-logit soft-capping (Gemma 2) and bidirectional attention are refused b
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
 from cohort.engine.attention import AttentionOps, AttnContext
 from cohort.engine.models.decoder import DecoderForward, HFModule, rope_types
+from cohort.engine.models.layers import compile_shape_generic
 
 _DYNAMIC_ROPE = ("dynamic", "longrope")
 
@@ -49,9 +48,11 @@ class _GemmaOps:
     """The pieces above, torch.compile'd on CUDA (one kernel each), plain on the CPU."""
 
     def __init__(self, compile_: bool) -> None:
-        wrap = functools.partial(torch.compile, dynamic=True, fullgraph=True) if compile_ else (lambda f: f)
-        self.rms_norm = wrap(gemma_rms_norm)
-        self.residual = wrap(gemma_residual)
+        # compile_shape_generic: one graph per dtype and rank (a plain torch.compile recompiled per batch size,
+        # head count and norm width past dynamo's limit during graph capture)
+        wrap = compile_shape_generic if compile_ else (lambda f, weights=(): f)
+        self.rms_norm = wrap(gemma_rms_norm, weights=(1,))
+        self.residual = wrap(gemma_residual, weights=(2, 3))
         self.gelu_tanh_mul = wrap(gelu_tanh_mul)
 
 

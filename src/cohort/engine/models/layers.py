@@ -42,11 +42,39 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def compile_shape_generic(fn, weights: tuple[int, ...] = (), backend="inductor"):
+    """torch.compile `fn` (dynamic, fullgraph) so that one graph serves every model and batch of a dtype.
+
+    Dynamo keeps at most `recompile_limit` (8) graphs per function, shared by every engine of the process, and
+    fails under fullgraph past it. With plain dynamic=True it still specialises on (a) a size 0 or 1 (a decode
+    batch of one, Gemma 3's single KV head), (b) the shapes and requires_grad of nn.Parameters (each hidden
+    size / head dim a separate graph) and (c) the dtype and rank; graph capture at several batch sizes times
+    q/k/hidden norms times float32/bf16 models exceeded the limit. So every dimension but the last of the
+    tensor arguments is marked unbacked (no 0/1 specialisation: nothing here branches on it), and the
+    arguments at `weights` are passed detached (plain tensors: dynamic shapes, no requires_grad guard). What
+    remains is one graph per dtype and rank. (`backend` is for the CPU test of the guards.)
+    """
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True, backend=backend)
+    mark = torch._dynamo.decorators.mark_unbacked
+
+    @functools.wraps(fn)
+    def call(*args):
+        args = tuple(a.detach() if i in weights else a for i, a in enumerate(args))
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and i not in weights:
+                for d in range(a.dim() - 1):
+                    mark(a, d)
+        return compiled(*args)
+
+    call.compiled = compiled  # type: ignore[attr-defined]
+    return call
+
+
 class FusedOps:
     def __init__(self, compile_: bool) -> None:
-        wrap = functools.partial(torch.compile, dynamic=True, fullgraph=True) if compile_ else (lambda f: f)
-        self.rms_norm = wrap(rms_norm)
-        self.add_rms_norm = wrap(add_rms_norm)
+        wrap = compile_shape_generic if compile_ else (lambda f, weights=(): f)
+        self.rms_norm = wrap(rms_norm, weights=(1,))
+        self.add_rms_norm = wrap(add_rms_norm, weights=(2,))
         self.rope = wrap(rope)
         self.silu_mul = wrap(silu_mul)
         self.compiled = compile_

@@ -76,6 +76,9 @@ class VisionDecoderForward(DecoderForward):
         self.qk_norm = hasattr(first, "q_norm")
         self.windows = [int(w) if (w := getattr(layer.self_attn, "sliding_window", None)) else None
                         for layer in body.layers]
+        from cohort.vision.model import uses_mrope
+
+        self.mrope = uses_mrope(model)
         self.cos, self.sin = self._rope_tables(max_len)
         self.ops = fused_ops(self.device)
         self.fused = []
@@ -83,9 +86,21 @@ class VisionDecoderForward(DecoderForward):
             fuse_projections = self._plain_linears() and self._fused_copies_fit()
         if fuse_projections and self._plain_linears():
             self.refresh_fused()
-        from cohort.vision.model import uses_mrope
 
-        self.mrope = uses_mrope(model)
+    @torch.inference_mode()
+    def _rope_tables(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The 1D (text) table; a multimodal rotary module gets its three position rows, all equal.
+
+        Qwen2-VL's rotary module takes [3, batch, positions] ids: transformers 5.17 indexes them as 3D
+        (`position_ids[:, :, None, :]`), later versions also expand a 2D [batch, positions]. The 3D form works
+        with both and gives the text positions (t = h = w = index).
+        """
+        if not self.mrope:
+            return super()._rope_tables(max_len)
+        positions = torch.arange(max_len, device=self.device)[None, None, :].expand(3, 1, max_len)
+        probe = torch.zeros(1, device=self.device, dtype=self.dtype)
+        cos, sin = self.inner.rotary_emb(probe, positions)
+        return cos[0].contiguous(), sin[0].contiguous()
 
     def prefill_inputs(self, units, input_ids: torch.Tensor, positions: torch.Tensor) -> dict | None:
         """Embeddings and cos/sin rows of a prefill step whose leaders carry images (None: none do)."""
