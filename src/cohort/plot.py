@@ -34,6 +34,9 @@ DEFAULT_PATTERNS = (
     "kl",
     "entropy",
     "completions/mean_length",
+    "tools/call_frequency",
+    "tools/failure_frequency",
+    "tools/turns_per_completion",
     "completions/clipped_ratio",
     "clip_ratio/region_mean",
     "clip_ratio/low_mean",
@@ -98,15 +101,23 @@ def smooth(values: Sequence[float], weight: float) -> list[float]:
 
 
 def _draw(ax, key: str, steps: list[float], values: list[float], weight: float) -> None:
+    if key.startswith("eval"):
+        # held-out evaluations are few points, each exact: a moving average would draw values never measured
+        ax.plot(steps, values, "o-", linewidth=1.8)
+    else:
+        _draw_smoothed(ax, steps, values, weight)
+    ax.set_title(key, fontsize=10)
+    ax.set_xlabel("step", fontsize=8)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3)
+
+
+def _draw_smoothed(ax, steps: list[float], values: list[float], weight: float) -> None:
     (raw,) = ax.plot(steps, values, alpha=0.3, linewidth=1)
     if len(values) > 1:
         ax.plot(steps, smooth(values, weight), color=raw.get_color(), linewidth=1.8)
     else:
         ax.plot(steps, values, "o", color=raw.get_color())
-    ax.set_title(key, fontsize=10)
-    ax.set_xlabel("step", fontsize=8)
-    ax.tick_params(labelsize=8)
-    ax.grid(alpha=0.3)
 
 
 def _save(fig, path: Path) -> Path:
