@@ -52,16 +52,19 @@ def _with_state(func: Any, state: Any) -> Any:
             kwargs["trainer_state"] = state
         return kwargs
 
+    wrapper: Any  # a function that carries attributes too: __signature__, keywords
     if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(target):
-        async def wrapper(*args, **kwargs):
+        async def call_async(*args, **kwargs):
             return await func(*args, **swap(kwargs))
+        wrapper = call_async
     else:
-        def wrapper(*args, **kwargs):
+        def call(*args, **kwargs):
             return func(*args, **swap(kwargs))
+        wrapper = call
     functools.update_wrapper(wrapper, func, updated=())
-    wrapper.__signature__ = inspect.signature(func)  # type: ignore[attr-defined]
+    wrapper.__signature__ = inspect.signature(func)  # what inspect.signature(wrapper) reports
     if getattr(func, "keywords", None):  # functools.partial: its bound settings stay bound
-        wrapper.keywords = func.keywords  # type: ignore[attr-defined]
+        wrapper.keywords = func.keywords
     from cohort.rewards.protocol import reward_name
 
     wrapper.__name__ = reward_name(func)
