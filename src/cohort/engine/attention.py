@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,8 @@ class AttnContext:
     Decode: block_tables [B, max_blocks] int32, ctx_lens [B] int32 (tokens to attend, the new one included),
     max_ctx_len a host bound (None under a CUDA graph: then the full table width is read).
     Prefill of continued turns: prefix_lens [N] host ints (cached tokens before each sequence's new ones, 0
-    for a fresh one) and prefix_tables, each such sequence's block table (long, on the device; None for 0).
+    for a fresh one) and prefix_batch (the continued turns padded into one batch, see PrefixBatch); or instead
+    prefix_tables, each such sequence's block table (long, on the device; None for 0), attended one by one.
     """
 
     is_prefill: bool
@@ -50,6 +51,7 @@ class AttnContext:
     max_ctx_len: int | None = None
     prefix_lens: list[int] | None = None
     prefix_tables: list[torch.Tensor | None] | None = None
+    prefix_batch: PrefixBatch | None = None
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -104,6 +106,78 @@ def prefix_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, t
     mask = window_mask(cached + torch.arange(length, device=q.device), keys, window)  # [L, S]
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask[None], scale=scale)
     return out.transpose(0, 1)
+
+
+@dataclass
+class PrefixBatch:
+    """Every continued turn of a prefill step, padded into one batch (built once per step, used by each layer).
+
+    rows [N, L] long: each turn's new tokens' rows in the packed step (padding: row 0); positions [N, L] long:
+    their positions (padding: 0, so a padded query sees key 0 and SDPA never gets an empty row); tables [N, W]
+    long: block tables padded with block 0 (masked out); lengths: new tokens per turn (host); total: keys read
+    per turn (W * block size). Chunk index tensors are built on first use and kept for the other layers."""
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    tables: torch.Tensor
+    lengths: list[int]
+    total: int
+    _chunks: dict = field(default_factory=dict)
+
+    def chunk_indices(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat indices of the valid rows of turns a..b-1 in their [C * L] block, their packed rows)."""
+        if (a, b) not in self._chunks:
+            width = self.rows.shape[1]
+            flat = [i * width + j for i, n in enumerate(self.lengths[a:b]) for j in range(n)]
+            src = torch.tensor(flat, dtype=torch.long).to(self.rows.device)
+            self._chunks[(a, b)] = (src, self.rows[a:b].flatten()[src])
+        return self._chunks[(a, b)]
+
+
+def prefix_batch(turns: list[tuple[int, int, int]], tables: list[list[int]], block_size: int,
+                 device: torch.device) -> PrefixBatch:
+    """`turns[i] = (start row in the packed step, new tokens, cached tokens)` of continued turn i."""
+    n = len(turns)
+    length = max(new for _, new, _ in turns)
+    width = max(len(t) for t in tables)
+    rows = torch.zeros((n, length), dtype=torch.long)
+    positions = torch.zeros((n, length), dtype=torch.long)
+    table = torch.zeros((n, width), dtype=torch.long)
+    for i, ((start, new, cached), t) in enumerate(zip(turns, tables)):
+        rows[i, :new] = torch.arange(start, start + new)
+        positions[i, :new] = torch.arange(cached, cached + new)
+        table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+    return PrefixBatch(rows.to(device), positions.to(device), table.to(device), [new for _, new, _ in turns],
+                       width * block_size)
+
+
+def prefix_sdpa_batched(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        batch: PrefixBatch, scale: float, window: int | None = None,
+                        max_elements: int = 1 << 27) -> None:
+    """`prefix_sdpa` for all continued turns of a step at once (a fixed number of kernels, not a dozen per turn
+    and layer; no host sync): writes their attention outputs into `out` (packed rows [T, H, D]). Turns go in
+    chunks whose gathered keys stay under `max_elements` elements."""
+    n = batch.rows.shape[0]
+    heads, dim = q.shape[1], q.shape[2]
+    chunk = max(1, max_elements // max(1, batch.total * heads * dim))
+    keys = torch.arange(batch.total, device=q.device)
+    for a in range(0, n, chunk):
+        b = min(n, a + chunk)
+        pos = batch.positions[a:b]  # [C, L]
+        mask = keys[None, None, :] <= pos[:, :, None]  # [C, L, S]
+        if window is not None:
+            mask &= keys[None, None, :] > pos[:, :, None] - window
+        tables = batch.tables[a:b]
+        k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [C, Hkv, S, D]
+        v = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        groups = heads // k.shape[1]
+        k = k.repeat_interleave(groups, 1)
+        v = v.repeat_interleave(groups, 1)
+        rows = batch.rows[a:b]
+        qb = q[rows].transpose(1, 2)  # [C, H, L, D]
+        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask[:, None], scale=scale).transpose(1, 2)
+        src, dest = batch.chunk_indices(a, b)
+        out[dest] = o.flatten(0, 1)[src].to(out.dtype)
 
 
 def decode_gather(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttnContext,
@@ -189,7 +263,11 @@ class AttentionOps:
                 window: int | None = None) -> torch.Tensor:
         """Packed prefill; `window` is the layer's sliding window (None: full causal attention)."""
         out = self._prefill_fresh(q, k, v, ctx, scale, window)
-        if ctx.prefix_lens:
+        if ctx.prefix_batch is not None:
+            # Continued turns were computed above as if they started at 0 (a little wasted work on a few tokens,
+            # which keeps the packed kernel for the rest); redo them over their prefix, all in one batch.
+            prefix_sdpa_batched(q, out, k_cache, v_cache, ctx.prefix_batch, scale, window)
+        elif ctx.prefix_lens:
             # Sequences with a cached prefix were computed above as if they started at 0 (a little wasted
             # work on a few tokens, which keeps the packed kernel for the rest); redo them over their prefix.
             bounds, tables = ctx.cu_seqlens_host, ctx.prefix_tables

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from cohort.engine.attention import AttentionOps, AttnContext
+from cohort.engine.attention import AttentionOps, AttnContext, prefix_batch
 from cohort.engine.config import EngineConfig
 from cohort.engine.models.decoder import HFModule
 from cohort.engine.models.registry import build_forward
@@ -176,9 +176,11 @@ class ModelRunner:
             max_seqlen=max(b - a for a, b in itertools.pairwise(cu)),
         )
         if any(prefix_lens):
+            # continued turns attend to their cached prefix, all of the step's in one padded batch per layer
+            turns = [(cu[i], cu[i + 1] - cu[i], c) for i, c in enumerate(prefix_lens) if c]
             ctx.prefix_lens = prefix_lens
-            ctx.prefix_tables = [torch.tensor(u.leader.block_table, dtype=torch.long, device=dev) if c else None
-                                 for u, c in zip(units, prefix_lens)]
+            ctx.prefix_batch = prefix_batch(turns, [u.leader.block_table for u, c in zip(units, prefix_lens) if c],
+                                            bs, dev)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
         # prompts with images (models/vision_decoder.py): embeddings with image features, multimodal RoPE rows

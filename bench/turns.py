@@ -1,0 +1,212 @@
+"""Multi-turn (tool-calling) generation against single-turn on the same engine, model and prompts.
+
+    python bench/turns.py                      # GPU: SmolLM2-135M architecture, random weights, bf16
+    python bench/turns.py --tiny --steps 2     # CPU harness: 2 layers of width 64, same vocab and workload
+    python bench/turns.py --model PATH         # another Llama-family config + tokenizer (weights still scripted)
+
+Workload (recipes/calculator_agent.yaml): 32 prompts x 8 completions, prompts of ~520 tokens rendered by the
+chatml_tools template with the calculator tool and the recipe's two few-shot conversations, at most 160
+completion tokens over the whole conversation, up to 3 rounds of tool calls, temperature 1.
+
+A random model never writes a tool call, so the weights are scripted (the cost being measured is host-side,
+and the forward still runs every layer at full size): every layer's output projections are zeroed, so the
+residual stream is the current token's embedding and the next token depends on the current one only; the
+embeddings of a few dozen tokens are one-hot and the LM head maps each to its successor. After the assistant
+header the model branches: with probability --p-call it writes a ~30-token "call" turn (the parser turns it
+into calculator("34 + 56 - 12 + 78"), whose ~24-token result is appended), else a ~8-token answer; each turn
+ends with <|im_end|>. Sampling stays the engine's (Gumbel noise per seed and position), so the branch is
+drawn per turn like a real model's choice.
+
+Prints one table: generate seconds per step, prefill / decode steps, sampled and context tokens, tokens/s
+(sampled tokens / generate seconds), turns per completion, for single-turn (`engine.generate`) and multi-turn
+(`TurnLoop.generate`) after one warm-up call of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+
+import torch
+
+RECIPE_FEW_SHOT = [
+    {"role": "user", "content": "State the final answer to the following arithmetic problem: 71 - 38 + 12 - 9 =\n\n"
+                                "Use the calculator, then give the final answer as a number."},
+    {"role": "assistant", "content": "",
+     "tool_calls": [{"type": "function", "function": {"name": "calculator",
+                                                      "arguments": {"expression": "71 - 38 + 12 - 9"}}}]},
+    {"role": "tool", "name": "calculator", "content": "36"},
+    {"role": "assistant", "content": "36"},
+    {"role": "user", "content": "State the final answer to the following arithmetic problem: 23 + 45 - 17 + 60 =\n\n"
+                                "Use the calculator, then give the final answer as a number."},
+    {"role": "assistant", "content": "",
+     "tool_calls": [{"type": "function", "function": {"name": "calculator",
+                                                      "arguments": {"expression": "23 + 45 - 17 + 60"}}}]},
+    {"role": "tool", "name": "calculator", "content": "111"},
+    {"role": "assistant", "content": "111"},
+]
+SYSTEM = "You are a careful assistant. Do not compute in your head: call the calculator tool."
+
+
+def build_prompts(tokenizer, tools, count: int, seed: int = 0):
+    import random
+
+    rng = random.Random(seed)
+    convs, ids = [], []
+    for _ in range(count):
+        terms = [rng.randint(10, 99) for _ in range(4)]
+        expr = " + ".join(str(t) for t in terms)
+        conv = [{"role": "system", "content": SYSTEM}, *RECIPE_FEW_SHOT,
+                {"role": "user", "content": f"State the final answer to the following arithmetic problem: {expr} =\n\n"
+                                            "Use the calculator, then give the final answer as a number."}]
+        convs.append(conv)
+        ids.append(list(tokenizer.apply_chat_template(conv, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=True)["input_ids"]))
+    return convs, ids
+
+
+def script_model(model, tokenizer, p_call: float, call_len: int = 30, answer_len: int = 8):
+    """Make `model` follow the two token chains described in the module docstring; returns the call marker id."""
+    import math
+
+    start = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=True)["input_ids"][-1]  # "\n" after the header
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    hidden = model.config.hidden_size
+    avoid = {start, end, *tokenizer.all_special_ids}
+    pool = [t for t in range(3000, 3000 + 4 * (call_len + answer_len)) if t not in avoid]
+    call, answer = pool[:call_len], pool[call_len: call_len + answer_len]
+    nodes = [start, *call, *answer]
+    if len(nodes) > hidden:
+        raise SystemExit(f"hidden size {hidden} < {len(nodes)} scripted tokens; use a wider model")
+    edges = {start: [(call[0], math.log(p_call)), (answer[0], math.log(1 - p_call))]}
+    for chain in (call, answer):
+        for a, b in itertools.pairwise(chain):
+            edges[a] = [(b, 0.0)]
+        edges[chain[-1]] = [(end, 0.0)]
+    big = 40.0
+    scale = hidden ** -0.5  # RMSNorm turns a one-hot row into sqrt(hidden) at its coordinate
+    with torch.no_grad():
+        hf = model
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        hf.model.norm.weight.fill_(1.0)
+        emb, head = hf.model.embed_tokens.weight, hf.lm_head.weight
+        for k, node in enumerate(nodes):
+            emb[node].zero_()
+            emb[node, k] = 1.0
+            head[:, k] = 0.0
+            for nxt, logp in edges[node]:
+                head[nxt, k] = (big + logp) * scale
+    return call[0]
+
+
+def build(args):
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+
+    from cohort.agents.templates import apply_chat_template_override
+    from cohort.model import resolve_model_path
+
+    path = args.model or resolve_model_path("smollm2-135m-instruct")
+    tokenizer = apply_chat_template_override(AutoTokenizer.from_pretrained(path), "chatml_tools")
+    config = AutoConfig.from_pretrained(path)
+    config.tie_word_embeddings = False
+    if args.tiny:
+        config.num_hidden_layers, config.hidden_size, config.intermediate_size = 2, 64, 128
+        config.num_attention_heads, config.num_key_value_heads, config.head_dim = 2, 1, 32
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    return model.eval(), tokenizer, device
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="a folder with a Llama-family config.json and tokenizer (default: SmolLM2-135M)")
+    ap.add_argument("--tiny", action="store_true", help="2 layers of width 64 (the CPU harness)")
+    ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--p-call", type=float, default=0.5, help="probability that a turn calls the tool")
+    ap.add_argument("--steps", type=int, default=3, help="timed calls of each mode (after one warm-up)")
+    ap.add_argument("--profile", help="write a cProfile of the multi-turn calls to this file")
+    args = ap.parse_args()
+
+    from cohort.agents.builtins import calculator
+    from cohort.agents.rollout_loop import TurnLoop
+    from cohort.agents.tools import ToolCall
+    from cohort.engine import CohortEngine
+    from cohort.types import SamplingParams
+
+    model, tok, device = build(args)
+    marker = script_model(model, tok, args.p_call)
+    marker_text = tok.decode([marker])
+    convs, ids = build_prompts(tok, [calculator], args.prompts)
+
+    def parser(text, tokenizer=None):
+        return [ToolCall("calculator", {"expression": "34 + 56 - 12 + 78"})] if marker_text in text else []
+
+    t0 = time.perf_counter()
+    engine = CohortEngine(model, tok, eos_token_ids=[tok.convert_tokens_to_ids("<|im_end|>")],
+                          max_num_seqs=max(256, args.prompts * args.n), max_model_len=1024,
+                          kv_cache_fraction=0.3 if device == "cuda" else 0.05)
+    setup_s = time.perf_counter() - t0
+    loop = TurnLoop(tok, [calculator], max_iterations=3, parser=parser)
+    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=1.0, seed=1234)
+
+    def single():
+        return engine.generate(ids, params)
+
+    def multi():
+        return loop.generate(engine, ids, params, prompts=convs)
+
+    rows = []
+    for name, fn in (("single-turn", single), ("multi-turn", multi)):
+        fn()  # warm-up (kernels, allocator, tokenizer caches)
+        stats0 = dict(vars(engine.stats))
+        times, sampled, context, turns = [], 0, 0, 0
+        profiler = None
+        if args.profile and name == "multi-turn":
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+        for _ in range(args.steps):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            groups = fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            for c in (c for g in groups for c in g):
+                mask = c.mask or [1] * len(c.token_ids)
+                sampled += sum(mask)
+                context += len(mask) - sum(mask)
+                turns += c.turns or 1
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(args.profile)
+        k = args.steps
+        stats = {key: (value - stats0[key]) / k for key, value in vars(engine.stats).items() if key != "peak_used_blocks"}
+        mean = sum(times) / k
+        rows.append((name, mean, min(times), stats["prefill_steps"], stats["decode_steps"], sampled / k, context / k,
+                     sampled / k / mean, turns / k / (args.prompts * args.n)))
+    print(f"device={device} model={'tiny ' if args.tiny else ''}{model.config.num_hidden_layers}L/"
+          f"{model.config.hidden_size} {engine.engine_name()} setup={setup_s:.1f}s "
+          f"prompt_tokens~{sum(map(len, ids)) // len(ids)} p_call={args.p_call}")
+    print("| mode | generate s/step (mean) | min | prefill steps | decode steps | sampled tok | context tok "
+          "| sampled tok/s | turns/completion |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]:.3f} | {r[2]:.3f} | {r[3]:.0f} | {r[4]:.0f} | {r[5]:.0f} | {r[6]:.0f} | {r[7]:.0f} "
+              f"| {r[8]:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
