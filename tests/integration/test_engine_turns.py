@@ -125,3 +125,30 @@ def test_length_cap_covers_the_whole_conversation_and_overflow_is_an_error():
         engine.generate_turns(prompt, params, lambda t: [50] * 20)
     assert engine.blocks.num_used_blocks == 0  # the failed call left the engine clean
     assert engine.generate(prompt, params)[0][0].mask is None  # single-turn generate is unchanged
+
+
+def test_continued_turns_wait_to_share_a_prefill_without_changing_any_token():
+    """continuation_delay_steps holds continued turns for a few decode steps while others decode, so fewer
+    prefill steps run; every sequence samples the same tokens and logprobs as with no delay (its noise comes
+    from its seed and position, not the batch)."""
+    model = tiny_model("llama")
+    prompts = random_prompts([7, 12, 5, 9, 6, 11])
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=60, stop_token_ids=STOPS, seed=3)
+    results, stats = {}, {}
+    for delay in (0, 8):
+        engine = make_engine(model, continuation_delay_steps=delay)
+        results[delay] = engine.generate_turns(prompts, params, scripted)
+        stats[delay] = engine.stats
+        assert engine.blocks.num_used_blocks == 0 and not engine.scheduler.waiting
+    for group0, group8 in zip(results[0], results[8]):
+        for a, b in zip(group0, group8):
+            assert a.token_ids == b.token_ids and a.mask == b.mask and a.turns == b.turns
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    assert sum(c.turns for g in results[8] for c in g) > len(prompts) * params.n  # turns were continued
+    assert stats[8].prefill_steps < stats[0].prefill_steps
+    assert stats[8].prefill_tokens == stats[0].prefill_tokens
+
+
+def test_continuation_delay_steps_must_be_a_non_negative_integer():
+    with pytest.raises(ValueError, match="continuation_delay_steps=-1"):
+        make_engine(tiny_model("llama"), continuation_delay_steps=-1)

@@ -25,6 +25,12 @@ class EngineConfig:
         memory and a refresh in `sync_weights`, and are skipped when a projection is not a plain nn.Linear
         (LoRA wrappers keep running their own forward). None = on CUDA when the copies take under a
         quarter of the free memory, off on the CPU.
+    continuation_delay_steps: multi-turn: when only continued turns (tool results) wait to be prefilled while
+        other sequences decode, hold them for up to this many decode steps so that the turns ending around
+        the same time share one prefill step (each prefill step is a full eager forward: on a small model
+        one continuation per step cost more than the decode steps around it). They go at once when nothing
+        is decoding or when they number at least half the decoding sequences. 0 = prefill each at once.
+        Sampled tokens do not depend on it (noise comes from each sequence's seed and position).
     """
 
     max_num_seqs: int = 256
@@ -35,6 +41,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     enforce_eager: bool = False
     fuse_projections: bool | None = None
+    continuation_delay_steps: int = 8
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
@@ -46,6 +53,9 @@ class EngineConfig:
                 f"kv_cache_fraction={self.kv_cache_fraction} must be in (0, 1]: it is the share of free "
                 "device memory given to the KV cache (try 0.3)."
             )
+        if not isinstance(self.continuation_delay_steps, int) or self.continuation_delay_steps < 0:
+            raise ValueError(f"continuation_delay_steps={self.continuation_delay_steps!r} must be an integer >= 0 "
+                             "(decode steps a continued turn may wait to share a prefill; 0 = none).")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1 or None (size from memory).")
         if self.max_num_batched_tokens < self.max_model_len:

@@ -64,6 +64,7 @@ class CohortEngine:
         num_kv_blocks: int | None = None,
         enforce_eager: bool = False,
         fuse_projections: bool | None = None,
+        continuation_delay_steps: int = 8,
         device: str | torch.device | None = None,
     ) -> None:
         ok, reason = engine_supports(model)
@@ -87,6 +88,7 @@ class CohortEngine:
             num_kv_blocks=num_kv_blocks,
             enforce_eager=enforce_eager,
             fuse_projections=fuse_projections,
+            continuation_delay_steps=continuation_delay_steps,
         )
         self.tokenizer = tokenizer
         if isinstance(eos_token_ids, int):

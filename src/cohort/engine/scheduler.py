@@ -43,6 +43,7 @@ class Scheduler:
         self.paused: deque[Sequence] = deque()  # turn ended, blocks kept, waiting for the next turn's tokens
         self.num_preemptions = 0
         self.num_evictions = 0
+        self.deferred_steps = 0  # decode steps the waiting continued turns have been held (continuation_delay_steps)
 
     def add(self, unit: PrefillUnit) -> None:
         self.waiting.append(unit)
@@ -51,10 +52,25 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledStep:
+        if self._defer_continuations():
+            self.deferred_steps += 1
+            return self._schedule_decode()
         step = self._schedule_prefill()
         if step is not None:
+            self.deferred_steps = 0
             return step
         return self._schedule_decode()
+
+    def _defer_continuations(self) -> bool:
+        """Whether to decode rather than prefill this step: only continued turns wait, sequences are decoding,
+        fewer than half as many turns wait as decode, and they have waited fewer than
+        `continuation_delay_steps` decode steps (see EngineConfig)."""
+        return (
+            bool(self.waiting) and bool(self.running)
+            and self.deferred_steps < self.config.continuation_delay_steps
+            and 2 * len(self.waiting) < len(self.running)
+            and all(unit.leader.turns > 1 for unit in self.waiting)
+        )
 
     def _schedule_prefill(self) -> ScheduledStep | None:
         units: list[PrefillUnit] = []
