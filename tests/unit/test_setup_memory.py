@@ -80,3 +80,26 @@ def test_engine_memory_is_the_pool_as_allocated():
     # 2 (K, V) x 1 layer x 8 blocks x 16 tokens (CPU block size) x 2 kv heads x 8 head dim x 4 bytes
     assert kv == 2 * 1 * 8 * 16 * 2 * 8 * 4
     assert setup.engine_memory(object()) == (0, 0)  # Hugging Face generate: no pool
+
+
+def test_build_components_prints_the_estimate_with_the_engines_pool():
+    from tests.helpers.tiny_tokenizer import make_tiny_tokenizer
+    from tests.helpers.toy_task import tiny_model, toy_rows
+
+    from cohort.data import load_prompt_dataset
+    from cohort.rewards import RewardRunner
+
+    cfg = CohortConfig()
+    cfg.generation.num_generations, cfg.generation.max_completion_length, cfg.train.prompts_per_step = 4, 8, 2
+    tok = make_tiny_tokenizer()
+    data = load_prompt_dataset(toy_rows()).encode(tok, 64)
+    lines: list[str] = []
+    comp = setup.build_components(cfg, policy=tiny_model(tok), tokenizer=tok, train_data=data, echo=lines.append,
+                                  reward_runner=RewardRunner([lambda completions, **kw: [0.0] * len(completions)]))
+    est = comp.memory_estimate
+    assert est is not None and est.kv_cache == setup.engine_memory(comp.engine)[0] > 0
+    table = next(line for line in lines if line.startswith("memory estimate"))
+    assert f"{'kv_cache':<15} {est.kv_cache / GIB:9.3f} GiB" in table
+    assert f"{'total':<15} {est.total / GIB:9.3f} GiB" in table
+    tokens, completion = setup.micro_batch_tokens(cfg, max(len(ids) for ids in comp.train_data.prompt_ids))
+    assert completion == 8 * 8 and tokens > completion  # 2 prompts x 4 completions of 8 tokens, prompts too
