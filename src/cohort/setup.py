@@ -352,7 +352,8 @@ def _check_memory(cfg: CohortConfig, policy, device: torch.device, with_referenc
                               optimizer_offload=cfg.train.optimizer_offload,
                               fused_logprob_kernels=device.type == "cuda",
                               kv_released_in_update=cfg.generation.release_kv_during_update,
-                              compiled_layers=cfg.model.compile_layers and device.type == "cuda")
+                              compiled_layers=cfg.model.compile_layers and device.type == "cuda",
+                              lora_params=_trainable_params(policy) if cfg.model.lora_r > 0 else 0)
     except (KeyError, TypeError, ValueError, AttributeError):  # an architecture the estimator cannot read
         return fraction, None
     if device.type != "cuda":
@@ -376,6 +377,11 @@ def _check_memory(cfg: CohortConfig, policy, device: torch.device, with_referenc
         fraction = room / free
     echo(f"kv cache: {fraction * free / 2**30:.1f} GiB for the rollout engine")
     return fraction, est
+
+
+def _trainable_params(policy) -> int:
+    """Parameters with gradients (under LoRA: the adapters); a DTensor shard counts its whole (global) size."""
+    return sum(p.numel() for p in policy.parameters() if p.requires_grad)
 
 
 def micro_batch_tokens(cfg: CohortConfig, longest_prompt: int | None = None) -> tuple[int, int]:
