@@ -72,11 +72,17 @@ from grpo_step import PEAK_FLOPS  # noqa: E402
 BIG_SIZES = {  # untied embeddings (Qwen2.5-7B); "tiny" exercises the same code on the CPU
     "7b": {"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
            "intermediate_size": 18944, "vocab_size": 152064},
+    # Qwen2.5-32B's architecture: full fine-tuning cannot fit 8 x 80 GB beside the engine's whole bf16 copy;
+    # see --estimate and docs/benchmarks.md, "Eight GPUs"
+    "32b": {"hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8,
+            "intermediate_size": 27648, "vocab_size": 152064},
     "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
              "intermediate_size": 128, "vocab_size": 1024},
 }
 DEFAULT_ESTIMATE_S = {"cohort": 80.0, "big": 170.0, "trl": 150.0}  # on 4 H100s, until a row of the kind ran
 CPU_ESTIMATE_S = 20.0
+LORA_ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GPU_GIB = {"H100 80GB": 78.0, "H200 141GB": 139.0}  # free at start (the device tool's figures); 90% usable
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
@@ -196,6 +202,67 @@ def run_worker(args) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# --estimate: what the big row needs per GPU, by cohort's estimator (cohort.memory), before any GPU is lent
+
+
+def memory_plan(args) -> list[dict]:
+    """Per-GPU memory estimates of the big row's options on --big-gpus GPUs, with the per-GPU workload
+    (--big-prompts x --generations, --prompt-len + --completion-len), --big-token-budget, gradient
+    checkpointing and a KV pool of the workload x1.25 (as grpo_step.py plans it). The estimate takes the
+    arguments cohort.setup._check_memory gives it for such a run on CUDA (fused logprob kernels; layers not
+    compiled: compiled layers keep fewer activations, so this errs high)."""
+    from cohort.config import CohortConfig
+    from cohort.memory import count_lora_parameters, estimate_memory
+    from cohort.setup import micro_batch_tokens
+
+    spec = {**BIG_SIZES[args.big_size], "tie_word_embeddings": False, "model_type": "qwen2"}
+    prompts = args.big_prompts or args.prompts
+    cfg = CohortConfig()  # one rank's share: micro_batch_tokens divides prompts_per_step by the (here 1) ranks
+    cfg.train.prompts_per_step, cfg.train.token_budget = prompts, args.big_token_budget
+    cfg.generation.num_generations, cfg.generation.max_completion_length = args.generations, args.completion_len
+    cfg.data.max_prompt_length = args.prompt_len
+    tokens, completion = micro_batch_tokens(cfg, args.prompt_len)
+    head_dim = spec["hidden_size"] // spec["num_attention_heads"]
+    kv_per_token = 2 * spec["num_hidden_layers"] * spec["num_key_value_heads"] * head_dim * 2  # bf16 K and V
+    kv = int(1.25 * prompts * args.generations * (args.prompt_len + args.completion_len) * kv_per_token)
+    lora_r = args.big_lora_r or 16
+    lora = count_lora_parameters(spec, lora_r, list(LORA_ALL_LINEAR))
+    options = [  # name, shards, master weights fp32, LoRA adapter parameters
+        ("full, fp32 masters + Adam", args.big_gpus, True, 0),
+        ("full, bf16 weights + Adam (train.master_weights=false)", args.big_gpus, False, 0),
+        (f"LoRA r={lora_r} all-linear, frozen bf16 base sharded", args.big_gpus, True, lora),
+        (f"LoRA r={lora_r} all-linear, data parallel (train.sharding=none)", None, True, lora),
+    ]
+    plan = []
+    for name, shards, master, adapters in options:
+        est = estimate_memory(spec, dtype="bf16", shards=shards, token_budget=tokens, completion_tokens=completion,
+                              master_weights_fp32=master, gradient_checkpointing=True, kv_cache_bytes=kv,
+                              chunk_tokens=cfg.train.logprob_chunk_tokens, lm_head_grad_fp32=master,
+                              fused_logprob_kernels=True, lora_params=adapters)
+        fits = {gpu: est.total <= 0.9 * gib * 2**30 for gpu, gib in GPU_GIB.items()}
+        plan.append({"option": name, "sharding": "fsdp" if shards else "none", "estimate": est, "fits": fits,
+                     "micro_batch_tokens": tokens})
+    return plan
+
+
+def memory_plan_table(plan: list[dict]) -> str:
+    gib = 2**30
+    gpus = list(GPU_GIB)
+    head = ("| option | sharding | weights | grads + Adam | engine copy | gathered | activations + logits | KV | "
+            "peak GiB/GPU | " + " | ".join(f"fits {g}" for g in gpus) + " |\n"
+            "| --- | --- |" + " ---: |" * 7 + " --- |" * len(gpus))
+    lines = [head]
+    for row in plan:
+        e = row["estimate"]
+        lines.append(
+            f"| {row['option']} | {row['sharding']} | {e.weights / gib:.1f} | {(e.grads + e.optimizer) / gib:.1f} | "
+            f"{e.engine_weights / gib:.1f} | {e.gathered / gib:.1f} | "
+            f"{(e.activations + e.logits_chunk + e.lm_head_grad) / gib:.1f} | {e.kv_cache / gib:.1f} | "
+            f"{e.total / gib:.1f} | " + " | ".join("yes" if row["fits"][g] else "no" for g in gpus) + " |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Parent: plan the rows, launch each, summarise, print
 
 
@@ -222,7 +289,7 @@ def plan_rows(args) -> list[dict]:
                      for s in shardings]
     if args.big_gpus:
         rows.append({"kind": "big", "trainer": "cohort", "size": args.big_size, "gpus": args.big_gpus,
-                     "sharding": "fsdp"})
+                     "sharding": args.big_sharding})
     if args.trl and gpus:
         rows.append({"kind": "trl", "trainer": "trl", "size": args.sizes.split(",")[0], "gpus": gpus[-1],
                      "sharding": "fsdp2 (accelerate)"})
@@ -259,6 +326,9 @@ def row_command(args, row: dict, json_dir: str) -> list[str]:
         cmd += ["--chunk-tokens", str(chunk)]
     if big and args.big_release_kv:
         cmd += ["--release-kv"]
+    if big and args.big_lora_r:
+        cmd += ["--override", f"model.lora_r={args.big_lora_r}",
+                "--override", f"model.lora_target_modules=[{','.join(LORA_ALL_LINEAR)}]"]
     if args.profile_update:
         cmd += ["--profile-update"]
     overrides = args.big_set if big else (args.fsdp_set if row["sharding"] == "fsdp" else [])
@@ -522,6 +592,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="1.5B fsdp rows: a config override KEY=VALUE (repeatable; default "
                         "train.fsdp_reshard_after_forward=false and train.fsdp_reduce_every_micro_batch=false: "
                         "one all-gather per micro-batch and one reduce-scatter per update, which fits at 1.5B)")
+    p.add_argument("--big-sharding", default="fsdp", choices=("fsdp", "none"),
+                   help="the big row's train.sharding (none: data parallel, the engine reads the weights in place)")
+    p.add_argument("--big-lora-r", type=int, default=0,
+                   help="the big row trains LoRA adapters of this rank on every linear layer (0: full fine-tuning)")
+    p.add_argument("--estimate", action="store_true",
+                   help="print cohort's per-GPU memory estimate of the big row's options (full fine-tuning with "
+                        "fp32 or bf16 masters, LoRA with FSDP or data parallel) for --big-size on --big-gpus GPUs, "
+                        "and exit: a CPU dry run, no model is built")
     p.add_argument("--big-chunk-tokens", type=int, default=None, help="7B row: train.logprob_chunk_tokens")
     p.add_argument("--big-release-kv", action=argparse.BooleanOptionalAction, default=False,
                    help="7B row: generation.release_kv_during_update (frees the KV pool during the update)")
@@ -570,6 +648,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.estimate:
+        print(memory_plan_table(memory_plan(args)))
+        return 0
     if args.worker:
         run_worker(args)
         return 0

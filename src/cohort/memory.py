@@ -38,6 +38,10 @@ Terms (P parameters, b bytes per weight element, T tokens per forward/backward):
   dtype without master weights), its gradients, the Adam moments and the reference are divided by N; the
   engine keeps whole weights in the compute dtype (engine_weights, P*b); FSDP holds the root (embeddings,
   LM head) and about two decoder layers gathered at a time (gathered).
+- LoRA (lora_params=A adapter parameters beside the P frozen ones): the base stays in the weight dtype
+  (sharded: 1/N of it per rank); the adapters are fp32 (peft upcasts them), with fp32 gradients and Adam
+  moments and no separate masters; the LM head is frozen, so there is no LM-head gradient. The engine still keeps the whole bf16 base (sharded runs:
+  engine_weights), the term that decides whether a large model fits (docs/benchmarks.md, "Eight GPUs").
 """
 
 from __future__ import annotations
@@ -155,6 +159,25 @@ def count_parameters(config) -> int:
     return s["V"] * h * (1 if tied else 2) + s["L"] * layer + h
 
 
+_LORA_SHAPES = {  # module name -> (in, out) features, in the shape names of _shape
+    "q_proj": ("H", "Q"), "k_proj": ("H", "K"), "v_proj": ("H", "K"), "o_proj": ("Q", "H"),
+    "gate_proj": ("H", "I"), "up_proj": ("H", "I"), "down_proj": ("I", "H"),
+}
+
+
+def count_lora_parameters(config, r: int, target_modules) -> int:
+    """Adapter parameters of LoRA rank r on a Llama/Qwen2-style decoder: r x (in + out) per targeted linear
+    per layer (A is r x in, B is out x r). `target_modules`: names among q/k/v/o_proj and gate/up/down_proj,
+    or "all-linear" (all seven)."""
+    s = _shape(config)
+    names = list(_LORA_SHAPES) if target_modules in ("all-linear", ["all-linear"]) else list(target_modules)
+    unknown = [n for n in names if n not in _LORA_SHAPES]
+    if unknown or r <= 0:
+        raise ConfigError(f"memory estimate LoRA r={r}, target_modules={names}: r must be >= 1 and the modules "
+                          f"among {sorted(_LORA_SHAPES)} or 'all-linear' (unknown: {unknown})")
+    return s["L"] * sum(r * (s[_LORA_SHAPES[n][0]] + s[_LORA_SHAPES[n][1]]) for n in names)
+
+
 def _dtype_bytes(dtype) -> int:
     if isinstance(dtype, torch.dtype):
         return torch.empty((), dtype=dtype).element_size()
@@ -196,13 +219,16 @@ def estimate_memory(
     engine_bytes: int = 0,
     kv_released_in_update: bool = False,
     compiled_layers: bool = False,
+    lora_params: int = 0,
 ) -> MemoryEstimate:
     """Bytes needed to train (see the module docstring for every term). Pass an HF config (or a dict of its
     fields) for activations and logits; a bare parameter count gives weights and optimizer terms only.
     token_budget: tokens of the largest forward/backward (micro-batch); completion_tokens: how many of them
     are completion tokens, the logprob kernel's input (None: all of them). engine_bytes: what the rollout
     engine keeps beside its KV pool (fused projection copies), added to engine_weights.
-    shards=N: the per-rank figure of a run sharded with FSDP over N ranks (N=1 is FSDP on one process)."""
+    shards=N: the per-rank figure of a run sharded with FSDP over N ranks (N=1 is FSDP on one process).
+    lora_params: LoRA adapter parameters (count_lora_parameters gives them from the config); 0: every
+    parameter of the model trains."""
     if optimizer not in _OPTIMIZERS:
         raise ConfigError(f"memory estimate optimizer={optimizer!r} is not known; use one of {list(_OPTIMIZERS)}")
     b = _dtype_bytes(dtype)
@@ -210,13 +236,17 @@ def estimate_memory(
     # a bare parameter count has no shape: every term that reads `s` is guarded by `known`
     s: dict[str, int] = _shape(model_config_or_num_params) if known else {}
     p = count_parameters(model_config_or_num_params) if known else int(model_config_or_num_params)
-    master = 4 * p if master_weights_fp32 and b != 4 else 0
-    state_bytes = 4 if (master_weights_fp32 or b == 4) else b
-    opt = {"adamw": 2 * state_bytes * p, "adamw_8bit": 2 * p, "sgd": 0}[optimizer]
+    if int(lora_params) < 0:
+        raise ConfigError(f"memory estimate lora_params={lora_params} must be >= 0 (the adapters' parameter count)")
+    lora = int(lora_params) > 0
+    t = int(lora_params) if lora else p  # the parameters with gradients, masters and moments
+    master = 4 * t if master_weights_fp32 and b != 4 and not lora else 0  # adapters are fp32 already
+    state_bytes = 4 if (master_weights_fp32 or b == 4 or lora) else b
+    opt = {"adamw": 2 * state_bytes * t, "adamw_8bit": 2 * t, "sgd": 0}[optimizer]
     if optimizer_offload and optimizer == "adamw":
         # moments on the host; the step brings one bucket's in (the biggest holds the embedding matrix)
         biggest = max(s["V"] * s["H"], 32 * 2**20) if known else 32 * 2**20
-        opt = 2 * state_bytes * min(p, biggest)
+        opt = 2 * state_bytes * min(t, biggest)
     activations = _activation_bytes(s, b, token_budget, gradient_checkpointing, compiled_layers) if known else 0
     # fused (compiled, CUDA) kernels keep two [chunk, vocab] tensors in the weight dtype (logits, gradient)
     # eager: the logits, an fp32 working copy (none when they are fp32 already), exp(logits) in fp32 and the
@@ -226,21 +256,24 @@ def estimate_memory(
     logits = chunk_rows * s["V"] * per_element if known else 0
     # fp32 sum plus one chunk's product; or (lm_head_grad_fp32=False) one buffer in the weight dtype
     lm_head_grad = (s["V"] * s["H"] * ((4 + b) if lm_head_grad_fp32 or b == 4 else b)) if known else 0
+    if lora:  # a frozen LM head: the logprob kernel computes no weight gradient
+        lm_head_grad = 0
     if shards is not None:
         train_bytes = 4 if master else b  # the masters are the sharded parameters themselves
         root = (s["V"] * s["H"] * (1 if _get(model_config_or_num_params, "tie_word_embeddings", False) else 2)
                 if known else 0)
         layer = (p - root) // max(1, s["L"]) if known else 0
         return MemoryEstimate(
-            weights=p * train_bytes // shards, grads=p * train_bytes // shards, master_weights=0,
+            weights=(p * b + 4 * t if lora else p * train_bytes) // shards,
+            grads=(4 * t if lora else p * train_bytes) // shards, master_weights=0,
             optimizer=opt // shards, activations=activations, logits_chunk=logits, lm_head_grad=lm_head_grad,
             kv_cache=int(kv_cache_bytes), reference=p * b // shards if reference_model else 0, num_params=p,
             activations_known=known, engine_weights=p * b + engine_bytes, gathered=(root + 2 * layer) * b,
             kv_released_in_update=kv_released_in_update, optimizer_offloaded=optimizer_offload,
         )
     return MemoryEstimate(
-        weights=p * b, grads=p * b, master_weights=master, optimizer=opt, activations=activations,
-        logits_chunk=logits, lm_head_grad=lm_head_grad, kv_cache=int(kv_cache_bytes),
+        weights=p * b + (4 * t if lora else 0), grads=4 * t if lora else p * b, master_weights=master, optimizer=opt,
+        activations=activations, logits_chunk=logits, lm_head_grad=lm_head_grad, kv_cache=int(kv_cache_bytes),
         reference=p * b if reference_model else 0, num_params=p, activations_known=known,
         engine_weights=engine_bytes, kv_released_in_update=kv_released_in_update,
         optimizer_offloaded=optimizer_offload,
