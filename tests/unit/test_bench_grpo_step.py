@@ -71,3 +71,109 @@ def test_cohort_child_runs_exact_lengths_on_cpu(bench, runner):
     # the bench's patches are scoped to the run
     assert cohort.trainer._save.__name__ == "_save"
     assert cohort.trainer.PolicyUpdater.update.__name__ == "update"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The two TRL rows (issue 16): TRL defaults and TRL tuned, and the ratio against the faster one
+
+
+@pytest.fixture(scope="module")
+def bench_trl():
+    import sys
+
+    sys.path.insert(0, str(BENCH.parent))  # grpo_step_trl imports grpo_step from its own folder
+    try:
+        import grpo_step_trl
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    return grpo_step_trl
+
+
+def test_trl_batch_shape_holds_exactly_the_step(bench_trl):
+    assert bench_trl.trl_batch_shape(256, 8) == (8, 32)  # TRL defaults on the bench workload
+    assert bench_trl.trl_batch_shape(256, 32) == (32, 8)  # TRL tuned
+    assert bench_trl.trl_batch_shape(16, 32) == (16, 1)  # CPU smoke size: fewer completions than a micro-batch
+    with pytest.raises(ValueError, match=r"40 completions.*micro-batches of 32.*train on 32"):
+        bench_trl.trl_batch_shape(40, 32)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        bench_trl.trl_batch_shape(256, 0)
+
+
+def test_trl_settings_defaults_vs_tuned(bench_trl):
+    # the defaults row passes only the batch shape: checkpointing, cache and backend stay TRL's own
+    assert bench_trl.trl_settings(False, 256) == {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 32}
+    assert bench_trl.trl_settings(True, 256) == {
+        "per_device_train_batch_size": 32, "gradient_accumulation_steps": 8, "gradient_checkpointing": False,
+        "cache_implementation": None, "use_transformers_continuous_batching": False}
+    assert bench_trl.trl_settings(True, 256, tuned_micro=16)["gradient_accumulation_steps"] == 16
+
+
+@pytest.mark.parametrize("tuned", [False, True])
+def test_trl_settings_make_one_generation_batch_per_step(bench_trl, tuned, tmp_path):
+    """In TRL 1.16's GRPOConfig both rows generate the whole step (256 completions) at once, and only the
+    tuned row turns gradient checkpointing off."""
+    trl = pytest.importorskip("trl")
+    cfg = trl.GRPOConfig(output_dir=str(tmp_path), num_generations=8, use_cpu=True, report_to="none",
+                         **bench_trl.trl_settings(tuned, 256))
+    assert cfg.generation_batch_size == 256
+    assert cfg.steps_per_generation == cfg.gradient_accumulation_steps == (8 if tuned else 32)
+    assert cfg.gradient_checkpointing is (not tuned)
+    assert cfg.cache_implementation is None and cfg.use_transformers_continuous_batching is False
+
+
+def _res(step: float, peak: float = float("nan")) -> dict:
+    summary = {"step": step, "generate": 0.5, "score": 0.0, "logprobs": 0.0, "update": 0.25, "other": 0.0,
+               "gen_tok_s": 1000.0, "mfu": 0.1}
+    return {"summary": summary, "peak_alloc_gib": peak, "peak_reserved_gib": peak}
+
+
+def test_table_speedup_against_faster_trl_and_memory_bar_of_trl_defaults(bench):
+    results = {"0.5b": {"trl": _res(10.0, 5.0), "trl-tuned": _res(6.0, 40.0), "cohort": _res(1.5, 38.0),
+                        "cohort-lowmem": _res(2.0, 6.0)}}
+    name, best = bench.fastest_trl(results["0.5b"])
+    assert name == "trl-tuned" and best["summary"]["step"] == 6.0
+    lines = bench.table(results).splitlines()
+    head, rows = lines[0], {line.split(" | ")[1]: line for line in lines[2:6]}
+    assert head.endswith("| vs TRL defaults | vs faster TRL |")
+    assert rows["cohort"].endswith("| 6.67x | 4.00x (trl-tuned) |")  # 10 / 1.5 and 6 / 1.5
+    assert rows["trl"].endswith("| 1.00x | 0.60x (trl-tuned) |")
+    # the low-memory bar is the TRL defaults' peak (5.0), not the tuned row's (40.0)
+    assert "6.00 (over TRL defaults' peak)" in rows["cohort-lowmem"]
+    assert rows["cohort-lowmem"].endswith("| 5.00x | 3.00x (trl-tuned) |")
+    assert lines[-1] == "vs faster TRL (the ratio that counts): 0.5b: faster TRL row is trl-tuned (6.00 s/step)"
+    # every row has the header's number of cells, a failed one too
+    results["1.5b"] = {"trl": _res(9.0, 13.0), "trl-tuned": {"error": "CUDA out of memory"},
+                       "cohort-lowmem": _res(3.0, 9.0)}
+    lines = bench.table(results).splitlines()
+    assert {line.count("|") for line in lines[:9]} == {head.count("|")} and lines[9] == ""
+    rows15 = {line.split(" | ")[1]: line for line in lines[6:9]}
+    assert rows15["trl-tuned"].startswith("| 1.5b | trl-tuned | failed: CUDA out of memory |")
+    assert rows15["cohort-lowmem"].endswith("| 3.00x | 3.00x (trl) |")  # only TRL defaults ran
+    assert "9.00 (within TRL defaults' peak)" in rows15["cohort-lowmem"]
+    assert lines[-1].endswith("; 1.5b: faster TRL row is trl (9.00 s/step)")
+    assert bench.fastest_trl({"cohort": _res(1.0)}) is None
+    assert bench.table({"x": {"cohort": _res(1.0)}}).splitlines()[2].endswith("| n/a | n/a |")
+
+
+def test_runner_order_puts_trl_defaults_first_and_rejects_unknown(bench):
+    assert bench.runner_order("cohort-lowmem, trl-tuned,trl") == ["trl", "trl-tuned", "cohort-lowmem"]
+    assert bench.runner_order(",".join(bench.RUNNERS)) == list(bench.RUNNERS)
+    with pytest.raises(ValueError, match=r"unknown or no runner.*'trl_tuned'"):
+        bench.runner_order("trl,trl_tuned")
+    with pytest.raises(SystemExit):  # argparse error before any child starts
+        bench.main(["--runners", "bogus"])
+
+
+def test_trl_tuned_child_runs_exact_lengths_on_cpu(bench_trl):
+    """The tuned TRL row end to end on the tiny size: one micro-batch holds the step, no checkpointing."""
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    args = argparse.Namespace(size="tiny", device="cpu", warmup=1, steps=1, prompts=2, generations=2,
+                              prompt_len=8, completion_len=12, trl_tuned_micro=32)
+    result = bench_trl.run_trl(args, tuned=True)
+    assert len(result["steps"]) == 2
+    assert all(s["completion_len"] == 12.0 for s in result["steps"])  # min_new_tokens: never shorter
+    assert all(s["update"] > 0 and s["generate"] > 0 for s in result["steps"])
+    assert (result["micro_batch"], result["gradient_accumulation_steps"], result["steps_per_generation"]) == (4, 1, 1)
+    assert result["gradient_checkpointing"] is False and result["continuous_batching"] is False
+    assert result["cache_implementation"] is None and result["model_gradient_checkpointing"] is False
