@@ -451,7 +451,8 @@ def run_child(args, runner: str, size: str, mem_cap: int | None, timeout: float,
     result["summary"] = summarise(args, result)
     notes = {k: result[k] for k in ("token_budget", "logprob_chunk_tokens", "kv_planned_gib", "update_estimate_gib",
                                     "phase_peak_alloc_gib", "graph_recaptures", "compiled_layers", "micro_batch",
-                                    "gradient_accumulation_steps", "gradient_checkpointing", "cache_implementation",
+                                    "gradient_accumulation_steps", "gradient_checkpointing", "model_gradient_checkpointing",
+                                    "cache_implementation",
                                     "continuous_batching") if k in result}
     print(f"[{size} {runner}] {wall:.0f} s wall: " + json.dumps(result["summary"]) + " " + json.dumps(notes),
           flush=True)
