@@ -26,6 +26,11 @@ Rows:
      --big-token-budget (16384) and --big-set's overrides (gradient checkpointing by default: without it
      only ~2048-token micro-batches fit beside the engine's whole bf16 copy, and 48 micro-batches a step
      each gather and reduce-scatter the whole model).
+     --big-size 32b: the Qwen2.5-32B architecture (hidden 5120, 64 layers, 40 heads, 8 KV heads, intermediate
+     27648, vocab 152064, untied); --big-lora-r R trains LoRA adapters on every linear layer and
+     --big-sharding none runs it data parallel (the only 32B option that fits 8 x 80 GB by cohort's
+     estimate: `--estimate` prints the per-GPU table of the options without building anything; the LoRA
+     rows' MFU counts 4 x N_params FLOPs per token, no weight gradients). docs/benchmarks.md, "Eight GPUs".
   c) TRL's GRPOTrainer (bench/scale_trl.py) on the 1.5B workload, on the largest of --gpus, through
      `accelerate launch` with a generated config (FSDP, fsdp_version 2, bf16 mixed precision, one unit per
      decoder layer), per GPU the same 32 x 8 workload: per_device_train_batch_size 32, 8 accumulation steps
@@ -289,7 +294,7 @@ def plan_rows(args) -> list[dict]:
                      for s in shardings]
     if args.big_gpus:
         rows.append({"kind": "big", "trainer": "cohort", "size": args.big_size, "gpus": args.big_gpus,
-                     "sharding": args.big_sharding})
+                     "sharding": args.big_sharding, "lora_r": args.big_lora_r})
     if args.trl and gpus:
         rows.append({"kind": "trl", "trainer": "trl", "size": args.sizes.split(",")[0], "gpus": gpus[-1],
                      "sharding": "fsdp2 (accelerate)"})
@@ -326,7 +331,7 @@ def row_command(args, row: dict, json_dir: str) -> list[str]:
         cmd += ["--chunk-tokens", str(chunk)]
     if big and args.big_release_kv:
         cmd += ["--release-kv"]
-    if big and args.big_lora_r:
+    if big and args.big_lora_r:  # every linear layer of the decoder, as the --estimate plan counts them
         cmd += ["--override", f"model.lora_r={args.big_lora_r}",
                 "--override", f"model.lora_target_modules=[{','.join(LORA_ALL_LINEAR)}]"]
     if args.profile_update:
@@ -409,8 +414,9 @@ def steps_of(rank0: dict, row: dict, args) -> list[dict]:
     return steps
 
 
-def summarise(steps: list[dict], num_params: int, gpus: int, warmup: int) -> dict:
-    """Means over the steps after warmup and the derived rates (per GPU)."""
+def summarise(steps: list[dict], num_params: int, gpus: int, warmup: int, flops_per_param: int = 6) -> dict:
+    """Means over the steps after warmup and the derived rates (per GPU). flops_per_param: 6 (forward 2,
+    backward 4) when every weight trains; 4 under LoRA (a frozen weight gets no gradient of its own)."""
     steady = steps[warmup:] or steps
     n = len(steady)
     mean = {k: sum(float(s.get(k) or 0.0) for s in steady) / n for k in ("step", "generate", "update")}
@@ -419,7 +425,7 @@ def summarise(steps: list[dict], num_params: int, gpus: int, warmup: int) -> dic
     tokens = sum(float(s["tokens"]) for s in steady) / n
     mean["tokens_per_step"] = tokens
     mean["tok_s_per_gpu"] = tokens / mean["step"] / gpus
-    mean["mfu"] = 6 * num_params * tokens / gpus / mean["update"] / PEAK_FLOPS if mean["update"] else None
+    mean["mfu"] = flops_per_param * num_params * tokens / gpus / mean["update"] / PEAK_FLOPS if mean["update"] else None
     mean["measured_steps"] = n
     return mean
 
@@ -451,7 +457,8 @@ def run_row(args, row: dict, timeout: float, work: str) -> dict:
     res["steps"] = steps_of(rank0, row, args)
     res["history"] = rank0.get("history")
     res["num_params"] = rank0["num_params"]
-    res["summary"] = summarise(res["steps"], rank0["num_params"], row["gpus"], args.warmup)
+    res["summary"] = summarise(res["steps"], rank0["num_params"], row["gpus"], args.warmup,
+                               4 if row.get("lora_r") else 6)
     peaks = [r["peak_alloc_gib"] for r in ranks if r.get("peak_alloc_gib") is not None]
     res["summary"]["peak_alloc_gib"] = max(peaks) if peaks else None
     res["summary"]["ranks_reported"] = len(ranks)
@@ -480,6 +487,8 @@ def _label(row: dict) -> tuple[str, str]:
     if row["kind"] == "big" and not row["size"][0].isdigit():
         size += " (untied)"
     trainer = "TRL GRPOTrainer" if row["trainer"] == "trl" else "cohort"
+    if row.get("lora_r"):
+        trainer += f" (LoRA r={row['lora_r']})"
     return size, trainer
 
 
