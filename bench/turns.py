@@ -17,7 +17,7 @@ into calculator("34 + 56 - 12 + 78"), whose ~24-token result is appended), else 
 ends with <|im_end|>. Sampling stays the engine's (Gumbel noise per seed and position), so the branch is
 drawn per turn like a real model's choice.
 
-Prints one table: generate seconds per step, prefill / decode steps, sampled and context tokens, tokens/s
+Prints one table: generate seconds per step, process CPU seconds (all threads: the host-side cost), prefill / decode steps, sampled and context tokens, tokens/s
 (sampled tokens / generate seconds), turns per completion, for single-turn (`engine.generate`) and multi-turn
 (`TurnLoop.generate`) after one warm-up call of each.
 """
@@ -124,6 +124,41 @@ def build(args):
     return model.eval(), tokenizer, device
 
 
+def measure(name, fn, engine, args, device, profile_path):
+    """One table row: `args.steps` timed calls of `fn` after a warm-up call."""
+    fn()  # warm-up (kernels, allocator, tokenizer caches)
+    stats0 = dict(vars(engine.stats))
+    times, cpu, sampled, context, turns = [], [], 0, 0, 0
+    profiler = None
+    if profile_path and name.startswith("multi-turn"):
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    for _ in range(args.steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start, cpu_start = time.perf_counter(), time.process_time()
+        groups = fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - cpu_start)
+        for c in (c for g in groups for c in g):
+            mask = c.mask or [1] * len(c.token_ids)
+            sampled += sum(mask)
+            context += len(mask) - sum(mask)
+            turns += c.turns or 1
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(profile_path)
+    k = args.steps
+    stats = {key: (value - stats0[key]) / k for key, value in vars(engine.stats).items() if key != "peak_used_blocks"}
+    mean = sum(times) / k
+    return (name, mean, min(times), min(cpu), stats["prefill_steps"], stats["decode_steps"], sampled / k, context / k,
+            sampled / k / mean, turns / k / (args.prompts * args.n))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="a folder with a Llama-family config.json and tokenizer (default: SmolLM2-135M)")
@@ -134,7 +169,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--p-call", type=float, default=0.5, help="probability that a turn calls the tool")
     ap.add_argument("--steps", type=int, default=3, help="timed calls of each mode (after one warm-up)")
-    ap.add_argument("--profile", help="write a cProfile of the multi-turn calls to this file")
+    ap.add_argument("--profile", help="write a cProfile of each multi-turn row's timed calls to PROFILE.<row>")
+    ap.add_argument("--only", help="comma-separated substrings of the row names to run (e.g. 'single,before')")
     args = ap.parse_args()
 
     from cohort.agents.builtins import calculator
@@ -156,56 +192,55 @@ def main() -> None:
                           max_num_seqs=max(256, args.prompts * args.n), max_model_len=1024,
                           kv_cache_fraction=0.3 if device == "cuda" else 0.05)
     setup_s = time.perf_counter() - t0
-    loop = TurnLoop(tok, [calculator], max_iterations=3, parser=parser)
     params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=1.0, seed=1234)
 
     def single():
         return engine.generate(ids, params)
 
-    def multi():
-        return loop.generate(engine, ids, params, prompts=convs)
+    def multi_with(delay: int, batched_prefix: bool, inline: bool):
+        import cohort.engine.attention as attention
 
-    rows = []
-    for name, fn in (("single-turn", single), ("multi-turn", multi)):
-        fn()  # warm-up (kernels, allocator, tokenizer caches)
-        stats0 = dict(vars(engine.stats))
-        times, sampled, context, turns = [], 0, 0, 0
-        profiler = None
-        if args.profile and name == "multi-turn":
-            import cProfile
+        def run():
+            engine.scheduler.config.continuation_delay_steps = delay
+            attention.prefix_sdpa_batched = batched if batched_prefix else per_turn_prefix
+            loop = TurnLoop(tok, [calculator], max_iterations=3, parser=parser, inline_tools=inline)
+            try:
+                return loop.generate(engine, ids, params, prompts=convs)
+            finally:
+                attention.prefix_sdpa_batched = batched
+        return run
 
-            profiler = cProfile.Profile()
-            profiler.enable()
-        for _ in range(args.steps):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            groups = fn()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-            for c in (c for g in groups for c in g):
-                mask = c.mask or [1] * len(c.token_ids)
-                sampled += sum(mask)
-                context += len(mask) - sum(mask)
-                turns += c.turns or 1
-        if profiler is not None:
-            profiler.disable()
-            profiler.dump_stats(args.profile)
-        k = args.steps
-        stats = {key: (value - stats0[key]) / k for key, value in vars(engine.stats).items() if key != "peak_used_blocks"}
-        mean = sum(times) / k
-        rows.append((name, mean, min(times), stats["prefill_steps"], stats["decode_steps"], sampled / k, context / k,
-                     sampled / k / mean, turns / k / (args.prompts * args.n)))
+    import cohort.engine.attention as attention
+
+    batched = attention.prefix_sdpa_batched
+
+    def per_turn_prefix(q, out, k_cache, v_cache, batch, scale, window=None, max_elements=0):
+        """The attention of continued turns one turn at a time (as before the batched version)."""
+        if not hasattr(batch, "host"):  # once per step (one sync), not per layer
+            batch.host = list(zip(batch.rows[:, 0].tolist(), batch.positions[:, 0].tolist(), batch.lengths))
+        for i, (start, cached, n) in enumerate(batch.host):
+            table = batch.tables[i, : -(-(cached + n) // k_cache.shape[1])]
+            out[start:start + n] = attention.prefix_sdpa(q[start:start + n], k_cache, v_cache, table, cached, scale,
+                                                         window)
+
+    modes = [("single-turn", single),
+             ("multi-turn, per-turn prefix attn, no delay, tool pool (before)", multi_with(0, False, False)),
+             ("multi-turn, batched prefix attn", multi_with(0, True, False)),
+             ("multi-turn, + continuation_delay_steps=8 (default)", multi_with(8, True, False)),
+             ("multi-turn, + inline_tools", multi_with(8, True, True))]
+    if args.only:
+        modes = [m for m in modes if any(key in m[0] for key in args.only.split(","))]
+    rows = [measure(name, fn, engine, args, device, f"{args.profile}.{i}" if args.profile else None)
+            for i, (name, fn) in enumerate(modes)]
     print(f"device={device} model={'tiny ' if args.tiny else ''}{model.config.num_hidden_layers}L/"
           f"{model.config.hidden_size} {engine.engine_name()} setup={setup_s:.1f}s "
           f"prompt_tokens~{sum(map(len, ids)) // len(ids)} p_call={args.p_call}")
-    print("| mode | generate s/step (mean) | min | prefill steps | decode steps | sampled tok | context tok "
+    print("| mode | generate s/step (mean) | min | process CPU s (min) | prefill steps | decode steps | sampled tok | context tok "
           "| sampled tok/s | turns/completion |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r[0]} | {r[1]:.3f} | {r[2]:.3f} | {r[3]:.0f} | {r[4]:.0f} | {r[5]:.0f} | {r[6]:.0f} | {r[7]:.0f} "
-              f"| {r[8]:.2f} |")
+        print(f"| {r[0]} | {r[1]:.3f} | {r[2]:.3f} | {r[3]:.3f} | {r[4]:.0f} | {r[5]:.0f} | {r[6]:.0f} | {r[7]:.0f} "
+              f"| {r[8]:.0f} | {r[9]:.2f} |")
 
 
 if __name__ == "__main__":

@@ -234,6 +234,10 @@ class AgentConfig:
     # by the dataset's `environment` column. Each rollout gets its own instance: reset(**row) before it, its
     # methods as the rollout's tools, get_reward() (if defined) as one more reward column (weight 1).
     environment_factory: Any = None
+    # run the tools and render their results on the engine's thread as each turn ends, instead of on a thread
+    # pool: faster for tools that answer in about a millisecond (a calculator), wrong for slow ones (it stalls
+    # generation while they run); see cohort.agents.rollout_loop
+    inline_tools: bool = False
 
 
 @dataclass
@@ -319,6 +323,8 @@ class CohortConfig:
                  "use 0 or more rounds of tool calls, or leave it unset (null) for no cap")
         _require(self.agent.tool_timeout_s > 0, "agent.tool_timeout_s", self.agent.tool_timeout_s,
                  "use a positive number of seconds")
+        _require(isinstance(self.agent.inline_tools, bool), "agent.inline_tools", self.agent.inline_tools,
+                 "use true (tools run on the engine's thread) or false (on a thread pool)")
         factory = self.agent.environment_factory
         _require(factory is None or isinstance(factory, str) or callable(factory)
                  or (isinstance(factory, dict) and bool(factory) and all(isinstance(v, str) or callable(v)

@@ -250,7 +250,7 @@ def _turn_loop(cfg: CohortConfig, tokenizer, environments=None):
     tools = environments.all_tools if environments is not None else list(a.tools)
     return TurnLoop(tokenizer, tools, max_iterations=cfg.generation.max_tool_calling_iterations,
                     tool_timeout_s=a.tool_timeout_s, parser=import_object(a.tool_parser) if a.tool_parser else None,
-                    environments=environments)
+                    environments=environments, inline_tools=bool(a.inline_tools))
 
 
 def _data(cfg: CohortConfig, tokenizer, echo, tools=None, policy=None, processor=None):

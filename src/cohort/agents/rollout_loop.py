@@ -13,7 +13,11 @@ completion ends a turn, the loop:
    (`continuation_ids`: the chat template's tool-result block and the next assistant header);
 4. hands those ids back to the engine, which prefills only them on the sequence's kept KV blocks.
 
-Steps 2-3 run on a thread pool while the engine keeps generating the other sequences. A conversation also
+Steps 2-3 run on a thread pool while the engine keeps generating the other sequences, or (inline_tools=True)
+at once on the engine's own thread, between two engine steps. Inline is faster for quick tools (a calculator):
+the pool's workers hold the GIL while rendering the chat template, and every PyTorch call of the engine's loop
+releases the GIL and may then wait a whole switch interval (5 ms) to get it back; but a slow tool stalls the
+engine for as long as it runs. A conversation also
 ends after `max_iterations` rounds of tool calls, or when the tool results would not leave room for another
 token within the completion budget (`params.max_tokens`, over the whole conversation): then they are dropped
 and the completion ends as the model left it, as TRL does.
@@ -52,6 +56,8 @@ class TurnLoop:
     runner: anything with `run(calls) -> list[ToolResult]`; default `ToolRunner(tools, tool_timeout_s)`.
     template_kwargs: extra chat template variables (e.g. enable_thinking=False), as for the prompts.
     environments: an `Environments` (environment_factory); `cohort.rollout.generate_in_environments` uses it.
+    inline_tools: run the tools and build the continuation on the engine's thread as each turn ends (no
+        thread pool; see the module docstring): for tools that return in about a millisecond.
     """
 
     tokenizer: Any
@@ -65,6 +71,7 @@ class TurnLoop:
     # environment_factory (cohort.agents.environments.Environments): each rollout gets its own instance, reset
     # with its row; the rollout (cohort.rollout) hands each completion its instance's runner. None: plain tools.
     environments: Any = None
+    inline_tools: bool = False
 
     def __post_init__(self) -> None:
         # the agents package is imported here, not at module level: the engine and rollout never need it
@@ -106,6 +113,8 @@ class TurnLoop:
                     return None
                 conv = convs[(turn.prompt_index, turn.sample_index)]
                 runner = self.runner if runners is None else runners[turn.prompt_index * params.n + turn.sample_index]
+                if self.inline_tools:
+                    return self._run_tools(conv, turn, calls, params.max_tokens, lock, runner)
                 return pool.submit(self._run_tools, conv, turn, calls, params.max_tokens, lock, runner)
 
             groups = engine.generate_turns(prompt_ids, params, on_turn_end)
