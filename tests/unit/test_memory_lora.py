@@ -96,3 +96,19 @@ def test_32b_lora_row_command(scale, tmp_path):
     assert cmd[cmd.index("--nproc-per-node") + 1] == "8" and cmd[cmd.index("--sharding") + 1] == "none"
     assert "model.lora_r=16" in cmd and "--big" in cmd
     assert "model.lora_target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]" in cmd
+
+
+
+def test_setup_estimates_a_lora_run_as_lora(tmp_path):
+    """build_components hands the adapters' count to the estimate: no LM-head gradient, adapter-sized moments."""
+    pytest.importorskip("peft")
+    from tests.integration.test_trainer_learns import toy_components, toy_config
+
+    cfg = toy_config(tmp_path, steps=1)
+    cfg.train.device = "cpu"
+    cfg.model.lora_r, cfg.model.lora_target_modules = 4, ["q_proj", "v_proj"]
+    comp = toy_components(cfg)
+    adapters = sum(p.numel() for p in comp.policy.parameters() if p.requires_grad)
+    est = comp.memory_estimate
+    assert 0 < adapters < est.num_params
+    assert est.lm_head_grad == 0 and est.grads == 4 * adapters and est.optimizer == 8 * adapters
