@@ -234,3 +234,16 @@ def test_serial_runner_keeps_call_order():
     seen.clear()
     ToolRunner([record]).run(calls)
     assert seen == ["second", "first"]  # concurrent: the short call finishes first
+
+
+def test_sync_calls_reuse_worker_threads():
+    """Sync calls skip the event loop and run on reused daemon workers: many turns, few threads."""
+    import threading
+
+    runner = ToolRunner([multiply])
+    runner.run([ToolCall("multiply", {"a": 2, "b": 3})])
+    before = threading.active_count()
+    for i in range(50):
+        out = runner.run([ToolCall("multiply", {"a": i, "b": 2}), ToolCall("multiply", {"a": 1, "b": 1})])
+        assert [r.content for r in out] == [str(2 * i), "1"] and not any(r.failed for r in out)
+    assert threading.active_count() <= before + 2
