@@ -1,7 +1,7 @@
 """Multi-turn (tool-calling) generation against single-turn on the same engine, model and prompts.
 
     python bench/turns.py                      # GPU: SmolLM2-135M architecture, random weights, bf16
-    python bench/turns.py --tiny --steps 2     # CPU harness: 2 layers of width 64, same vocab and workload
+    python bench/turns.py --tiny --prompts 4   # CPU harness: 2 layers of width 256, same vocab and workload
     python bench/turns.py --model PATH         # another Llama-family config + tokenizer (weights still scripted)
 
 Workload (recipes/calculator_agent.yaml): 32 prompts x 8 completions, prompts of ~520 tokens rendered by the
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import time
 
 import torch
@@ -66,22 +67,31 @@ def build_prompts(tokenizer, tools, count: int, seed: int = 0):
     return convs, ids
 
 
-def script_model(model, tokenizer, p_call: float, call_len: int = 30, answer_len: int = 8):
-    """Make `model` follow the two token chains described in the module docstring; returns the call marker id."""
-    import math
-
+def script_model(model, tokenizer, p_call: float, call_len: int = 30, answer_len: int = 8, spread: int = 5):
+    """Make `model` follow the token chains described in the module docstring; returns the call chains' first
+    ids. `spread` chains of each kind with lengths around call_len / answer_len, so that turns end at different
+    steps (continuations trickle in, as with a real model)."""
     start = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
                                           tokenize=True, return_dict=True)["input_ids"][-1]  # "\n" after the header
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     hidden = model.config.hidden_size
     avoid = {start, end, *tokenizer.all_special_ids}
-    pool = [t for t in range(3000, 3000 + 4 * (call_len + answer_len)) if t not in avoid]
-    call, answer = pool[:call_len], pool[call_len: call_len + answer_len]
-    nodes = [start, *call, *answer]
+    call_lens = [max(2, call_len + d) for d in range(-spread + 1, spread, 2)][:spread] or [call_len]
+    answer_lens = [max(2, answer_len + d) for d in range(-spread + 1, spread, 2)][:spread] or [answer_len]
+    # distinctive tokens (the parser finds a call by its first token's text): 4+ letters, no leading space
+    pool = iter(t for t in range(3000, 40000)
+                if t not in avoid and tokenizer.decode([t]).isalpha() and len(tokenizer.decode([t])) >= 4)
+    calls = [[next(pool) for _ in range(n)] for n in call_lens]
+    answers = [[next(pool) for _ in range(n)] for n in answer_lens]
+    heads_text = [tokenizer.decode([c[0]]) for c in calls]
+    for a in answers:
+        assert not any(h in tokenizer.decode([*a, end]) for h in heads_text), "an answer chain looks like a call"
+    nodes = [start, *(t for c in calls + answers for t in c)]
     if len(nodes) > hidden:
-        raise SystemExit(f"hidden size {hidden} < {len(nodes)} scripted tokens; use a wider model")
-    edges = {start: [(call[0], math.log(p_call)), (answer[0], math.log(1 - p_call))]}
-    for chain in (call, answer):
+        raise SystemExit(f"hidden size {hidden} < {len(nodes)} scripted tokens; use a wider model or fewer chains")
+    edges = {start: [(c[0], math.log(p_call / len(calls))) for c in calls]
+             + [(a[0], math.log((1 - p_call) / len(answers))) for a in answers]}
+    for chain in calls + answers:
         for a, b in itertools.pairwise(chain):
             edges[a] = [(b, 0.0)]
         edges[chain[-1]] = [(end, 0.0)]
@@ -100,7 +110,7 @@ def script_model(model, tokenizer, p_call: float, call_len: int = 30, answer_len
             head[:, k] = 0.0
             for nxt, logp in edges[node]:
                 head[nxt, k] = (big + logp) * scale
-    return call[0]
+    return [c[0] for c in calls]
 
 
 def build(args):
@@ -114,10 +124,12 @@ def build(args):
     config = AutoConfig.from_pretrained(path)
     config.tie_word_embeddings = False
     if args.tiny:
-        config.num_hidden_layers, config.hidden_size, config.intermediate_size = 2, 64, 128
-        config.num_attention_heads, config.num_key_value_heads, config.head_dim = 2, 1, 32
+        config.num_hidden_layers, config.hidden_size, config.intermediate_size = 2, 256, 512
+        config.num_attention_heads, config.num_key_value_heads, config.head_dim = 4, 1, 64
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if device == "cpu":
+        torch.set_num_threads(1)  # steadier timings on a shared machine; process CPU time counts one compute thread
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype)
@@ -162,7 +174,7 @@ def measure(name, fn, engine, args, device, profile_path):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="a folder with a Llama-family config.json and tokenizer (default: SmolLM2-135M)")
-    ap.add_argument("--tiny", action="store_true", help="2 layers of width 64 (the CPU harness)")
+    ap.add_argument("--tiny", action="store_true", help="2 layers of width 256 (the CPU harness)")
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=8)
@@ -180,12 +192,11 @@ def main() -> None:
     from cohort.types import SamplingParams
 
     model, tok, device = build(args)
-    marker = script_model(model, tok, args.p_call)
-    marker_text = tok.decode([marker])
+    markers = [tok.decode([m]) for m in script_model(model, tok, args.p_call)]
     convs, ids = build_prompts(tok, [calculator], args.prompts)
 
     def parser(text, tokenizer=None):
-        return [ToolCall("calculator", {"expression": "34 + 56 - 12 + 78"})] if marker_text in text else []
+        return [ToolCall("calculator", {"expression": "34 + 56 - 12 + 78"})] if any(m in text for m in markers) else []
 
     t0 = time.perf_counter()
     engine = CohortEngine(model, tok, eos_token_ids=[tok.convert_tokens_to_ids("<|im_end|>")],
@@ -197,22 +208,11 @@ def main() -> None:
     def single():
         return engine.generate(ids, params)
 
-    def multi_with(delay: int, batched_prefix: bool, inline: bool):
-        import cohort.engine.attention as attention
-
-        def run():
-            engine.scheduler.config.continuation_delay_steps = delay
-            attention.prefix_sdpa_batched = batched if batched_prefix else per_turn_prefix
-            loop = TurnLoop(tok, [calculator], max_iterations=3, parser=parser, inline_tools=inline)
-            try:
-                return loop.generate(engine, ids, params, prompts=convs)
-            finally:
-                attention.prefix_sdpa_batched = batched
-        return run
-
+    import cohort.agents.messages as messages
+    import cohort.agents.tools as tools_mod
     import cohort.engine.attention as attention
 
-    batched = attention.prefix_sdpa_batched
+    batched, render, run_tools = attention.prefix_sdpa_batched, messages._render, tools_mod.ToolRunner.run
 
     def per_turn_prefix(q, out, k_cache, v_cache, batch, scale, window=None, max_elements=0):
         """The attention of continued turns one turn at a time (as before the batched version)."""
@@ -223,11 +223,33 @@ def main() -> None:
             out[start:start + n] = attention.prefix_sdpa(q[start:start + n], k_cache, v_cache, table, cached, scale,
                                                          window)
 
+    def render_uncached(tokenizer, msgs, schemas, *, generation_prompt, **kwargs):
+        return tokenizer.apply_chat_template(msgs, tools=schemas or None, tokenize=False,
+                                             add_generation_prompt=generation_prompt, **kwargs)
+
+    def run_with_event_loop(self, calls):  # as before: an event loop per turn, a new thread per sync call
+        return tools_mod._run_sync(self.arun(calls)) if calls else []
+
+    def multi_with(delay: int, batched_prefix: bool, fast_host: bool, inline: bool):
+        def run():
+            engine.scheduler.config.continuation_delay_steps = delay
+            attention.prefix_sdpa_batched = batched if batched_prefix else per_turn_prefix
+            messages._render = render if fast_host else render_uncached
+            tools_mod.ToolRunner.run = run_tools if fast_host else run_with_event_loop
+            loop = TurnLoop(tok, [calculator], max_iterations=3, parser=parser, inline_tools=inline)
+            try:
+                return loop.generate(engine, ids, params, prompts=convs)
+            finally:
+                attention.prefix_sdpa_batched, messages._render, tools_mod.ToolRunner.run = batched, render, run_tools
+        return run
+
     modes = [("single-turn", single),
-             ("multi-turn, per-turn prefix attn, no delay, tool pool (before)", multi_with(0, False, False)),
-             ("multi-turn, batched prefix attn", multi_with(0, True, False)),
-             ("multi-turn, + continuation_delay_steps=8 (default)", multi_with(8, True, False)),
-             ("multi-turn, + inline_tools", multi_with(8, True, True))]
+             ("multi-turn before: per-turn prefix attn, no delay, uncached renders, event loop per turn",
+              multi_with(0, False, False, False)),
+             ("multi-turn + batched prefix attn", multi_with(0, True, False, False)),
+             ("multi-turn + continuation_delay_steps=8", multi_with(8, True, False, False)),
+             ("multi-turn + render cache, tool workers (= new default)", multi_with(8, True, True, False)),
+             ("multi-turn + agent.inline_tools", multi_with(8, True, True, True))]
     if args.only:
         modes = [m for m in modes if any(key in m[0] for key in args.only.split(","))]
     rows = [measure(name, fn, engine, args, device, f"{args.profile}.{i}" if args.profile else None)
