@@ -249,4 +249,7 @@ def test_calculator_recipe_parses_and_validates():
     assert cfg.agent.tools == ["cohort.agents.builtins:calculator"]
     assert cfg.generation.max_tool_calling_iterations == 3
     assert cfg.data.options["min_terms"] == cfg.data.options["max_terms"] == 4
-    assert '"name": "calculator"' in cfg.data.system_prompt and "<tool_call>" in cfg.data.system_prompt
+    # the worked examples are real chat turns: an assistant tool call, the tool's answer, the final number
+    roles = [m["role"] for m in cfg.data.few_shot]
+    assert roles == ["user", "assistant", "tool", "assistant"] * 2
+    assert cfg.data.few_shot[1]["tool_calls"][0]["name"] == "calculator"
