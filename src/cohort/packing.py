@@ -195,7 +195,7 @@ def disable_packed_attention(model) -> None:
 # Packed forward
 
 
-def _pack(sequences, device):
+def pack_layout(sequences, device):
     """Flat input ids, restarting position ids, cu_seqlens, and (hidden index, label) of completion tokens."""
     ids, pos, hidden_idx, labels, cu, offsets = [], [], [], [], [0], [0]
     for i, (prompt, completion) in enumerate(sequences):
@@ -260,7 +260,7 @@ def packed_forward_logprobs(
         return vision_packed_logprobs(model, sequences, temperature=temperature, compute_entropy=compute_entropy,
                                       chunk_tokens=chunk_tokens, attn=attn, lm_head_grad_fp32=lm_head_grad_fp32)
     device = model.get_input_embeddings().weight.device
-    input_ids, position_ids, cu, hidden_idx, labels, offsets = _pack(sequences, device)
+    input_ids, position_ids, cu, hidden_idx, labels, offsets = pack_layout(sequences, device)
     # a sharded (FSDP) policy registers the pass as a forward method on its root, so that calling it gathers
     # the root's parameters (embeddings, LM head) and hooks the backward as a root forward would
     run = getattr(model, "cohort_packed_pass", None) or functools.partial(packed_pass, model)

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from cohort.logprobs import DEFAULT_CHUNK_TOKENS, selective_logprobs_and_entropy
+from cohort.packing import pack_layout
 from cohort.vision.model import image_token_id, inner_model, language_model, unwrap, uses_mrope
 
 
@@ -105,23 +106,12 @@ def embed_with_images(model, ids: torch.Tensor, prompts: Sequence, owners: Seque
 
 
 def _pack(sequences, device):
-    ids, text_pos, hidden_idx, labels, cu, offsets, in_prompt = [], [], [], [], [0], [0], []
-    for i, (prompt, completion) in enumerate(sequences):
-        prompt, completion = list(prompt), list(completion)
-        if not prompt:
-            raise ValueError(f"sequence {i} has an empty prompt: the first completion token needs a context")
-        start = len(ids)
-        ids += prompt + completion
-        in_prompt += [True] * len(prompt) + [False] * len(completion)
-        text_pos += range(len(prompt) + len(completion))
-        first = start + len(prompt) - 1
-        hidden_idx += range(first, first + len(completion))
-        labels += completion
-        cu.append(len(ids))
-        offsets.append(offsets[-1] + len(completion))
-    long = {"dtype": torch.long, "device": device}
-    return (torch.tensor(ids, **long), torch.tensor(text_pos, **long), torch.tensor(cu, dtype=torch.int32, device=device),
-            torch.tensor(hidden_idx, **long), torch.tensor(labels, **long), offsets,
+    """The text layout of `pack_layout` (ids and positions as flat vectors), plus which tokens are prompt: image
+    tokens are only ever looked for there (a generated image-token id is an ordinary completion token)."""
+    sequences = [(list(prompt), list(completion)) for prompt, completion in sequences]
+    ids, text_pos, cu, hidden_idx, labels, offsets = pack_layout(sequences, device)
+    in_prompt = [flag for prompt, completion in sequences for flag in [True] * len(prompt) + [False] * len(completion)]
+    return (ids[0], text_pos[0], cu, hidden_idx, labels, offsets,
             torch.tensor(in_prompt, dtype=torch.bool, device=device))
 
 
