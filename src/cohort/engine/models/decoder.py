@@ -78,6 +78,18 @@ def layer_windows(model: nn.Module) -> list[int | None]:
     return windows
 
 
+def unsupported_mlp_or_rope(config) -> str | None:
+    """Why the engine's decoder cannot run a language model with this config's MLP or RoPE (None: it can)."""
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        return (f"hidden_act={act!r}: the engine expects silu (it calls the model's own MLP, but was only "
+                "checked with silu).")
+    for rope_type in rope_types(config):
+        if rope_type in _UNSUPPORTED_ROPE:
+            return f"rope_type={rope_type!r} changes with sequence length; the engine precomputes RoPE tables."
+    return None
+
+
 class DecoderForward:
     """Runs a *ForCausalLM of a supported family on packed tokens with paged attention."""
 
@@ -92,14 +104,7 @@ class DecoderForward:
         inner = getattr(model, "model", None)
         if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
             return f"{type(model).__name__} lacks .model.layers / .lm_head; expected a *ForCausalLM."
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            return (f"hidden_act={act!r}: the engine expects silu (it calls the model's own MLP, but was only "
-                    "checked with silu).")
-        for rope_type in rope_types(config):
-            if rope_type in _UNSUPPORTED_ROPE:
-                return f"rope_type={rope_type!r} changes with sequence length; the engine precomputes RoPE tables."
-        return None
+        return unsupported_mlp_or_rope(config)
 
     def __init__(self, model: nn.Module, attention: AttentionOps, max_len: int,
                  fuse_projections: bool | None = None) -> None:

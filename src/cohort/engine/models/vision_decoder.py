@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from cohort.engine.attention import AttentionOps, AttnContext
-from cohort.engine.models.decoder import _UNSUPPORTED_ROPE, DecoderForward, HFModule, rope_types, unwrap_model
+from cohort.engine.models.decoder import DecoderForward, HFModule, unsupported_mlp_or_rope, unwrap_model
 from cohort.engine.models.layers import fused_ops
 
 _LANGUAGE = ("language_model", "text_model")
@@ -48,12 +48,7 @@ class VisionDecoderForward(DecoderForward):
         if getattr(config, "model_type", "") not in ("llama", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text",
                                                       "mistral", "qwen3"):
             return f"language model type {config.model_type!r} is not a Llama/Qwen decoder the engine runs"
-        if getattr(config, "hidden_act", "silu") != "silu":
-            return f"hidden_act={config.hidden_act!r}: the engine expects silu"
-        for rope_type in rope_types(config):
-            if rope_type in _UNSUPPORTED_ROPE:
-                return f"rope_type={rope_type!r} changes with sequence length; the engine precomputes RoPE tables."
-        return None
+        return unsupported_mlp_or_rope(config)
 
     def __init__(self, model: nn.Module, attention: AttentionOps, max_len: int,
                  fuse_projections: bool | None = None) -> None:
