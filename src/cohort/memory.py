@@ -4,7 +4,7 @@ The estimate is arithmetic on the model config, not a measurement; its job is to
 message that says which setting to lower, instead of an out-of-memory error twenty minutes in.
 
 What it is for: the peak of a run whose completions all reach max_completion_length. T, the tokens of the
-largest forward/backward, is then the biggest micro-batch the update cuts (cohort.setup.micro_batch_tokens: a
+largest forward/backward, is then the biggest micro-batch the update cuts (cohort.memory_plan.micro_batch_tokens: a
 step smaller than train.token_budget is one micro-batch of its size); shorter completions pack more sequences
 into a micro-batch, up to train.token_budget. docs/memory.md compares it with measured peaks (bench/memory.py).
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tests.helpers.tiny_models import tiny_llama
 
-from cohort import setup
+from cohort import memory_plan, setup
 from cohort.config import CohortConfig
 from cohort.errors import ConfigError
 
@@ -19,7 +19,7 @@ def _run(monkeypatch, free_bytes: int) -> tuple[float, list[str]]:
     lines: list[str] = []
     cfg = CohortConfig()
     cfg.train.token_budget = 4096
-    frac, est = setup._check_memory(cfg, tiny_llama(0), torch.device("cuda"), False, lines.append)
+    frac, est = memory_plan.plan_memory(cfg, tiny_llama(0), torch.device("cuda"), False, lines.append)
     assert est is not None and est.kv_cache == 0  # the engine's pool is added once the engine is built
     return frac, lines
 
@@ -28,7 +28,7 @@ def _need(estimate_memory) -> int:
     """What the update needs by the estimate, for the micro-batch the default config's step makes."""
     cfg = CohortConfig()
     cfg.train.token_budget = 4096
-    tokens, completion = setup.micro_batch_tokens(cfg)
+    tokens, completion = memory_plan.micro_batch_tokens(cfg)
     return estimate_memory(tiny_llama(0).config, dtype=torch.float32, token_budget=tokens, completion_tokens=completion,
                            chunk_tokens=cfg.train.logprob_chunk_tokens, fused_logprob_kernels=True).total
 
@@ -61,25 +61,25 @@ def test_micro_batch_tokens_at_max_completion_length():
     cfg.train.prompts_per_step, cfg.generation.num_generations, cfg.generation.max_completion_length = 4, 8, 64
     cfg.train.token_budget = 4096
     # 32 rollouts of 80 + 64 = 144 tokens: 28 fit in 4096, so two micro-batches of 16 (spread evenly)
-    assert setup.micro_batch_tokens(cfg, longest_prompt=80) == (16 * 144, 16 * 64)
+    assert memory_plan.micro_batch_tokens(cfg, longest_prompt=80) == (16 * 144, 16 * 64)
     cfg.train.token_budget = 8192  # the whole step fits: one micro-batch of all 32
-    assert setup.micro_batch_tokens(cfg, longest_prompt=80) == (32 * 144, 32 * 64)
+    assert memory_plan.micro_batch_tokens(cfg, longest_prompt=80) == (32 * 144, 32 * 64)
     cfg.train.token_budget = 100  # a sequence longer than the budget sits alone
-    assert setup.micro_batch_tokens(cfg, longest_prompt=80) == (144, 64)
+    assert memory_plan.micro_batch_tokens(cfg, longest_prompt=80) == (144, 64)
     cfg.train.token_budget, cfg.train.mini_batches = 8192, 2  # each update sees half the step
-    assert setup.micro_batch_tokens(cfg, longest_prompt=80) == (16 * 144, 16 * 64)
+    assert memory_plan.micro_batch_tokens(cfg, longest_prompt=80) == (16 * 144, 16 * 64)
 
 
 def test_engine_memory_is_the_pool_as_allocated():
     from cohort.engine import CohortEngine
 
     engine = CohortEngine(tiny_llama(0), num_kv_blocks=7, max_model_len=64, fuse_projections=False)
-    kv, copies = setup.engine_memory(engine)
+    kv, copies = memory_plan.engine_memory(engine)
     pool = engine.runner.kv_cache
     assert kv == pool.numel() * pool.element_size() and copies == 0  # 7 blocks + the scratch block
     # 2 (K, V) x 1 layer x 8 blocks x 16 tokens (CPU block size) x 2 kv heads x 8 head dim x 4 bytes
     assert kv == 2 * 1 * 8 * 16 * 2 * 8 * 4
-    assert setup.engine_memory(object()) == (0, 0)  # Hugging Face generate: no pool
+    assert memory_plan.engine_memory(object()) == (0, 0)  # Hugging Face generate: no pool
 
 
 def test_build_components_prints_the_estimate_with_the_engines_pool():
@@ -97,9 +97,9 @@ def test_build_components_prints_the_estimate_with_the_engines_pool():
     comp = setup.build_components(cfg, policy=tiny_model(tok), tokenizer=tok, train_data=data, echo=lines.append,
                                   reward_runner=RewardRunner([lambda completions, **kw: [0.0] * len(completions)]))
     est = comp.memory_estimate
-    assert est is not None and est.kv_cache == setup.engine_memory(comp.engine)[0] > 0
+    assert est is not None and est.kv_cache == memory_plan.engine_memory(comp.engine)[0] > 0
     table = next(line for line in lines if line.startswith("memory estimate"))
     assert f"{'kv_cache':<15} {est.kv_cache / GIB:9.3f} GiB" in table
     assert f"{'total':<15} {est.total / GIB:9.3f} GiB" in table
-    tokens, completion = setup.micro_batch_tokens(cfg, max(len(ids) for ids in comp.train_data.prompt_ids))
+    tokens, completion = memory_plan.micro_batch_tokens(cfg, max(len(ids) for ids in comp.train_data.prompt_ids))
     assert completion == 8 * 8 and tokens > completion  # 2 prompts x 4 completions of 8 tokens, prompts too
