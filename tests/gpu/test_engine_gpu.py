@@ -141,3 +141,26 @@ def test_multi_turn_sampled_logprobs_match_recompute_bf16_and_float32():
                 ref = recomputed_logprobs(model, prompt, c.token_ids, 0.8)
                 got = [(a, b) for a, b, m in zip(c.logprobs, ref, c.mask) if m]
                 assert [a for a, _ in got] == pytest.approx([b for _, b in got], abs=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_multi_step_graphs_equal_one_step_graphs(dtype):
+    """decode_steps=8 (one graph of 8 forwards, tokens fed back on the device) samples exactly the tokens of
+    one step per replay, with rows stopping (EOS, max_tokens) inside a chunk and a batch padded to a graph
+    size; the default on CUDA is 8."""
+    model = tiny_model("qwen2").to("cuda", dtype)
+    prompts = random_prompts([5, 30, 2, 17, 8, 21, 3])
+    params = [SamplingParams(n=3, temperature=t, max_tokens=m, seed=9 + i)
+              for i, (t, m) in enumerate(zip([1.0, 0.0, 1.0, 0.7, 1.0, 0.0, 1.0], [13, 40, 1, 22, 6, 31, 17]))]
+    outs = {}
+    for steps in (1, None):
+        engine = CohortEngine(model, eos_token_ids=[EOS], block_size=16, max_model_len=128, max_num_seqs=32,
+                              decode_steps=steps)
+        assert engine.runner.decode_steps == (steps or 8)
+        assert bool(engine.runner.multi_graphs) == (steps is None)
+        outs[steps] = engine.generate(prompts, params)
+        assert engine.blocks.num_used_blocks == 0
+    for g1, g8 in zip(outs[1], outs[None]):
+        for c1, c8 in zip(g1, g8):
+            assert c8.token_ids == c1.token_ids and c8.finish_reason == c1.finish_reason
+            assert c8.logprobs == pytest.approx(c1.logprobs, abs=1e-5)

@@ -31,6 +31,13 @@ class EngineConfig:
         one continuation per step cost more than the decode steps around it). They go at once when nothing
         is decoding or when they number at least half the decoding sequences. 0 = prefill each at once.
         Sampled tokens do not depend on it (noise comes from each sequence's seed and position).
+    decode_steps: decode steps run per host iteration when every row samples plainly (no penalty or
+        filter): one CUDA graph replays `decode_steps` forwards, each feeding its sampled tokens to the next
+        on the device, so the host's per-step work (inputs, copies, synchronisation, bookkeeping) is paid
+        once per `decode_steps` tokens. A row that stops (EOS / stop string) inside the chunk computes up to
+        decode_steps - 1 tokens that are dropped; a row never computes past its max_tokens. Tokens do not
+        depend on it. None = 8 where the decode graphs and the in-graph sampler exist (CUDA with Triton),
+        1 elsewhere; a value > 1 without CUDA graphs runs the same device-side loop eagerly (tests).
     """
 
     max_num_seqs: int = 256
@@ -42,6 +49,7 @@ class EngineConfig:
     enforce_eager: bool = False
     fuse_projections: bool | None = None
     continuation_delay_steps: int = 8
+    decode_steps: int | None = None
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
@@ -56,6 +64,9 @@ class EngineConfig:
         if not isinstance(self.continuation_delay_steps, int) or self.continuation_delay_steps < 0:
             raise ValueError(f"continuation_delay_steps={self.continuation_delay_steps!r} must be an integer >= 0 "
                              "(decode steps a continued turn may wait to share a prefill; 0 = none).")
+        if self.decode_steps is not None and (not isinstance(self.decode_steps, int) or self.decode_steps < 1):
+            raise ValueError(f"decode_steps={self.decode_steps!r} must be an integer >= 1 (decode steps per host "
+                             "iteration) or None (8 with CUDA graphs, else 1).")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1 or None (size from memory).")
         if self.max_num_batched_tokens < self.max_model_len:

@@ -65,6 +65,7 @@ class CohortEngine:
         enforce_eager: bool = False,
         fuse_projections: bool | None = None,
         continuation_delay_steps: int = 8,
+        decode_steps: int | None = None,
         device: str | torch.device | None = None,
     ) -> None:
         ok, reason = engine_supports(model)
@@ -89,6 +90,7 @@ class CohortEngine:
             enforce_eager=enforce_eager,
             fuse_projections=fuse_projections,
             continuation_delay_steps=continuation_delay_steps,
+            decode_steps=decode_steps,
         )
         self.tokenizer = tokenizer
         if isinstance(eos_token_ids, int):
@@ -244,7 +246,9 @@ class CohortEngine:
 
     def step(self) -> list[Sequence]:
         """One scheduler step: forward, sample, append, release finished sequences (returned)."""
-        step = self.scheduler.schedule()
+        step = self.scheduler.schedule(self.runner.decode_steps)
+        if not step.is_prefill and step.lookahead > 1 and step.seqs and not needs_processing(step.seqs):
+            return self._multi_step(step.seqs, step.lookahead)
         if step.is_prefill:
             logits = self.runner.prefill(step.units)
             if step.block_copies:
@@ -270,3 +274,16 @@ class CohortEngine:
         for seq, token, logprob in zip(step.seqs, tokens, logprobs):
             seq.append(token, logprob, self.tokenizer)
         return self.scheduler.finish(step.seqs)
+
+    def _multi_step(self, seqs: list[Sequence], steps: int) -> list[Sequence]:
+        """`steps` decode steps on the device in one host iteration (EngineConfig.decode_steps); tokens after a
+        row's stop are dropped."""
+        budgets = [seq.decode_budget(steps) for seq in seqs]
+        tokens, logprobs = self.runner.decode_multi(seqs, budgets)
+        before = sum(len(seq) for seq in seqs)
+        for seq, budget, toks, lps in zip(seqs, budgets, tokens, logprobs):
+            seq.extend_sampled(toks[:budget], lps[:budget], self.tokenizer)
+        self.stats.decode_tokens += sum(len(seq) for seq in seqs) - before
+        self.stats.decode_steps += steps
+        self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, self.blocks.num_used_blocks)
+        return self.scheduler.finish(seqs)

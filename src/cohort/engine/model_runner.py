@@ -7,6 +7,12 @@ use, so the engine never allocates past what is free. Block `num_blocks` is scra
 
 Decode steps on CUDA replay a graph captured for the smallest captured batch size >= the live batch; the
 padded rows write to and read from the scratch block, so they never touch a live sequence's KV.
+
+Multi-step decode (`decode_multi`, EngineConfig.decode_steps = K): one graph runs K forwards; after each, the
+in-graph sampler's tokens become the next step's inputs and the positions, context lengths and KV slots
+(looked up in the block tables, which the scheduler filled ahead) advance on the device. A row stops
+advancing after its budget (max_tokens), writing to the scratch block from then on. The host fills the inputs
+and reads the K x B tokens once per K steps.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from cohort.engine.attention import AttentionOps, AttnContext, prefix_batch
 from cohort.engine.config import EngineConfig
 from cohort.engine.models.decoder import HFModule
 from cohort.engine.models.registry import build_forward
-from cohort.engine.sampler import temperature_rows
+from cohort.engine.sampler import sample_plain, temperature_rows
 from cohort.engine.scheduler import PrefillUnit
 from cohort.engine.sequence import Sequence
 
@@ -49,8 +55,8 @@ class ModelRunner:
         pin = device.type == "cuda"
         self._tables_host = torch.full((config.max_num_seqs, width), self.scratch_block, dtype=torch.int32,
                                        pin_memory=pin)
-        # Per-row decode inputs: ids, positions, slots, ctx_lens, seeds (int64) and 1/T, noise (float32).
-        self._row_host = torch.zeros((5, config.max_num_seqs), dtype=torch.int64, pin_memory=pin)
+        # Per-row decode inputs: ids, positions, slots, ctx_lens, seeds, budgets (int64) and 1/T, noise (float32).
+        self._row_host = torch.zeros((6, config.max_num_seqs), dtype=torch.int64, pin_memory=pin)
         self._float_host = torch.ones((2, config.max_num_seqs), dtype=torch.float32, pin_memory=pin)
         self._out_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=pin)
         self._out_logprobs = torch.zeros(config.max_num_seqs, dtype=torch.float32, pin_memory=pin)
@@ -59,12 +65,33 @@ class ModelRunner:
         # The fused sampler joins the decode graph, so a plain-sampling step is a single graph replay.
         self.sample_in_graph = triton_ops.triton is not None and device.type == "cuda"
         self.graphs: dict[int, tuple] = {}  # batch size -> (graph, logits, tokens, logprobs)
+        self.multi_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # batch size -> graph of decode_steps steps
+        self._graph_logits: torch.Tensor | None = None
         self.graph_capture_seconds = 0.0
+        use_graphs = device.type == "cuda" and not config.enforce_eager and self.net.graph_safe
+        steps = config.decode_steps
+        self.decode_steps = steps if steps is not None else (8 if use_graphs and self.sample_in_graph else 1)
+        self._alloc_static(pin)
         self._param_ptrs = self._parameter_pointers()
         # graph_safe is False for a forward that reads values on the host (the MoE's per-expert loop).
-        if device.type == "cuda" and not config.enforce_eager and self.net.graph_safe:
+        if use_graphs:
             with torch.cuda.device(device):
                 self._capture_graphs()
+
+    def _alloc_static(self, pin: bool) -> None:
+        """The device-side decode inputs the graphs read (and the multi-step loop advances) and their outputs."""
+        top, width, dev = self.config.max_num_seqs, self.config.max_blocks_per_seq, self.device
+        self._static_rows = torch.zeros((6, top), dtype=torch.int64, device=dev)
+        self._static_floats = torch.ones((2, top), dtype=torch.float32, device=dev)
+        self._static_rows[2] = self.scratch_block * self.config.block_size
+        self._static_rows[3] = 1
+        self._static_tables = torch.full((top, width), self.scratch_block, dtype=torch.int32, device=dev)
+        self._static_ctx_lens = torch.ones(top, dtype=torch.int32, device=dev)
+        steps = self.decode_steps
+        self._multi_tokens = torch.zeros((steps, top), dtype=torch.int64, device=dev)
+        self._multi_logprobs = torch.zeros((steps, top), dtype=torch.float32, device=dev)
+        self._multi_tokens_host = torch.zeros((steps, top), dtype=torch.int64, pin_memory=pin)
+        self._multi_logprobs_host = torch.zeros((steps, top), dtype=torch.float32, pin_memory=pin)
 
     def _parameter_pointers(self) -> list[int]:
         return [p.data_ptr() for p in self.net.hf.parameters()]
@@ -191,8 +218,9 @@ class ModelRunner:
         return self.net.logits(hidden[last])
 
     # ---- decode ------------------------------------------------------------------------------------
-    def _fill_decode_inputs(self, seqs: list[Sequence], rows: int) -> None:
-        """Write ids/positions/slots/ctx_lens/tables of `rows` rows (live ones first, then padding)."""
+    def _fill_decode_inputs(self, seqs: list[Sequence], rows: int, budgets: list[int] | None = None) -> None:
+        """Write ids/positions/slots/ctx_lens/seeds/budgets/tables of `rows` rows (live ones first, then
+        padding, whose budget is 0)."""
         bs = self.config.block_size
         host = self._row_host.numpy()
         tables = self._tables_host.numpy()
@@ -204,6 +232,7 @@ class ModelRunner:
         host[2, :n] = last_blocks * bs + (lengths - 1) % bs
         host[3, :n] = lengths
         host[4, :n] = np.fromiter((s.seed for s in seqs), dtype=np.int64, count=n)
+        host[5, :n] = budgets if budgets is not None else 1
         floats = self._float_host.numpy()
         floats[0, :n], floats[1, :n] = temperature_rows(seqs)
         # All block tables in one scatter (a per-row numpy assignment costs ~2 us x 256 rows per step).
@@ -217,6 +246,7 @@ class ModelRunner:
         host[1, n:rows] = 0
         host[2, n:rows] = self.scratch_block * bs
         host[3, n:rows] = 1
+        host[5, n:rows] = 0
         tables[n:rows, 0] = self.scratch_block
 
     @torch.inference_mode()
@@ -249,6 +279,63 @@ class ModelRunner:
         )
         return self.net.logits(self.net.forward(rows_dev[0], rows_dev[1], ctx, self._cache())), None
 
+    @torch.inference_mode()
+    def decode_multi(self, seqs: list[Sequence], budgets: list[int]) -> tuple[list[list[int]], list[list[float]]]:
+        """`decode_steps` plain-sampling decode steps in one go; row i's first budgets[i] tokens are valid
+        (its blocks hold their KV slots: Scheduler.schedule(lookahead)). Returns per-row token and logprob
+        lists of length decode_steps."""
+        n, steps = len(seqs), self.decode_steps
+        graph_bs = next((b for b in sorted(self.multi_graphs) if b >= n), None)
+        rows = graph_bs or n
+        self._fill_decode_inputs(seqs, rows, budgets)
+        self._static_rows.copy_(self._row_host, non_blocking=True)
+        self._static_floats.copy_(self._float_host, non_blocking=True)
+        self._static_tables.copy_(self._tables_host, non_blocking=True)
+        if graph_bs is not None:
+            self.multi_graphs[graph_bs].replay()
+        else:
+            self._multi_step_body(n, max_ctx_len=max(len(s) for s in seqs) + steps)
+        tokens, logprobs = self._multi_tokens_host[:, :n], self._multi_logprobs_host[:, :n]
+        tokens.copy_(self._multi_tokens[:, :n], non_blocking=True)
+        logprobs.copy_(self._multi_logprobs[:, :n], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return [list(t) for t in zip(*tokens.tolist())], [list(lp) for lp in zip(*logprobs.tolist())]
+
+    def _multi_step_body(self, bs: int, max_ctx_len: int | None = None) -> None:
+        """decode_steps forwards over the static inputs of `bs` rows, advancing them on the device (captured
+        as one graph, or run eagerly without graphs)."""
+        rows, floats, tables = self._static_rows, self._static_floats, self._static_tables[:bs]
+        block, width = self.config.block_size, self.config.max_blocks_per_seq
+        scratch_slot = self.scratch_block * block
+        ids, pos, slots, ctx_lens, seeds, budget = (rows[r, :bs] for r in range(6))
+        ctx = AttnContext(is_prefill=False, slot_mapping=slots, block_tables=tables,
+                          ctx_lens=self._static_ctx_lens[:bs], max_ctx_len=max_ctx_len)
+        out = None if self._graph_logits is None else self._graph_logits[:bs]
+        for j in range(self.decode_steps):
+            if j:
+                # this step's token sits at position ctx_len - 1: its slot from the block table; rows past
+                # their budget write to the scratch block
+                kv_pos = ctx_lens - 1
+                index = (kv_pos // block).clamp_(max=width - 1)
+                slot = tables.gather(1, index[:, None])[:, 0].long() * block + kv_pos % block
+                slots.copy_(torch.where(budget > j, slot, scratch_slot))
+            self._static_ctx_lens[:bs].copy_(ctx_lens)
+            logits = self.net.logits(self.net.forward(ids, pos, ctx, self._cache()), out=out)
+            if self.sample_in_graph:
+                from cohort.engine.triton_ops import fused_sample
+
+                tokens, logprobs = fused_sample(logits, logits, floats[0, :bs], floats[1, :bs], seeds, ctx_lens)
+            else:
+                tokens, logprobs = sample_plain(logits, floats[0, :bs], floats[1, :bs], seeds, ctx_lens)
+            self._multi_tokens[j, :bs].copy_(tokens)
+            self._multi_logprobs[j, :bs].copy_(logprobs)
+            if j + 1 < self.decode_steps:
+                advance = (budget > j + 1).long()  # the row's next step is within its budget
+                ids.copy_(tokens)
+                pos.add_(advance)
+                ctx_lens.add_(advance)
+
     # ---- CUDA graphs -------------------------------------------------------------------------------
     def graph_batch_sizes(self) -> list[int]:
         top = self.config.max_num_seqs
@@ -259,13 +346,6 @@ class ModelRunner:
     def _capture_graphs(self) -> None:
         start = time.perf_counter()
         top = self.config.max_num_seqs
-        width = self.config.max_blocks_per_seq
-        self._static_rows = torch.zeros((5, top), dtype=torch.int64, device=self.device)
-        self._static_floats = torch.ones((2, top), dtype=torch.float32, device=self.device)
-        self._static_rows[2] = self.scratch_block * self.config.block_size
-        self._static_rows[3] = 1
-        self._static_tables = torch.full((top, width), self.scratch_block, dtype=torch.int32, device=self.device)
-        self._static_ctx_lens = torch.ones(top, dtype=torch.int32, device=self.device)
         # One logits buffer for every batch size: a graph's outputs stay allocated for as long as the graph
         # lives, so separate outputs would hold sum(batch sizes) x vocab logits (0.6 GB on Qwen2.5-0.5B).
         vocab = self.net.hf.lm_head.out_features if hasattr(self.net.hf.lm_head, "out_features") else None
@@ -290,12 +370,29 @@ class ModelRunner:
                 return (logits, *fused_sample(logits, logits, floats[0, :bs], floats[1, :bs], rows[4, :bs],
                                               rows[3, :bs]))
 
-            run()  # warm-up: compiles kernels, initialises cuBLAS handles outside the capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                outputs = run()
+            graph, outputs = self._capture(run, pool, bs)
             pool = graph.pool()
             self.graphs[bs] = (graph, *outputs)
+        if self.decode_steps > 1:
+            for bs in reversed(self.graph_batch_sizes()):
+                graph, _ = self._capture(lambda bs=bs: self._multi_step_body(bs), pool, bs)
+                self.multi_graphs[bs] = graph
         torch.cuda.synchronize(self.device)
         self.graph_capture_seconds = time.perf_counter() - start
+
+    def _reset_static_rows(self, bs: int) -> None:
+        """Padding values in the first `bs` static rows: a warm-up run reads and writes only the scratch block
+        (a recapture after a weight or KV move would otherwise write at the last decode's slots)."""
+        self._static_rows[:, :bs] = 0
+        self._static_rows[2, :bs] = self.scratch_block * self.config.block_size
+        self._static_rows[3, :bs] = 1
+        self._static_tables[:bs] = self.scratch_block
+
+    def _capture(self, run, pool, bs: int):
+        self._reset_static_rows(bs)
+        run()  # warm-up: compiles kernels, initialises cuBLAS handles outside the capture
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = run()
+        return graph, outputs

@@ -59,6 +59,19 @@ def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return -torch.log(-torch.log(uniform_from_hash(h)))
 
 
+def sample_plain(logits: torch.Tensor, inv_temp: torch.Tensor, noise: torch.Tensor, seeds: torch.Tensor,
+                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, logprobs) of plain sampling rows with the keys computed on the device: the PyTorch twin of
+    triton_ops.fused_sample (no host values, so it can run inside a multi-step decode loop)."""
+    keys = mix32((seeds >> 32) & _MASK32)
+    keys = mix32(keys ^ (seeds & _MASK32))
+    keys = mix32(keys ^ (positions & _MASK32))
+    scaled = logits.float() * inv_temp[:, None]
+    tokens = (scaled + noise[:, None] * gumbel_noise(keys, logits.shape[-1])).argmax(-1)
+    logprobs = scaled.gather(-1, tokens[:, None])[:, 0] - scaled.logsumexp(-1)
+    return tokens, logprobs
+
+
 def apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence], penalty: torch.Tensor) -> torch.Tensor:
     """HF semantics: every token seen (prompt and completion) has its logit divided (>0) or multiplied."""
     seen = torch.zeros_like(logits, dtype=torch.bool)

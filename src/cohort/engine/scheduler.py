@@ -32,6 +32,9 @@ class ScheduledStep:
     seqs: list[Sequence]
     units: list[PrefillUnit] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # decode: steps this one may run on the device (engine.decode_steps); every sequence holds the blocks for
+    # its decode_budget(lookahead) tokens. 1 when the cache could not give the blocks for more.
+    lookahead: int = 1
 
 
 class Scheduler:
@@ -51,15 +54,17 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledStep:
+    def schedule(self, lookahead: int = 1) -> ScheduledStep:
+        """The next step; a decode step may run `lookahead` device steps when the free blocks allow it."""
         if self._defer_continuations():
-            self.deferred_steps += 1
-            return self._schedule_decode()
+            decode = self._schedule_decode(lookahead)
+            self.deferred_steps += decode.lookahead
+            return decode
         step = self._schedule_prefill()
         if step is not None:
             self.deferred_steps = 0
             return step
-        return self._schedule_decode()
+        return self._schedule_decode(lookahead)
 
     def _defer_continuations(self) -> bool:
         """Whether to decode rather than prefill this step: only continued turns wait, sequences are decoding,
@@ -110,7 +115,25 @@ class Scheduler:
         seqs = [seq for unit in units for seq in unit.seqs]
         return ScheduledStep(True, seqs, units, copies)
 
-    def _schedule_decode(self) -> ScheduledStep:
+    def _lookahead_blocks(self, lookahead: int) -> list[tuple[Sequence, int]] | None:
+        """(sequence, blocks to add) so that each holds the KV slots of its next decode_budget(lookahead)
+        tokens; None when the free blocks do not cover them (then the step decodes one token)."""
+        wanted = []
+        for seq in self.running:
+            # the chunk writes KV at positions len-1 .. len+budget-2
+            more = self.blocks.blocks_for(len(seq) - 1 + seq.decode_budget(lookahead)) - len(seq.block_table)
+            if more > 0:
+                wanted.append((seq, more))
+        return wanted if sum(n for _, n in wanted) <= self.blocks.num_free_blocks else None
+
+    def _schedule_decode(self, lookahead: int = 1) -> ScheduledStep:
+        if lookahead > 1 and self.running:
+            wanted = self._lookahead_blocks(lookahead)
+            if wanted is not None:
+                for seq, more in wanted:
+                    for _ in range(more):
+                        self.blocks.append_block(seq)
+                return ScheduledStep(False, list(self.running), lookahead=lookahead)
         # Fast path (almost every step): the blocks that sequences crossing a boundary need are free.
         size = self.blocks.block_size
         needing = [s for s in self.running if (len(s.token_ids) - 1) // size >= len(s.block_table)]

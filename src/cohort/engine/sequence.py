@@ -88,6 +88,30 @@ class Sequence:
             self.finish_reason = "length"
         return self.finish_reason is not None
 
+    def extend_sampled(self, tokens: list[int], logprobs: list[float], tokenizer=None) -> bool:
+        """Record the tokens of a multi-step decode chunk up to the first that finishes the sequence (the
+        rest were computed past a stop and are dropped); returns True when the sequence is finished."""
+        if self.params.stop_strings and tokenizer is not None:
+            # any() stops at the first token that finishes the sequence: the rest are never appended
+            return any(self.append(token, logprob, tokenizer) for token, logprob in zip(tokens, logprobs))
+        take = min(len(tokens), self.params.max_tokens - self.num_completion_tokens)
+        stop = self.stop_ids
+        for i in range(take):
+            if tokens[i] in stop:
+                take = i + 1
+                self.finish_reason = "stop"
+                break
+        self.token_ids.extend(tokens[:take])
+        self.logprobs.extend(logprobs[:take])
+        self.mask.extend([1] * take)
+        if self.finish_reason is None and self.num_completion_tokens >= self.params.max_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason is not None
+
+    def decode_budget(self, steps: int) -> int:
+        """Tokens a chunk of `steps` decode steps may sample for this sequence (its max_tokens caps it)."""
+        return min(steps, self.params.max_tokens - self.num_completion_tokens)
+
     @property
     def turn_ids(self) -> list[int]:
         """The tokens sampled in the current (or just ended) turn."""

@@ -1,0 +1,146 @@
+"""Multi-step decode (EngineConfig.decode_steps = K): K decode steps per host iteration give exactly the tokens
+and logprobs of one step per iteration, on tiny float32 models on the CPU.
+
+On the CPU the K-step loop runs eagerly (the same device-side code a CUDA graph captures on the GPU: tokens
+fed back, positions, context lengths and KV slots advanced on the device, rows past their budget writing to
+the scratch block). Cases that stress it: EOS and stop tokens inside a chunk (the rest dropped), per-prompt
+max_tokens that end inside a chunk, stop strings, preemption under a tight cache, group sharing, multi-turn
+continuation on the same blocks, and chunks whose lookahead blocks do not fit (fallback to one step).
+"""
+
+from __future__ import annotations
+
+import pytest
+from tests.integration.engine_models import EOS, random_prompts, tiny_model
+from tests.integration.test_engine_turns import CONTEXT, STOPS, scripted
+
+from cohort.engine import CohortEngine
+from cohort.types import SamplingParams
+
+
+def make_engine(model, steps: int, **kw) -> CohortEngine:
+    kw.setdefault("block_size", 4)
+    kw.setdefault("max_model_len", 160)
+    return CohortEngine(model, eos_token_ids=[EOS], decode_steps=steps, **kw)
+
+
+def tokens(out):
+    return [[c.token_ids for c in group] for group in out]
+
+
+def assert_same(a, b):
+    assert tokens(a) == tokens(b)
+    for ga, gb in zip(a, b):
+        for ca, cb in zip(ga, gb):
+            assert ca.finish_reason == cb.finish_reason
+            assert ca.logprobs == pytest.approx(cb.logprobs, abs=1e-5)
+            assert ca.mask == cb.mask
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_k_steps_equal_one_step_with_mixed_budgets_and_stops(family, temperature):
+    model = tiny_model(family)
+    prompts = random_prompts([5, 11, 2, 17, 8, 9])
+    # max_tokens that end inside a chunk of 4, EOS allowed (stops land anywhere in a chunk)
+    params = [SamplingParams(n=3, temperature=temperature, max_tokens=m, seed=7 + i)
+              for i, m in enumerate([9, 13, 1, 22, 6, 30])]
+    one = make_engine(model, 1)
+    four = make_engine(model, 4)
+    assert one.runner.decode_steps == 1 and four.runner.decode_steps == 4
+    chunks = []
+    decode_multi = four.runner.decode_multi
+    four.runner.decode_multi = lambda seqs, budgets: chunks.append(budgets) or decode_multi(seqs, budgets)
+    ref, got = one.generate(prompts, params), four.generate(prompts, params)
+    assert chunks and any(min(b) < 4 for b in chunks)  # K-step chunks ran, some with rows ending inside
+    assert_same(got, ref)
+    assert four.stats.decode_tokens == one.stats.decode_tokens
+    assert four.stats.decode_steps >= one.stats.decode_steps
+    assert four.blocks.num_used_blocks == 0
+    lengths = {len(c.token_ids) for g in ref for c in g}
+    assert len(lengths) > 3  # the budgets and stops really differ between rows
+
+
+def test_stop_tokens_inside_a_chunk_drop_the_rest():
+    model = tiny_model("llama")
+    prompts = random_prompts([6, 7])
+    free = make_engine(model, 1).generate(prompts, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    stop = free[0][0].token_ids[5]  # a token the first completion samples at index 5 (inside the 2nd chunk of 4)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=(stop,))
+    got = make_engine(model, 4).generate(prompts, params)
+    assert_same(got, make_engine(model, 1).generate(prompts, params))
+    first = free[0][0].token_ids.index(stop)
+    assert got[0][0].token_ids == free[0][0].token_ids[: first + 1] and got[0][0].finish_reason == "stop"
+
+
+class _LetterTokenizer:
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+def test_stop_strings():
+    model = tiny_model("llama")
+    prompts = random_prompts([6])
+    base = make_engine(model, 1).generate(prompts, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    target = _LetterTokenizer().decode(base[0][0].token_ids)[6:8]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_strings=(target,))
+    outs = [CohortEngine(model, _LetterTokenizer(), eos_token_ids=[EOS], block_size=4, max_model_len=128,
+                         decode_steps=k).generate(prompts, params) for k in (1, 4)]
+    assert_same(outs[1], outs[0])
+    assert outs[1][0][0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_preemption_under_a_tight_cache(temperature):
+    model = tiny_model("llama")
+    prompts = random_prompts([6, 9, 3, 12])
+    params = SamplingParams(n=2, temperature=temperature, max_tokens=24, seed=5, ignore_eos=True)
+    roomy = make_engine(model, 1).generate(prompts, params)
+    tight = make_engine(model, 4, num_kv_blocks=12)
+    got = tight.generate(prompts, params)
+    assert tight.scheduler.num_preemptions > 0
+    assert_same(got, roomy)
+    assert tight.blocks.num_used_blocks == 0
+
+
+def test_lookahead_that_does_not_fit_decodes_one_step():
+    """With too few free blocks for K tokens ahead, the scheduler gives a one-step decode (same tokens)."""
+    model = tiny_model("llama")
+    prompts = random_prompts([6, 9, 3, 12])
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=24, seed=5, ignore_eos=True)
+    engine = make_engine(model, 8, num_kv_blocks=14)
+    seen = []
+    schedule = engine.scheduler.schedule
+
+    def spy(lookahead=1):
+        step = schedule(lookahead)
+        if not step.is_prefill:
+            seen.append(step.lookahead)
+        return step
+
+    engine.scheduler.schedule = spy
+    got = engine.generate(prompts, params)
+    assert 1 in seen and 8 in seen
+    assert_same(got, make_engine(model, 1).generate(prompts, params))
+
+
+def test_multi_turn_conversations_continue_on_their_blocks():
+    model = tiny_model("qwen3")
+    prompts = random_prompts([5, 9, 7])
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=60, seed=3, stop_token_ids=STOPS)
+    ref = make_engine(model, 1).generate_turns(prompts, params, scripted)
+    engine = make_engine(model, 4)
+    got = engine.generate_turns(prompts, params, scripted)
+    assert_same(got, ref)
+    assert any(c.turns == 3 for g in got for c in g)
+    assert any(0 in c.mask for g in got for c in g)  # the scripted context went in
+    assert set(CONTEXT) == {1, 2}
+    assert engine.blocks.num_used_blocks == 0
+
+
+def test_decode_steps_must_be_a_positive_integer():
+    model = tiny_model("llama")
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="decode_steps"):
+            make_engine(model, bad)
+    assert make_engine(model, None).runner.decode_steps == 1  # default without CUDA graphs
