@@ -163,6 +163,8 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--eager-row", action="store_true", help="also time the engine without CUDA graphs")
     parser.add_argument("--inplace-row", action="store_true", help="also time without fused QKV/gate-up copies")
+    parser.add_argument("--single-step-row", action="store_true",
+                        help="also time one decode step per host iteration (decode_steps=1; the default is 8)")
     parser.add_argument("--hf-static-timeout", type=int, default=240, help="seconds for HF static compile + runs")
     parser.add_argument("--model", default=None,
                         help="a real model for load_policy (e.g. gemma-3-270m) instead of the random Qwen2.5-0.5B")
@@ -182,7 +184,8 @@ def main() -> None:
     if engine.runner.net.fused:
         results["fused_refresh_ms"] = 1000 * sorted(timed(engine.sync_weights)[1] for _ in range(5))[2]
     results.update(engine=engine.engine_name(), engine_build_s=build_s,
-                   graph_capture_s=engine.runner.graph_capture_seconds, kv_blocks=engine.runner.num_blocks)
+                   graph_capture_s=engine.runner.graph_capture_seconds, kv_blocks=engine.runner.num_blocks,
+                   decode_steps=engine.runner.decode_steps)
     print(f"engine built in {build_s:.1f}s: {results['engine']}", flush=True)
     out_a, results["engine_a"], results["engine_a_s"] = run_engine_a(engine, prompts)
     print(f"engine A: {results['engine_a']:.0f} tok/s", flush=True)
@@ -197,6 +200,14 @@ def main() -> None:
         _, results["engine_inplace_a"], _ = run_engine_a(inplace, prompts)
         print(f"engine in-place A: {results['engine_inplace_a']:.0f} tok/s", flush=True)
         del inplace
+        torch.cuda.empty_cache()
+    if args.single_step_row:
+        single = CohortEngine(model, eos_token_ids=None, max_model_len=2048, max_num_seqs=256, decode_steps=1)
+        _, results["engine_single_a"], _ = run_engine_a(single, prompts)
+        results["engine_single_mixed"], _, _ = run_engine_mixed(single, vocab)
+        print(f"engine one step per iteration: A {results['engine_single_a']:.0f}, mixed "
+              f"{results['engine_single_mixed']:.0f} tok/s", flush=True)
+        del single
         torch.cuda.empty_cache()
     if args.eager_row:
         eager = CohortEngine(model, eos_token_ids=None, max_model_len=2048, max_num_seqs=256, enforce_eager=True)
@@ -223,7 +234,11 @@ def main() -> None:
 def print_table(r: dict) -> None:
     best_hf = max(r.get("hf_dynamic_a", 0), r.get("hf_static_a", 0))
     fused = f", fused QKV/gate-up copies, refresh {r['fused_refresh_ms']:.2f} ms" if "fused_refresh_ms" in r else ""
-    rows = [(f"cohort engine (CUDA graphs, Triton decode + sampler{fused})", r["engine_a"], r["engine_a_s"])]
+    steps = r.get("decode_steps", 1)
+    rows = [(f"cohort engine (CUDA graphs, Triton decode + sampler{fused}, {steps} decode steps per graph)",
+             r["engine_a"], r["engine_a_s"])]
+    if "engine_single_a" in r:
+        rows.append(("cohort engine, one decode step per graph (decode_steps=1)", r["engine_single_a"], None))
     if "engine_inplace_a" in r:
         rows.append(("cohort engine, weights only in place (fuse_projections=False)", r["engine_inplace_a"], None))
     if "engine_eager_a" in r:
@@ -242,7 +257,8 @@ def print_table(r: dict) -> None:
         print(f"\nengine / faster HF mode: {r['engine_a'] / best_hf:.1f}x")
     print(f"\nWorkload B (mixed): 256 sequences, prompt and output lengths uniform in 100..1024: "
           f"{r['engine_mixed']:,.0f} generated tok/s ({r['mixed_tokens']} tokens in {r['engine_mixed_s']:.2f} s, "
-          f"{r['preemptions']} preemptions)")
+          f"{r['preemptions']} preemptions)"
+          + (f"; one decode step per graph: {r['engine_single_mixed']:,.0f} tok/s" if "engine_single_mixed" in r else ""))
     print(f"\nTrain/inference mismatch (bf16, T=1, 64 completions x 256 tokens): mean |engine lp - recompute lp| = "
           f"{r['mismatch_mean']:.2e}, max = {r['mismatch_max']:.2e}")
     print(f"\nOne-off costs (outside the timed regions): engine build {r['engine_build_s']:.1f} s "
