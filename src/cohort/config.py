@@ -107,6 +107,8 @@ class GenerationConfig:
     server_address: str | None = None
     server_timeout_s: float = 600.0  # longest one request to the server (a step's generation, a push) may take
     server_connect_timeout_s: float = 60.0  # how long to wait for a server to answer at start or after a restart
+    # a weight push gives up (a named error) once the server has left /health unanswered this long
+    server_liveness_timeout_s: float = 30.0
 
 
 @dataclass

@@ -178,7 +178,7 @@ def _check_placement(cfg: CohortConfig) -> None:
     g, t = cfg.generation, cfg.train
     _require_choice("generation.placement", g.placement, ("colocate", "server"),
                     " (colocate: an engine in each trainer process; server: a `cohort serve` process)")
-    for name in ("server_timeout_s", "server_connect_timeout_s"):
+    for name in ("server_timeout_s", "server_connect_timeout_s", "server_liveness_timeout_s"):
         value = getattr(g, name)
         _require(_finite(value) and value > 0, f"generation.{name}", value, "use a positive number of seconds")
     _require(isinstance(t.max_staleness, int) and not isinstance(t.max_staleness, bool) and t.max_staleness >= 0,

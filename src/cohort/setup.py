@@ -112,7 +112,7 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
         echo(f"generation: on the cohort server at {g.server_address} (generation.placement=server)")
         return RemoteEngine(str(g.server_address), policy, timeout_s=g.server_timeout_s,
                             connect_timeout_s=g.server_connect_timeout_s, pusher=distributed.current().is_main,
-                            session=_run_session())
+                            session=_run_session(), liveness_timeout_s=g.server_liveness_timeout_s)
 
     # a VLM the paged engine cannot run: the vision group engine (None for text models and supported VLMs)
     vlm = vision_engine(policy, tokenizer, _eos_ids(tokenizer, policy), echo, cfg.generation.engine)

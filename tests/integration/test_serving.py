@@ -145,6 +145,59 @@ def test_dead_and_silent_servers_give_a_named_error_within_the_timeout(workspace
         proc.kill()
 
 
+@pytest.mark.parametrize("fault", ["stop_mid_push", "exit_mid_push"])
+def test_a_server_lost_in_the_middle_of_a_push_gives_the_named_error_within_the_timeout(workspace, fault):
+    """The server freezes (SIGSTOP: its sockets stay open, gloo would wait --group-timeout-s=20 s and HTTP
+    server_timeout_s=60 s) or exits once the first bucket of version 1 has arrived; the trainer names host,
+    port and phase within the liveness timeout, and the push is abandoned, not retried forever."""
+    _, tok = load_policy(str(workspace[0]), dtype=torch.float32)
+    policy = tiny_model(tok, seed=5)
+    proc = ServerProcess(workspace[0], env={"COHORT_SERVE_FAULT": f"{fault}:1"})
+    try:
+        remote = RemoteEngine(proc.address, policy, timeout_s=60.0, connect_timeout_s=2.0, liveness_timeout_s=3.0,
+                              bucket_bytes=16 << 10)  # many buckets: the fault lands mid-push
+        assert remote.last_push["buckets"] > 2
+        started = time.monotonic()
+        with pytest.raises(ServerUnavailable) as err:
+            remote.sync_weights()
+        took = time.monotonic() - started
+        assert took < 15, took  # liveness 3 s + the wait for a restart 2 s, far below gloo's 20 s and HTTP's 60 s
+        text = str(err.value)
+        assert f"127.0.0.1:{proc.port}" in text and "weight push" in text, text
+        assert remote.version == 0 and remote._group is None  # nothing counted; the next push joins a new group
+        if fault == "exit_mid_push":
+            assert proc.proc.wait(10) == 17
+    finally:
+        proc.kill()
+
+
+def test_a_stuck_collective_that_cannot_be_cancelled_exits_the_process_with_the_named_error(tmp_path):
+    """NCCL's case, on the CPU: a push whose collective never returns once the server is gone (the GPU stream
+    would wait on it) ends the process with EXIT_SERVER_LOST and the named error on stderr, not a hang."""
+    import socket
+    import subprocess
+    import sys
+
+    from cohort.serving.liveness import EXIT_SERVER_LOST
+
+    with socket.socket() as s:  # a port nothing listens on: a server that is gone
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = f"""
+import threading
+from cohort.serving.client import ServerClient
+from cohort.serving.liveness import run_watched
+client = ServerClient("127.0.0.1", {port}, timeout_s=5, connect_timeout_s=1)
+run_watched(lambda cancelled: threading.Event().wait(), client, phase="weight push", timeout_s=1.0, poll_s=0.2,
+            must_return=True, grace_s=0.5)
+"""
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - started < 30
+    assert out.returncode == EXIT_SERVER_LOST, out.stderr
+    assert f"127.0.0.1:{port}" in out.stderr and "stopped answering during weight push" in out.stderr
+
+
 def test_the_trainer_reconnects_to_a_restarted_server_and_re_pushes(workspace):
     _, tok = load_policy(str(workspace[0]), dtype=torch.float32)
     policy = tiny_model(tok, seed=11)

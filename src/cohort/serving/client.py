@@ -8,9 +8,11 @@ on-policy; the pipeline of `train.max_staleness` asks for older ones), and every
 version that sampled it.
 
 Failures never hang: every request has a timeout (`generation.server_timeout_s`), every collective of the
-weight group too. A server that stops answering raises `ServerUnavailable` naming host, port and phase. A
-server that went away is waited for up to `generation.server_connect_timeout_s`; if it comes back (a restart:
-a new server_id), the trainer joins a new weight group, pushes its current weights, and retries.
+weight group too, and a push runs under a liveness watch (liveness.py): a server that leaves /health
+unanswered for `generation.server_liveness_timeout_s` mid-push ends it. A server that stops answering raises
+`ServerUnavailable` naming host, port and phase. A server that went away is waited for up to
+`generation.server_connect_timeout_s`; if it comes back (a restart: a new server_id), the trainer joins a new
+weight group, pushes its current weights, and retries.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from cohort.errors import CohortError, ConfigError
 from cohort.serving import weights as W
+from cohort.serving.liveness import run_watched
 from cohort.types import Completion, SamplingParams
 
 
@@ -100,7 +103,9 @@ class ServerClient:
         deadline = time.monotonic() + self.connect_timeout_s
         while True:
             try:
-                return self.request("GET", "/health", phase=phase, timeout_s=min(self.timeout_s, 10.0))
+                # a frozen server holds each probe for its whole timeout: never past the deadline
+                left = max(0.5, deadline - time.monotonic())
+                return self.request("GET", "/health", phase=phase, timeout_s=min(self.timeout_s, 10.0, left))
             except ServerUnavailable as exc:
                 if time.monotonic() >= deadline:
                     raise ServerUnavailable(f"{exc}; waited {self.connect_timeout_s:.0f} s "
@@ -114,9 +119,10 @@ class RemoteEngine:
 
     def __init__(self, address: str, policy: torch.nn.Module | None = None, *, timeout_s: float = 600.0,
                  connect_timeout_s: float = 60.0, pusher: bool = True, session: str | None = None,
-                 bucket_bytes: int = W.DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: int = W.DEFAULT_BUCKET_BYTES, liveness_timeout_s: float = 30.0) -> None:
         host, port = parse_address(address)
         self.client = ServerClient(host, port, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
+        self.liveness_timeout_s = liveness_timeout_s  # /health silent this long mid-push: the server is gone
         self.policy = policy
         self.pusher = pusher and policy is not None
         self.bucket_bytes = bucket_bytes
@@ -164,7 +170,10 @@ class RemoteEngine:
                 self._push(version=version, phase="weight push")
             except ServerError as exc:  # a restarted server gets this version; a dead one: the error
                 with self._weights_lock:
-                    info = self.client.wait_ready("weight push")
+                    try:
+                        info = self.client.wait_ready("weight push")
+                    except ServerUnavailable:
+                        raise exc from None  # the push's own error says what happened, and when
                     if info["server_id"] == self.server_id:
                         raise exc from None
                     self.server_id, self._group = info["server_id"], None
@@ -212,22 +221,50 @@ class RemoteEngine:
             tensors = W.model_tensors(self.policy)
             specs = W.manifest_of(tensors)
             plan = W.plan_buckets(specs, self.bucket_bytes)
-            group, device = self._join_group(phase)
-            self.client.request("POST", "/weights/begin", {"version": version, "plan": plan, "session": self.session,
-                                                            "manifest": [s.to_json() for s in specs]}, phase=phase)
+            on_gpu = threading.Event()  # set once the group is NCCL: a stuck broadcast cannot be cancelled
+
+            def push(cancelled: threading.Event) -> tuple[float, dict]:
+                group, device = self._join_group(phase)
+                if device.type == "cuda":
+                    on_gpu.set()
+                self._check_cancelled(cancelled, phase)
+                self.client.request("POST", "/weights/begin", {"version": version, "plan": plan,
+                                                                "session": self.session,
+                                                                "manifest": [s.to_json() for s in specs]}, phase=phase)
+                try:
+                    # this thread's current device is cuda:0 whatever the trainer's is: name the weights' own
+                    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                        W.send_buckets(group, [t for _, t in tensors], plan, device)
+                except Exception as exc:  # a collective that failed or timed out: the group is gone
+                    self._group = None
+                    raise ServerUnavailable(f"{self.client.where}: sending the weights during {phase} failed: "
+                                            f"{exc}") from exc
+                sent = time.perf_counter()
+                self._check_cancelled(cancelled, phase)
+                return sent, self.client.request("POST", "/weights/commit", {"version": version}, phase=phase)
+
             try:
-                W.send_buckets(group, [t for _, t in tensors], plan, device)
-            except Exception as exc:  # a collective that failed or timed out: the group is gone
-                self._group = None
-                raise ServerUnavailable(f"{self.client.where}: sending the weights during {phase} failed: {exc}") \
-                    from exc
-            sent = time.perf_counter()
-            out = self.client.request("POST", "/weights/commit", {"version": version}, phase=phase)
+                sent, out = run_watched(push, self.client, phase=phase, timeout_s=self.liveness_timeout_s,
+                                        abort=self._abort_group, must_return=on_gpu.is_set)
+            except ServerUnavailable:
+                self._group = None  # a later push joins a new group
+                raise
             # send_s: pack + broadcast; wait_s: the switch waiting for requests in flight (the pipeline's next
             # step); apply_s: copying the staging tensors in; seconds: all of it, as the trainer waited
             self.last_push = {"seconds": time.perf_counter() - started, "send_s": sent - started,
                               "wait_s": float(out.get("wait_s", 0.0)), "apply_s": float(out.get("apply_s", 0.0)),
                               "buckets": float(len(plan)), "bytes": float(sum(s.nbytes for s in specs))}
+
+    def _check_cancelled(self, cancelled: threading.Event, phase: str) -> None:
+        if cancelled.is_set():  # the liveness watch gave up on this push: send nothing more
+            self._group = None
+            raise ServerUnavailable(f"{self.client.where}: {phase} abandoned")
+
+    def _abort_group(self) -> None:
+        """Unblock a collective on the weight group (NCCL's kernels return; gloo's wait ends) and drop it."""
+        group, self._group = self._group, None
+        if group is not None:
+            group[0].abort()
 
     def _join_group(self, phase: str):
         if self._group is not None:
@@ -239,9 +276,11 @@ class RemoteEngine:
             raise ConfigError(f"{self.client.where} receives weights over NCCL (it runs on a GPU) but the trainer's "
                               "policy is on the CPU; train on a GPU, or serve on the CPU (--device cpu)")
         device = weights_device if info["backend"] == "nccl" else torch.device("cpu")
+        # the server's group timeout (--group-timeout-s), never longer than the trainer's own request timeout
+        timeout_s = min(float(info.get("timeout_s", self.client.timeout_s)), self.client.timeout_s)
         try:
             group = W.make_group(self.client.host, int(info["port"]), 0, backend=info["backend"],
-                                 timeout_s=float(info.get("timeout_s", self.client.timeout_s)))
+                                 timeout_s=timeout_s)
         except Exception as exc:
             raise ServerUnavailable(f"{self.client.where}: joining its weight group on port {info['port']} during "
                                     f"{phase} failed: {exc}") from exc

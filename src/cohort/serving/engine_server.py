@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import threading
 import time
 import uuid
@@ -184,7 +186,7 @@ class EngineServer:
 
             def receive() -> None:
                 try:
-                    push.staged = W.receive_buckets(group, specs, plan, device)
+                    push.staged = W.receive_buckets(group, specs, plan, device, _fault_hook(push.version))
                 except BaseException as exc:
                     push.error = exc
 
@@ -243,3 +245,20 @@ class EngineServer:
                 "model": self.model_name, "replicas": len(self.replicas),
                 "devices": [str(r.device) for r in self.replicas], "backend": self.backend,
                 "engine": getattr(self.replicas[0].engine, "engine_name", lambda: "hf generate")()}
+
+
+def _fault_hook(version: int):
+    """Tests only: COHORT_SERVE_FAULT=exit_mid_push:V or stop_mid_push:V makes this server exit (code 17) or
+    freeze itself (SIGSTOP) once the first bucket of version V's push has arrived: a server that dies or
+    stops answering in the middle of a push, which the trainer must report by name (serving/liveness.py)."""
+    kind, _, at = os.environ.get("COHORT_SERVE_FAULT", "").partition(":")
+    if kind not in ("exit_mid_push", "stop_mid_push") or not at.isdigit() or int(at) != version:
+        return None
+
+    def fault(bucket: int) -> None:
+        if bucket == 0:
+            if kind == "exit_mid_push":
+                os._exit(17)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    return fault

@@ -13,7 +13,7 @@ ProcessGroupNCCL (GPU) built on it directly, with a timeout on every collective.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -162,10 +162,11 @@ def send_buckets(group, tensors: Sequence[torch.Tensor], plan: Sequence[Sequence
 
 
 def receive_buckets(group, specs: Sequence[TensorSpec], plan: Sequence[Sequence[int]],
-                    device: torch.device) -> dict[str, torch.Tensor]:
-    """Server side: receive every bucket into its own flat buffer; returns name -> view into those buffers."""
+                    device: torch.device, after_bucket: Callable[[int], None] | None = None) -> dict[str, torch.Tensor]:
+    """Server side: receive every bucket into its own flat buffer; returns name -> view into those buffers.
+    `after_bucket(k)` runs once bucket k has arrived (the tests' fault hook)."""
     staged: dict[str, torch.Tensor] = {}
-    for bucket in plan:
+    for k, bucket in enumerate(plan):
         flat = torch.empty(sum(specs[i].numel for i in bucket), dtype=dtype_of(specs[bucket[0]].dtype), device=device)
         group.broadcast(flat, 0).wait()
         offset = 0
@@ -173,6 +174,8 @@ def receive_buckets(group, specs: Sequence[TensorSpec], plan: Sequence[Sequence[
             spec = specs[i]
             staged[spec.name] = flat[offset:offset + spec.numel].view(spec.shape)
             offset += spec.numel
+        if after_bucket is not None:
+            after_bucket(k)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return staged
