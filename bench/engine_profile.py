@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 import torch
-from bench.rollout import build_model, workload_a
+from rollout import build_model, workload_a  # bench/ is the script's folder, so on sys.path
 
 
 def gpu_ms(fn, repeats: int = 50) -> float:
@@ -46,6 +46,8 @@ def step_breakdown(engine, prompts) -> dict[str, float]:
         t0 = time.perf_counter()
         step = sched.schedule()
         t1 = time.perf_counter()
+        if not step.seqs:  # nothing to decode this step (as CohortEngine.step)
+            continue
         logits, sampled = runner.decode(step.seqs)  # in-graph sampler: decode includes sampling
         torch.cuda.synchronize()
         t2 = time.perf_counter()
@@ -68,7 +70,7 @@ def main() -> None:
     model = build_model()
     engine = CohortEngine(model, eos_token_ids=None, max_model_len=2048, max_num_seqs=256)
     runner = engine.runner
-    graph, _logits = runner.graphs[256]
+    graph = runner.graphs[256][0]  # batch size -> (graph, logits, tokens, logprobs): only the graph is timed
     print(f"graph replay bs=256 (ctx 1, scratch rows): {gpu_ms(graph.replay):.3f} ms")
     seeds = torch.randint(0, 2**62, (256,), device="cuda")
     positions = torch.randint(0, 2048, (256,), device="cuda")

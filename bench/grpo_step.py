@@ -124,6 +124,11 @@ def make_prompts(count: int, length: int, vocab_size: int, seed: int = 0) -> lis
     return [" ".join(f"w{int(i)}" for i in row) for row in ids]
 
 
+def prompt_rows(count: int, length: int, vocab_size: int, seed: int = 0) -> list[dict]:
+    """The bench's dataset rows ({"prompt": ...}, from make_prompts); the cohort rows' data.source."""
+    return [{"prompt": p} for p in make_prompts(count, length, vocab_size, seed)]
+
+
 def length_reward(completions, **kwargs) -> list[float]:
     """Cheap reward: characters / 1000 (completions have equal token counts but differ in characters)."""
     return [len(c) / 1000.0 for c in completions]
@@ -205,6 +210,9 @@ def _cohort_config(args, lowmem: bool, kv_fraction: float, token_budget: int):
     g = cfg.generation
     g.num_generations, g.max_completion_length, g.temperature = args.generations, args.completion_len, 1.0
     g.ignore_eos, g.engine, g.kv_cache_fraction = True, "cohort", kv_fraction
+    # The prompts are handed to build_components as train_data; data.source names where they come from
+    # (prompt_rows). Left at its default ('reasoning_gym:chain_sum'), validate would need reasoning-gym.
+    cfg.data.source = prompt_rows
     cfg.data.max_prompt_length = args.prompt_len
     t = cfg.train
     t.prompts_per_step, t.mini_batches, t.num_iterations = args.prompts, 1, 1
@@ -286,8 +294,7 @@ def _train_cohort(args, lowmem: bool, model, tok, device) -> dict:
 
     kv_fraction, budget, info = _kv_plan(args, model, device, lowmem)
     cfg = _cohort_config(args, lowmem, kv_fraction, budget)
-    rows = [{"prompt": p} for p in make_prompts(args.prompts * cfg.train.max_steps, args.prompt_len,
-                                                 model.config.vocab_size)]
+    rows = prompt_rows(args.prompts * cfg.train.max_steps, args.prompt_len, model.config.vocab_size)
     data = PromptDataset(rows, "bench").encode(tok, args.prompt_len)
     rewards = TimedRewards(RewardRunner([length_reward]))
     comp = cohort.trainer.build_components(cfg, policy=model, tokenizer=tok, reward_runner=rewards,

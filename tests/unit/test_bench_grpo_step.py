@@ -1,15 +1,18 @@
 """bench/grpo_step.py on the CPU: the workload is what it claims (exact prompt and completion lengths), the
-derived numbers are right, and `generation.ignore_eos` reaches the sampling parameters."""
+derived numbers are right, `generation.ignore_eos` reaches the sampling parameters, and the cohort rows run
+without reasoning-gym (the GPU machines have none: the bench feeds its own prompts)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 
 from cohort.config import CohortConfig, apply_overrides
+from cohort.errors import ConfigError
 from cohort.setup import sampling_params_for
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "grpo_step.py"
@@ -51,8 +54,24 @@ def test_summary_rates(bench):
     assert s["mfu"] == pytest.approx(6 * 1000 * 8 * 30 / 0.5 / 989e12)
 
 
+@pytest.fixture
+def no_reasoning_gym(monkeypatch):
+    """`import reasoning_gym` (and its submodules) fails, as on a machine without the package."""
+    for name in [n for n in sys.modules if n == "reasoning_gym" or n.startswith("reasoning_gym.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # None in sys.modules: ImportError on import
+
+
+def test_reasoning_gym_source_still_needs_the_package(no_reasoning_gym):
+    """The block works, and a config that really names a reasoning-gym source keeps its clear error."""
+    with pytest.raises(ImportError):
+        import reasoning_gym  # noqa: F401
+    with pytest.raises(ConfigError, match=r"data.source='reasoning_gym:chain_sum' needs reasoning-gym"):
+        CohortConfig().validate()
+
+
 @pytest.mark.parametrize("runner", ["cohort", "cohort-lowmem"])
-def test_cohort_child_runs_exact_lengths_on_cpu(bench, runner):
+def test_cohort_child_runs_exact_lengths_on_cpu(bench, runner, no_reasoning_gym):
     args = argparse.Namespace(size="tiny", device="cpu", warmup=1, steps=1, prompts=2, generations=2,
                               prompt_len=8, completion_len=12, token_budget=None, mem_cap=None,
                               compile_layers=False, lowmem_token_budget=64, lowmem_chunk_tokens=8,
