@@ -10,6 +10,11 @@ matches `generate` and the sampling logprobs match the trainer's recompute.
 Other families subclass `DecoderForward` (models/gemma3.py, models/qwen3_moe.py); models/registry.py picks
 the class from `config.model_type`. Sliding-window layers (Mistral, Qwen with use_sliding_window) get their
 window from `layer_windows` and pass it to the attention.
+
+On CUDA with Triton, RoPE and the K/V cache write of each layer are one kernel (triton_rope.rope_store_kv,
+same numerics as `layers.rope` run eagerly); `fused_rope_kv` says which path an instance takes, and
+COHORT_FUSED_ROPE_KV=0 in the environment turns it off for the models built after (A/B against the compiled
+RoPE + index_copy_ path).
 """
 
 from __future__ import annotations
@@ -96,6 +101,9 @@ class DecoderForward:
     model_types: tuple[str, ...] = SUPPORTED_MODEL_TYPES
     # False where a step needs host synchronisation (then the runner never captures CUDA graphs).
     graph_safe = True
+    # RoPE + cache write in one Triton kernel (set per instance in __init__; subclasses that build
+    # themselves without it, like the VLM decoder, keep the unfused path).
+    fused_rope_kv = False
 
     @classmethod
     def unsupported(cls, model: HFModule) -> str | None:
@@ -126,6 +134,9 @@ class DecoderForward:
         self.windows = layer_windows(model)
         self.cos, self.sin = self._rope_tables(max_len)
         self.ops = fused_ops(self.device)
+        from cohort.engine.triton_rope import fused_rope_kv_supported  # imports Triton, when installed
+
+        self.fused_rope_kv = fused_rope_kv_supported(self.device, self.head_dim)
         self.fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
         if fuse_projections is None:
             fuse_projections = self._plain_linears() and self._fused_copies_fit()
@@ -221,10 +232,16 @@ class DecoderForward:
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self._head_norm(q, attn.q_norm), self._head_norm(k, attn.k_norm)
-        q, k = self.ops.rope(q, k, cos, sin)
-        # Not fused into the compiled RoPE: inductor functionalises an index_copy_ into a view of the cache
-        # as a copy of the whole cache (measured: 700 tok/s instead of ~100k on the 0.5B benchmark).
-        store_kv(kv_cache[0, i], kv_cache[1, i], k, v, ctx.slot_mapping)
+        if self.fused_rope_kv:
+            # One kernel: q and k rotated in place (views of the QKV output), k and v written to the cache.
+            from cohort.engine.triton_rope import rope_store_kv
+
+            q, k = rope_store_kv(q, k, v, cos, sin, kv_cache[0, i], kv_cache[1, i], ctx.slot_mapping)
+        else:
+            q, k = self.ops.rope(q, k, cos, sin)
+            # Not fused into the compiled RoPE: inductor functionalises an index_copy_ into a view of the cache
+            # as a copy of the whole cache (measured: 700 tok/s instead of ~100k on the 0.5B benchmark).
+            store_kv(kv_cache[0, i], kv_cache[1, i], k, v, ctx.slot_mapping)
         window = self.windows[i]
         if ctx.is_prefill:
             o = self.attention.prefill(q, k, v, ctx, self.scale, kv_cache[0, i], kv_cache[1, i], window=window)
