@@ -29,7 +29,6 @@ from cohort import checkpoint as ckpt
 from cohort import distributed
 from cohort.config import CohortConfig, dump_config
 from cohort.data import PromptBatch, PromptSampler
-from cohort.errors import ConfigError
 from cohort.evaluation import evaluate
 from cohort.logging import MetricLogger
 from cohort.rollout import collect_rollouts
@@ -266,8 +265,9 @@ def _budget_spent(cfg: CohortConfig, comp: Components) -> bool:
     return limit is not None and comp.train_time_s >= limit
 
 
-def _collect(cfg: CohortConfig, comp: Components, sampler, step: int):
-    """The rollouts of `step`: its prompts, G completions each, rewards and advantages."""
+def _collect(cfg: CohortConfig, comp: Components, sampler, step: int, gather=None):
+    """The rollouts of `step`: its prompts, G completions each, rewards and advantages. `gather`: how rewards
+    are gathered over ranks (default: distributed.all_gather_rows, on the default group)."""
     # A seed per step makes sampling a function of (seed, step), whatever RNG state the engine keeps:
     # a resumed run samples exactly what the uninterrupted run sampled.
     # Data parallelism: rank r holds global prompts [r * local, (r + 1) * local), and the seed offset makes
@@ -283,7 +283,7 @@ def _collect(cfg: CohortConfig, comp: Components, sampler, step: int):
         dynamic_sampling=cfg.reward.dynamic_sampling, max_resample_tries=cfg.reward.max_resample_tries,
         max_oversample=cfg.reward.max_oversample,
         mask_truncated_completions=cfg.generation.mask_truncated_completions,
-        gather_rewards=distributed.all_gather_rows if info.enabled else None, rank=info.rank,
+        gather_rewards=(gather or distributed.all_gather_rows) if info.enabled else None, rank=info.rank,
         turn_loop=comp.turn_loop)
 
 
@@ -293,14 +293,14 @@ def _pipeline(cfg: CohortConfig, comp: Components, sampler, start_step: int):
     k = cfg.train.max_staleness
     if k == 0:
         return None
-    info = distributed.current()
-    if info.enabled:  # the background thread's reward gathers would interleave with the update's collectives
-        raise ConfigError(f"train.max_staleness={k} with {info.world_size} trainer ranks is not supported yet; "
-                          "train in one process (the server has its own GPUs) or use train.max_staleness=0")
     from cohort.serving.pipeline import RolloutPipeline
 
-    return RolloutPipeline(comp.engine, lambda s: _collect(cfg, comp, sampler, s), sampler, start_step=start_step,
-                           max_steps=cfg.train.max_steps, max_staleness=k)
+    # Several ranks: each pipelines its own slice of every step against the server (rank 0 pushes, the others'
+    # requests wait for its pushes). The background thread's reward gathers go over a group of their own:
+    # on the default group they would interleave with the update's collectives in a different order per rank.
+    gather = distributed.thread_gatherer(cfg.train.dist_timeout_s) if distributed.current().enabled else None
+    return RolloutPipeline(comp.engine, lambda s: _collect(cfg, comp, sampler, s, gather), sampler,
+                           start_step=start_step, max_steps=cfg.train.max_steps, max_staleness=k)
 
 
 def _checkpoint_sampler(sampler, pipeline, step: int):

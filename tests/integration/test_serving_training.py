@@ -111,7 +111,9 @@ def test_staleness_needs_server_placement(tmp_path):
         cfg.validate()
 
 
-def _rank(rank: int, world: int, out: str, init_file: str, address: str | None) -> None:
+def _rank(rank: int, world: int, out: str, init_file: str, address: str | None, staleness: int = 0,
+          steps: int = 2) -> None:
+    import json
     import os
     from pathlib import Path
 
@@ -123,12 +125,25 @@ def _rank(rank: int, world: int, out: str, init_file: str, address: str | None) 
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        cfg = toy_config(Path(out), steps=2)
+        cfg = toy_config(Path(out), steps=steps)
         cfg.train.device = "cpu"
+        cfg.train.max_staleness = staleness
         if address is not None:
             cfg.generation.placement, cfg.generation.server_address = "server", address
         comp = toy_components(cfg)
+        seen: list[dict] = []  # per generate call: the version it required, the versions it got
+        generate = comp.engine.generate
+
+        def recording(prompts, params):
+            groups = generate(prompts, params)
+            seen.append({"required": comp.engine._required_version(),
+                         "versions": [c.version for g in groups for c in g]})
+            return groups
+
+        if address is not None:
+            comp.engine.generate = recording
         train(cfg, comp, echo=lambda *a: None)
+        Path(f"{out}/versions-{rank}.json").write_text(json.dumps(seen))
         torch.save({n: p.detach() for n, p in comp.policy.named_parameters()}, f"{out}/weights-{rank}.pt")
     finally:
         if world > 1:
@@ -163,6 +178,39 @@ def test_two_served_ranks_equal_one_colocated_rank(request, tmp_path, served):
         for key in COMPARED:
             assert math.isclose(a[step][key], b[step][key], rel_tol=1e-4, abs_tol=1e-6), (step, key)
     w0, w1 = torch.load(two / "weights-0.pt"), torch.load(two / "weights-1.pt")
+    assert all(torch.equal(w0[n], w1[n]) for n in w0)
+
+
+@pytest.mark.slow
+def test_two_ranks_pipeline_their_own_prompts_at_most_k_behind(request, tmp_path, served):
+    """train.max_staleness=1 with 2 gloo ranks: each rank's background thread generates its slice of the next
+    step against the server (rank 0 pushes), its reward gathers on a group of its own; every completion of step
+    s was sampled with version >= s - 2 (at most one behind the version s - 1 it trains from), and the run
+    completes with the ranks' weights equal. About 60 s on 2 cores: runs with `-m slow` or COHORT_SLOW_TESTS=1."""
+    import json
+    import os
+
+    if "slow" not in (request.config.option.markexpr or "") and not os.environ.get("COHORT_SLOW_TESTS"):
+        pytest.skip("slow: run with -m slow or COHORT_SLOW_TESTS=1")
+
+    import torch.multiprocessing as mp
+
+    from cohort.logging import read_jsonl
+
+    steps, k = 3, 1
+    mp.spawn(_rank, args=(2, str(tmp_path), str(tmp_path / "init"), served[1].address, k, steps), nprocs=2,
+             join=True)
+    rows = {r["step"]: r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "staleness/max" in r}
+    assert sorted(rows) == list(range(1, steps + 1))
+    assert all(0.0 <= rows[s]["staleness/max"] <= k for s in rows)
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"versions-{rank}.json").read_text())
+        assert len(seen) == steps  # one generate per step (no dynamic sampling)
+        for step, call in enumerate(seen, start=1):
+            trained_from = step - 1
+            assert call["required"] == trained_from - k
+            assert all(trained_from - k <= v <= trained_from for v in call["versions"]), (rank, step, call)
+    w0, w1 = torch.load(tmp_path / "weights-0.pt"), torch.load(tmp_path / "weights-1.pt")
     assert all(torch.equal(w0[n], w1[n]) for n in w0)
 
 

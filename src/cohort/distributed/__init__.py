@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -128,6 +128,25 @@ def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, local)
     return torch.cat(parts).to(t.device)
+
+
+def thread_gatherer(timeout_s: float | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """all_gather_rows over a gloo group of its own, for a thread that runs beside the training loop (the
+    rollout pipeline of train.max_staleness). Collectives on one group must come in the same order on every
+    rank; two threads sharing the default group could not promise that, one thread per group does. Every rank
+    must call this at the same point (it makes a group). The tensors travel through the CPU (rewards: small)."""
+    info = current()
+    if not info.enabled:
+        return lambda t: t
+    group = dist.new_group(backend="gloo", timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        local = t.detach().cpu().contiguous()
+        parts = [torch.empty_like(local) for _ in range(info.world_size)]
+        dist.all_gather(parts, local, group=group)
+        return torch.cat(parts).to(t.device)
+
+    return gather
 
 
 def sum_gradients(params) -> None:

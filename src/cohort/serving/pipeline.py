@@ -10,6 +10,10 @@ ratio/*` report it beside `staleness/mean` and `staleness/max`.
 
 k = 0 does not use this class: the trainer generates in its own thread, exactly as before.
 
+Several trainer ranks: each runs its own pipeline over its own slice of the prompts; `produce` gathers rewards
+over a process group reserved for these threads (distributed.thread_gatherer), never the default group the
+update's collectives use.
+
 Checkpoints: the sampler runs ahead of training by up to k + 1 steps, so the state saved after step t is the
 one recorded before step t + 1 drew its prompts (`checkpoint_sampler`): a resumed run draws the same prompts.
 """
