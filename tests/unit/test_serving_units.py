@@ -131,3 +131,61 @@ def test_trl_server_mode_maps_to_server_placement():
     assert GRPOConfig(use_vllm=True, **common).to_cohort().generation.placement == "colocate"
     with pytest.raises(ConfigError, match="vllm_mode"):
         GRPOConfig(use_vllm=True, vllm_mode="remote", **common).to_cohort()
+
+
+class _Client:
+    """A stand-in ServerClient whose /health answers while `alive` is set."""
+
+    where = "cohort server at 10.0.0.1:8123"
+
+    def __init__(self) -> None:
+        self.alive = threading.Event()
+        self.alive.set()
+        self.probes = 0
+
+    def request(self, method, path, body=None, *, phase, timeout_s=None):
+        from cohort.serving.client import ServerUnavailable
+
+        self.probes += 1
+        if not self.alive.is_set():
+            raise ServerUnavailable(f"{self.where} did not answer during {phase}: [Errno 111] Connection refused")
+        return {"status": "ok"}
+
+
+def test_a_watched_push_returns_its_result_or_its_error_and_names_a_server_gone_silent():
+    from cohort.serving.client import ServerUnavailable
+    from cohort.serving.liveness import run_watched
+
+    client = _Client()
+    assert run_watched(lambda cancelled: 7, client, phase="weight push", timeout_s=1.0, poll_s=0.05) == 7
+
+    def failing(cancelled):
+        raise RuntimeError("bucket 3 failed")
+
+    with pytest.raises(RuntimeError, match="bucket 3"):
+        run_watched(failing, client, phase="weight push", timeout_s=1.0, poll_s=0.05)
+    slow_but_answering = run_watched(lambda c: time.sleep(0.6) or "done", client, phase="weight push",
+                                     timeout_s=0.3, poll_s=0.05)
+    assert slow_but_answering == "done"  # a long push is fine while the server answers /health
+    client.alive.clear()
+    aborted, seen = [], {}
+
+    def stuck(cancelled):
+        seen["cancelled"] = cancelled
+        cancelled.wait(10)
+
+    started = time.monotonic()
+    with pytest.raises(ServerUnavailable) as err:
+        run_watched(stuck, client, phase="weight push", timeout_s=0.3, poll_s=0.05, abort=lambda: aborted.append(1))
+    assert time.monotonic() - started < 3
+    assert "10.0.0.1:8123" in str(err.value) and "stopped answering during weight push" in str(err.value)
+    assert "Connection refused" in str(err.value) and aborted == [1] and seen["cancelled"].is_set()
+
+
+def test_the_liveness_timeout_must_be_positive():
+    from cohort.config import CohortConfig
+
+    cfg = CohortConfig()
+    cfg.generation.server_liveness_timeout_s = 0
+    with pytest.raises(ConfigError, match="server_liveness_timeout_s"):
+        cfg.validate()
