@@ -72,6 +72,10 @@ def main() -> None:
     runner = engine.runner
     graph = runner.graphs[256][0]  # batch size -> (graph, logits, tokens, logprobs): only the graph is timed
     print(f"graph replay bs=256 (ctx 1, scratch rows): {gpu_ms(graph.replay):.3f} ms")
+    if 256 in runner.multi_graphs:
+        multi = runner.multi_graphs[256]
+        print(f"multi-step graph replay bs=256, {runner.decode_steps} steps: {gpu_ms(multi.replay):.3f} ms "
+              f"({gpu_ms(multi.replay) / runner.decode_steps:.3f} ms per step)")
     seeds = torch.randint(0, 2**62, (256,), device="cuda")
     positions = torch.randint(0, 2048, (256,), device="cuda")
     inv_t = torch.ones(256, device="cuda")
@@ -88,6 +92,40 @@ def main() -> None:
     prompts = workload_a(model.config.vocab_size)
     parts = step_breakdown(engine, prompts)
     print("per decode step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))
+    del engine, runner, graph
+    torch.cuda.empty_cache()
+    kernel_table(model, prompts)
+
+
+def kernel_table(model, prompts, steps: int = 5) -> None:
+    """The kernels of one decode step at batch 256 (context ~140), from torch.profiler over eager steps of an
+    engine without graphs: the same kernels a captured graph replays, with their GPU times and counts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from cohort.engine import CohortEngine
+    from cohort.types import SamplingParams
+
+    eager = CohortEngine(model, eos_token_ids=None, max_model_len=2048, max_num_seqs=256, enforce_eager=True,
+                         decode_steps=1)
+    params = SamplingParams(n=8, max_tokens=64, temperature=1.0, ignore_eos=True, seed=0)
+    for i, p in enumerate(prompts):
+        eager._add(i, p, params)
+    while eager.scheduler.waiting:
+        eager.step()
+    for _ in range(3):
+        eager.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eager.step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in events) / steps / 1000
+    count = sum(e.count for e in events) / steps
+    print(f"eager decode step at batch 256: {count:.0f} kernels, {total:.3f} ms of kernel time per step")
+    print("| kernel | calls/step | us/step |\n| --- | ---: | ---: |")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
+        print(f"| {e.key[:90]} | {e.count / steps:.0f} | {e.self_device_time_total / steps:.0f} |")
 
 
 if __name__ == "__main__":
