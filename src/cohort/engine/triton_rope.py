@@ -76,29 +76,31 @@ if triton is not None:
         c2 = tl.load(cos_ptr + t * stride_cos + HALF + dims, mask=dim_ok, other=0.0).to(tl.float32)
         s1 = tl.load(sin_ptr + t * stride_sin + dims, mask=dim_ok, other=0.0).to(tl.float32)
         s2 = tl.load(sin_ptr + t * stride_sin + HALF + dims, mask=dim_ok, other=0.0).to(tl.float32)
+        # The two branches use their own names: Triton types a name assigned in both branches of a runtime
+        # `if` once, and the q and kv tiles have different shapes.
         if tile < Q_TILES:
-            heads = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
-            ok = (heads < HEADS)[:, None] & dim_ok[None, :]
-            lo = q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :]
-            o1, o2 = _rotate_half_rope(tl.load(lo, mask=ok), tl.load(lo + HALF, mask=ok), c1, c2, s1, s2)
-            tl.store(lo, o1, mask=ok)
-            tl.store(lo + HALF, o2, mask=ok)
+            qh = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+            q_ok = (qh < HEADS)[:, None] & dim_ok[None, :]
+            q_lo = q_ptr + t * stride_qt + qh[:, None] * stride_qh + dims[None, :]
+            q1, q2 = _rotate_half_rope(tl.load(q_lo, mask=q_ok), tl.load(q_lo + HALF, mask=q_ok), c1, c2, s1, s2)
+            tl.store(q_lo, q1, mask=q_ok)
+            tl.store(q_lo + HALF, q2, mask=q_ok)
         else:
-            heads = (tile - Q_TILES) * BLOCK_KV + tl.arange(0, BLOCK_KV)
-            ok = (heads < KV_HEADS)[:, None] & dim_ok[None, :]
+            kh = (tile - Q_TILES) * BLOCK_KV + tl.arange(0, BLOCK_KV)
+            kv_ok = (kh < KV_HEADS)[:, None] & dim_ok[None, :]
             slot = tl.load(slot_ptr + t).to(tl.int64)
             dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs \
-                + heads[:, None] * stride_ch + dims[None, :]
-            lo = k_ptr + t * stride_kt + heads[:, None] * stride_kh + dims[None, :]
-            o1, o2 = _rotate_half_rope(tl.load(lo, mask=ok), tl.load(lo + HALF, mask=ok), c1, c2, s1, s2)
+                + kh[:, None] * stride_ch + dims[None, :]
+            k_lo = k_ptr + t * stride_kt + kh[:, None] * stride_kh + dims[None, :]
+            k1, k2 = _rotate_half_rope(tl.load(k_lo, mask=kv_ok), tl.load(k_lo + HALF, mask=kv_ok), c1, c2, s1, s2)
             # k is rotated in place too: prefill attends over the new tokens' k directly, not the cache.
-            tl.store(lo, o1, mask=ok)
-            tl.store(lo + HALF, o2, mask=ok)
-            tl.store(kc_ptr + dst, o1, mask=ok)
-            tl.store(kc_ptr + dst + HALF, o2, mask=ok)
-            vlo = v_ptr + t * stride_vt + heads[:, None] * stride_vh + dims[None, :]
-            tl.store(vc_ptr + dst, tl.load(vlo, mask=ok), mask=ok)
-            tl.store(vc_ptr + dst + HALF, tl.load(vlo + HALF, mask=ok), mask=ok)
+            tl.store(k_lo, k1, mask=kv_ok)
+            tl.store(k_lo + HALF, k2, mask=kv_ok)
+            tl.store(kc_ptr + dst, k1, mask=kv_ok)
+            tl.store(kc_ptr + dst + HALF, k2, mask=kv_ok)
+            v_lo = v_ptr + t * stride_vt + kh[:, None] * stride_vh + dims[None, :]
+            tl.store(vc_ptr + dst, tl.load(v_lo, mask=kv_ok), mask=kv_ok)
+            tl.store(vc_ptr + dst + HALF, tl.load(v_lo + HALF, mask=kv_ok), mask=kv_ok)
 
 
 def _check(name: str, x: torch.Tensor, want: torch.Tensor) -> None:
