@@ -63,6 +63,38 @@ def step_breakdown(engine, prompts) -> dict[str, float]:
     return {k: 1000 * v / steps for k, v in phases.items()}
 
 
+def loop_breakdown(engine, prompts) -> str:
+    """Workload A through the engine's own loop (multi-step decode included), each engine.step() timed with a
+    synchronisation after it: prefill vs decode iterations, and the decode iterations' host share."""
+    from cohort.types import SamplingParams
+
+    params = SamplingParams(n=8, max_tokens=256, temperature=1.0, ignore_eos=True, seed=0)
+    for i, p in enumerate(prompts):
+        engine._add(i, p, params)
+    prefill_ms = decode_ms = 0.0
+    iterations = 0
+    stats = engine.stats
+    steps0 = stats.decode_steps
+    torch.cuda.synchronize()
+    wall = time.perf_counter()
+    while engine.scheduler.has_work():
+        before = stats.prefill_steps
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        dt = 1000 * (time.perf_counter() - t0)
+        if stats.prefill_steps != before:
+            prefill_ms += dt
+        else:
+            decode_ms += dt
+            iterations += 1
+    wall = 1000 * (time.perf_counter() - wall)
+    steps = stats.decode_steps - steps0
+    return (f"engine loop, workload A: {wall:.0f} ms in all; prefill {prefill_ms:.1f} ms; decode {decode_ms:.0f} ms "
+            f"in {iterations} iterations of {engine.runner.decode_steps} steps ({decode_ms / max(steps, 1):.3f} ms "
+            f"per step)")
+
+
 def main() -> None:
     from cohort.engine import CohortEngine
     from cohort.engine.triton_ops import fused_sample, paged_decode_attention
@@ -92,6 +124,7 @@ def main() -> None:
     prompts = workload_a(model.config.vocab_size)
     parts = step_breakdown(engine, prompts)
     print("per decode step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))
+    print(loop_breakdown(engine, prompts))
     del engine, runner, graph
     torch.cuda.empty_cache()
     kernel_table(model, prompts)
