@@ -45,7 +45,8 @@ checkpointing, bf16 AdamW states, 8 completions per micro-batch, so 32 accumulat
 (GRPOTrainer as a TRL user with a big GPU would set it: 32 completions per micro-batch (`--trl-tuned-micro`),
 so 8 accumulation steps, gradient checkpointing off, dynamic cache, no continuous batching; see
 bench/grpo_step_trl.py); `cohort` (fast: no checkpointing, fp32 master
-weights and AdamW, packed micro-batches of `--token-budget` tokens (32768 on 0.5B, 8192 on 1.5B), logprob
+weights and AdamW, packed micro-batches of `--token-budget` tokens (32768 on 0.5B, 8192 on 1.5B, rounded up to whole completions per
+micro-batch: 33,024 and 8,448 on the bench workload, see even_budget), logprob
 chunks of 8192 tokens on 0.5B, KV pool sized to the workload, decoder layers compiled with
 cohort.packing.compile_decoder_layers on CUDA, retried eager if that fails);
 `cohort-lowmem` (plain config fields: model.gradient_checkpointing, train.master_weights=false (bf16 AdamW
@@ -249,7 +250,7 @@ def _kv_plan(args, model, device, lowmem: bool) -> tuple[float, int, dict]:
     need = args.prompts * args.generations * (args.prompt_len + args.completion_len) * per_token
     free = torch.cuda.mem_get_info()[0] if device.type == "cuda" else 4 << 30
     info = {"kv_need_gib": need / 2**30}
-    kv, budget = 1.25 * need, (args.token_budget or FAST_TOKEN_BUDGET[args.size])
+    kv, budget = 1.25 * need, (args.token_budget or even_budget(args, FAST_TOKEN_BUDGET[args.size]))
     if lowmem:
         budget = args.lowmem_token_budget or 2048
     if lowmem and args.mem_cap:
@@ -269,6 +270,16 @@ def _kv_plan(args, model, device, lowmem: bool) -> tuple[float, int, dict]:
     kv = max(kv, 1.1 * ENGINE_MAX_MODEL_LEN * per_token)  # the engine insists on one max-length sequence
     info["kv_planned_gib"] = kv / 2**30
     return min(1.0, kv / free), budget, info
+
+
+def even_budget(args, budget: int) -> int:
+    """The fast row's token budget rounded up so the step's completions fill whole micro-batches: 256
+    completions of 384 tokens in 32,768-token micro-batches pack as 85 + 85 + 85 + 1 (a fourth pass for one
+    completion, which costs a whole pass of host time); 33,024 packs them as 86 + 85 + 85."""
+    length = args.prompt_len + args.completion_len
+    total = args.prompts * args.generations
+    passes = -(-total * length // budget)
+    return max(budget, -(-total // passes) * length)
 
 
 def _update_bytes(est) -> int:

@@ -95,6 +95,10 @@ def _kernels(device: torch.device):
 def _call(which: int, device, *args):
     """Run a kernel; if compilation fails once, warn and use the eager code from then on."""
     fn = _kernels(device)[which]
+    if fn not in (_stats_eager, _grad_eager):
+        # The vocabulary is the kernels' reduction / row width: static, so inductor sizes its blocks for it (a
+        # symbolic width gives generic looped kernels); the chunk's token count stays dynamic.
+        torch._dynamo.mark_static(args[0], args[0].dim() - 1)
     try:
         return fn(*args)
     except Exception as exc:  # compile errors come in many types (backend, codegen, missing compiler)
