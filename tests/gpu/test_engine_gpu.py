@@ -159,8 +159,29 @@ def test_multi_step_graphs_equal_one_step_graphs(dtype):
         assert engine.runner.decode_steps == (steps or 8)
         assert bool(engine.runner.multi_graphs) == (steps is None)
         outs[steps] = engine.generate(prompts, params)
-        assert engine.blocks.num_used_blocks == 0
+        assert engine.blocks.num_used_blocks == 0 and engine._inflight is None
     for g1, g8 in zip(outs[1], outs[None]):
         for c1, c8 in zip(g1, g8):
             assert c8.token_ids == c1.token_ids and c8.finish_reason == c1.finish_reason
+            assert c8.logprobs == pytest.approx(c1.logprobs, abs=1e-5)
+
+
+def test_chained_multi_step_graphs_equal_one_step():
+    """Fixed-length rows: every launch after the first is chained (queued before the host reads the previous
+    one, continuing from the device state); the tokens equal one step per replay."""
+    model = tiny_model("qwen2").to("cuda", torch.bfloat16)
+    prompts = random_prompts([5, 30, 2, 17])
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=65, seed=2, ignore_eos=True)
+    outs, chained = {}, []
+    for steps in (1, None):
+        engine = CohortEngine(model, eos_token_ids=[EOS], block_size=16, max_model_len=128, max_num_seqs=32,
+                              decode_steps=steps)
+        launch = engine.runner.launch_multi
+        engine.runner.launch_multi = lambda seqs, budgets, chained_=False, launch=launch: (
+            chained.append(chained_) or launch(seqs, budgets, chained_))
+        outs[steps] = engine.generate(prompts, params)
+    assert chained == [False] + [True] * 7  # 64 decoded tokens = 8 launches of 8
+    for g1, g8 in zip(outs[1], outs[None]):
+        for c1, c8 in zip(g1, g8):
+            assert c8.token_ids == c1.token_ids
             assert c8.logprobs == pytest.approx(c1.logprobs, abs=1e-5)

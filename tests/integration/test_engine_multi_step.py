@@ -24,6 +24,19 @@ def make_engine(model, steps: int, **kw) -> CohortEngine:
     return CohortEngine(model, eos_token_ids=[EOS], decode_steps=steps, **kw)
 
 
+def spy_launches(engine) -> list[tuple[list[int], bool]]:
+    """Record (budgets, chained) of every multi-step launch."""
+    seen: list[tuple[list[int], bool]] = []
+    launch = engine.runner.launch_multi
+
+    def spy(seqs, budgets, chained=False):
+        seen.append((list(budgets), chained))
+        return launch(seqs, budgets, chained)
+
+    engine.runner.launch_multi = spy
+    return seen
+
+
 def tokens(out):
     return [[c.token_ids for c in group] for group in out]
 
@@ -48,17 +61,37 @@ def test_k_steps_equal_one_step_with_mixed_budgets_and_stops(family, temperature
     one = make_engine(model, 1)
     four = make_engine(model, 4)
     assert one.runner.decode_steps == 1 and four.runner.decode_steps == 4
-    chunks = []
-    decode_multi = four.runner.decode_multi
-    four.runner.decode_multi = lambda seqs, budgets: chunks.append(budgets) or decode_multi(seqs, budgets)
+    chunks = spy_launches(four)
     ref, got = one.generate(prompts, params), four.generate(prompts, params)
-    assert chunks and any(min(b) < 4 for b in chunks)  # K-step chunks ran, some with rows ending inside
+    assert chunks and any(min(b) < 4 for b, _ in chunks)  # K-step chunks ran, some with rows ending inside
     assert_same(got, ref)
     assert four.stats.decode_tokens == one.stats.decode_tokens
     assert four.stats.decode_steps >= one.stats.decode_steps
     assert four.blocks.num_used_blocks == 0
     lengths = {len(c.token_ids) for g in ref for c in g}
     assert len(lengths) > 3  # the budgets and stops really differ between rows
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_chained_launches_run_ahead_of_the_host(temperature):
+    """With no prefill waiting and full chunks, the next launch is queued before the host reads the current
+    one (it continues from the device state); rows that stop inside a launch are computed once more in vain
+    and dropped; results equal one step per iteration."""
+    model = tiny_model("qwen2")
+    prompts = random_prompts([5, 11, 7])
+    for params in (SamplingParams(n=2, temperature=temperature, max_tokens=37, seed=4, ignore_eos=True),
+                   SamplingParams(n=2, temperature=temperature, max_tokens=37, seed=4, stop_token_ids=(5, 9, 17))):
+        engine = make_engine(model, 4)
+        launches = spy_launches(engine)
+        got = engine.generate(prompts, params)
+        assert_same(got, make_engine(model, 1).generate(prompts, params))
+        assert engine._inflight is None and engine.blocks.num_used_blocks == 0
+        if params.ignore_eos:
+            # 37 tokens: the prefill samples 1, then chunks of 4 (the first fresh, the rest chained), then 4
+            assert [b for b, _ in launches] == [[4] * 6] * 9
+            assert [c for _, c in launches] == [False] + [True] * 8
+        else:
+            assert any(c for _, c in launches)
 
 
 def test_stop_tokens_inside_a_chunk_drop_the_rest():

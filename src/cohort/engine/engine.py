@@ -37,6 +37,15 @@ from cohort.types import Completion, SamplingParams, TurnCallback, TurnEnd
 
 
 @dataclass
+class _Launch:
+    """A multi-step decode launch whose tokens have not been read yet."""
+
+    ticket: int
+    seqs: list[Sequence]
+    budgets: list[int]
+
+
+@dataclass
 class EngineStats:
     """Counters for tests and benchmarks (cumulative over the engine's life)."""
 
@@ -101,6 +110,7 @@ class CohortEngine:
         self.scheduler = Scheduler(self.config, self.blocks)
         self.sampler = Sampler(self.device)
         self.stats = EngineStats()
+        self._inflight: _Launch | None = None  # a queued multi-step launch (see _multi_step)
         self._ids = itertools.count()
         self._rng = random.Random()
 
@@ -192,6 +202,7 @@ class CohortEngine:
             self.blocks.free(seq)
         for unit in self.scheduler.waiting:  # continued turns wait in the queue holding their blocks
             self.blocks.free(unit.leader)
+        self._inflight = None  # its kernels only touch blocks that later work, queued after it, overwrites
         self.scheduler.running.clear()
         self.scheduler.paused.clear()
         self.scheduler.waiting.clear()
@@ -246,9 +257,13 @@ class CohortEngine:
 
     def step(self) -> list[Sequence]:
         """One scheduler step: forward, sample, append, release finished sequences (returned)."""
+        if self._inflight is not None:
+            return self._multi_step()
         step = self.scheduler.schedule(self.runner.decode_steps)
         if not step.is_prefill and step.lookahead > 1 and step.seqs and not needs_processing(step.seqs):
-            return self._multi_step(step.seqs, step.lookahead)
+            budgets = [seq.decode_budget(step.lookahead) for seq in step.seqs]
+            self._inflight = _Launch(self.runner.launch_multi(step.seqs, budgets), step.seqs, budgets)
+            return self._multi_step()
         if step.is_prefill:
             logits = self.runner.prefill(step.units)
             if step.block_copies:
@@ -275,15 +290,43 @@ class CohortEngine:
             seq.append(token, logprob, self.tokenizer)
         return self.scheduler.finish(step.seqs)
 
-    def _multi_step(self, seqs: list[Sequence], steps: int) -> list[Sequence]:
-        """`steps` decode steps on the device in one host iteration (EngineConfig.decode_steps); tokens after a
-        row's stop are dropped."""
-        budgets = [seq.decode_budget(steps) for seq in seqs]
-        tokens, logprobs = self.runner.decode_multi(seqs, budgets)
-        before = sum(len(seq) for seq in seqs)
-        for seq, budget, toks, lps in zip(seqs, budgets, tokens, logprobs):
-            seq.extend_sampled(toks[:budget], lps[:budget], self.tokenizer)
-        self.stats.decode_tokens += sum(len(seq) for seq in seqs) - before
-        self.stats.decode_steps += steps
+    def _multi_step(self) -> list[Sequence]:
+        """Read the queued multi-step launch's tokens (EngineConfig.decode_steps per row; those after a row's
+        stop are dropped), after queueing the next launch when it can chain: the device then runs the next
+        `decode_steps` steps while the host reads and books these (see _chain)."""
+        current = self._inflight
+        assert current is not None
+        self._inflight = self._chain(current)
+        tokens, logprobs = self.runner.collect_multi(current.ticket, len(current.seqs))
+        before = sum(len(seq) for seq in current.seqs)
+        for seq, budget, toks, lps in zip(current.seqs, current.budgets, tokens, logprobs):
+            # a row that ended in an earlier launch was computed in vain in this chained one
+            if seq.status is Status.RUNNING and seq.finish_reason is None:
+                seq.extend_sampled(toks[:budget], lps[:budget], self.tokenizer)
+        self.stats.decode_tokens += sum(len(seq) for seq in current.seqs) - before
+        self.stats.decode_steps += self.runner.decode_steps
         self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, self.blocks.num_used_blocks)
-        return self.scheduler.finish(seqs)
+        finished = self.scheduler.finish(current.seqs)
+        if self._inflight is not None and not any(s.status is Status.RUNNING for s in current.seqs):
+            self.runner.collect_multi(self._inflight.ticket, 0)  # every row ended: nothing to read
+            self._inflight = None
+        return finished
+
+    def _chain(self, current: _Launch) -> _Launch | None:
+        """Queue the launch after `current`, before its tokens are read, when the batch cannot change in
+        between: no prefill waits, every row is running and has a full chunk in `current` and room for more
+        (a row that stops inside `current` is computed once more, in vain), and the blocks for both chunks
+        are free. Otherwise None: the host reads `current` and schedules afresh."""
+        steps = self.runner.decode_steps
+        seqs = current.seqs
+        if self.scheduler.waiting or any(b != steps for b in current.budgets):
+            return None
+        if any(seq.status is not Status.RUNNING or seq.finish_reason is not None for seq in seqs):
+            return None
+        budgets = [min(steps, seq.params.max_tokens - seq.num_completion_tokens - steps) for seq in seqs]
+        if min(budgets) < 1:
+            return None
+        # this launch writes KV at positions len + steps - 1 .. len + steps + budget - 2
+        if not self.scheduler.reserve_ahead([(seq, len(seq) + steps + b - 1) for seq, b in zip(seqs, budgets)]):
+            return None
+        return _Launch(self.runner.launch_multi(seqs, budgets, chained=True), seqs, budgets)

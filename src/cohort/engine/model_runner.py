@@ -90,8 +90,16 @@ class ModelRunner:
         steps = self.decode_steps
         self._multi_tokens = torch.zeros((steps, top), dtype=torch.int64, device=dev)
         self._multi_logprobs = torch.zeros((steps, top), dtype=torch.float32, device=dev)
-        self._multi_tokens_host = torch.zeros((steps, top), dtype=torch.int64, pin_memory=pin)
-        self._multi_logprobs_host = torch.zeros((steps, top), dtype=torch.float32, pin_memory=pin)
+        # Two host-side sets for the multi-step pipeline: a chained launch fills one while the other's copies
+        # may still be queued behind the running graph.
+        self._multi_host = [self._row_host, torch.zeros((6, top), dtype=torch.int64, pin_memory=pin)]
+        self._multi_float_host = [self._float_host, torch.ones((2, top), dtype=torch.float32, pin_memory=pin)]
+        self._multi_tables_host = [self._tables_host, torch.full((top, width), self.scratch_block, dtype=torch.int32,
+                                                                 pin_memory=pin)]
+        self._multi_out = [(torch.zeros((steps, top), dtype=torch.int64, pin_memory=pin),
+                            torch.zeros((steps, top), dtype=torch.float32, pin_memory=pin)) for _ in range(2)]
+        self._multi_events: list = [None, None]
+        self._multi_turn = 0
 
     def _parameter_pointers(self) -> list[int]:
         return [p.data_ptr() for p in self.net.hf.parameters()]
@@ -218,12 +226,13 @@ class ModelRunner:
         return self.net.logits(hidden[last])
 
     # ---- decode ------------------------------------------------------------------------------------
-    def _fill_decode_inputs(self, seqs: list[Sequence], rows: int, budgets: list[int] | None = None) -> None:
+    def _fill_decode_inputs(self, seqs: list[Sequence], rows: int, budgets: list[int] | None = None,
+                            which: int = 0) -> None:
         """Write ids/positions/slots/ctx_lens/seeds/budgets/tables of `rows` rows (live ones first, then
-        padding, whose budget is 0)."""
+        padding, whose budget is 0) into host set `which` (0 for one-step decode)."""
         bs = self.config.block_size
-        host = self._row_host.numpy()
-        tables = self._tables_host.numpy()
+        host = self._multi_host[which].numpy()
+        tables = self._multi_tables_host[which].numpy()
         n = len(seqs)
         lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
         host[0, :n] = [s.token_ids[-1] for s in seqs]
@@ -233,21 +242,26 @@ class ModelRunner:
         host[3, :n] = lengths
         host[4, :n] = np.fromiter((s.seed for s in seqs), dtype=np.int64, count=n)
         host[5, :n] = budgets if budgets is not None else 1
-        floats = self._float_host.numpy()
+        floats = self._multi_float_host[which].numpy()
         floats[0, :n], floats[1, :n] = temperature_rows(seqs)
-        # All block tables in one scatter (a per-row numpy assignment costs ~2 us x 256 rows per step).
-        counts = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
-        flat = np.fromiter(itertools.chain.from_iterable(s.block_table for s in seqs), dtype=np.int32,
-                           count=int(counts.sum()))
-        row_ids = np.repeat(np.arange(n), counts)
-        col_ids = np.arange(len(flat)) - np.repeat(np.cumsum(counts) - counts, counts)
-        tables[row_ids, col_ids] = flat
+        self._fill_tables(tables, seqs)
         host[0, n:rows] = 0
         host[1, n:rows] = 0
         host[2, n:rows] = self.scratch_block * bs
         host[3, n:rows] = 1
         host[5, n:rows] = 0
         tables[n:rows, 0] = self.scratch_block
+
+    @staticmethod
+    def _fill_tables(tables: np.ndarray, seqs: list[Sequence]) -> None:
+        """All block tables in one scatter (a per-row numpy assignment costs ~2 us x 256 rows per step)."""
+        n = len(seqs)
+        counts = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
+        flat = np.fromiter(itertools.chain.from_iterable(s.block_table for s in seqs), dtype=np.int32,
+                           count=int(counts.sum()))
+        row_ids = np.repeat(np.arange(n), counts)
+        col_ids = np.arange(len(flat)) - np.repeat(np.cumsum(counts) - counts, counts)
+        tables[row_ids, col_ids] = flat
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence], fused_sampling: bool = True):
@@ -280,27 +294,55 @@ class ModelRunner:
         return self.net.logits(self.net.forward(rows_dev[0], rows_dev[1], ctx, self._cache())), None
 
     @torch.inference_mode()
-    def decode_multi(self, seqs: list[Sequence], budgets: list[int]) -> tuple[list[list[int]], list[list[float]]]:
-        """`decode_steps` plain-sampling decode steps in one go; row i's first budgets[i] tokens are valid
-        (its blocks hold their KV slots: Scheduler.schedule(lookahead)). Returns per-row token and logprob
-        lists of length decode_steps."""
-        n, steps = len(seqs), self.decode_steps
+    def launch_multi(self, seqs: list[Sequence], budgets: list[int], chained: bool = False) -> int:
+        """Queue `decode_steps` plain-sampling decode steps of `seqs` (row i's first budgets[i] tokens are
+        valid; its blocks hold their KV slots: Scheduler.schedule(lookahead) / reserve_ahead) and the copy of
+        their tokens to the host; returns the ticket for `collect_multi`. Nothing waits for the device.
+
+        chained: the same rows, in the same order, continue where the previous launch leaves them on the
+        device (last token, positions, context lengths), so only the budgets and block tables are sent;
+        the previous launch need not have finished (its tokens are read later)."""
+        n = len(seqs)
+        which = self._multi_turn = 1 - self._multi_turn
         graph_bs = next((b for b in sorted(self.multi_graphs) if b >= n), None)
         rows = graph_bs or n
-        self._fill_decode_inputs(seqs, rows, budgets)
-        self._static_rows.copy_(self._row_host, non_blocking=True)
-        self._static_floats.copy_(self._float_host, non_blocking=True)
-        self._static_tables.copy_(self._tables_host, non_blocking=True)
+        host, floats, tables = self._multi_host[which], self._multi_float_host[which], self._multi_tables_host[which]
+        if chained:
+            host.numpy()[5, :n] = budgets
+            host.numpy()[5, n:rows] = 0
+            self._fill_tables(tables.numpy(), seqs)
+            self._static_rows[5].copy_(host[5], non_blocking=True)
+        else:
+            self._fill_decode_inputs(seqs, rows, budgets, which)
+            self._static_rows.copy_(host, non_blocking=True)
+            self._static_floats.copy_(floats, non_blocking=True)
+        self._static_tables.copy_(tables, non_blocking=True)
         if graph_bs is not None:
             self.multi_graphs[graph_bs].replay()
         else:
-            self._multi_step_body(n, max_ctx_len=max(len(s) for s in seqs) + steps)
-        tokens, logprobs = self._multi_tokens_host[:, :n], self._multi_logprobs_host[:, :n]
-        tokens.copy_(self._multi_tokens[:, :n], non_blocking=True)
-        logprobs.copy_(self._multi_logprobs[:, :n], non_blocking=True)
+            self._multi_step_body(n, max_ctx_len=max(len(s) + b for s, b in zip(seqs, budgets)) + self.decode_steps)
+        out_tokens, out_logprobs = self._multi_out[which]
+        out_tokens[:, :n].copy_(self._multi_tokens[:, :n], non_blocking=True)
+        out_logprobs[:, :n].copy_(self._multi_logprobs[:, :n], non_blocking=True)
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return [list(t) for t in zip(*tokens.tolist())], [list(lp) for lp in zip(*logprobs.tolist())]
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._multi_events[which] = event
+        return which
+
+    def collect_multi(self, ticket: int, n: int) -> tuple[list[list[int]], list[list[float]]]:
+        """Wait for a launch's tokens: per-row token and logprob lists of length decode_steps."""
+        event = self._multi_events[ticket]
+        if event is not None:
+            event.synchronize()
+        out_tokens, out_logprobs = self._multi_out[ticket]
+        return ([list(t) for t in zip(*out_tokens[:, :n].tolist())],
+                [list(lp) for lp in zip(*out_logprobs[:, :n].tolist())])
+
+    @torch.inference_mode()
+    def decode_multi(self, seqs: list[Sequence], budgets: list[int]) -> tuple[list[list[int]], list[list[float]]]:
+        """launch_multi then collect_multi (no pipelining)."""
+        return self.collect_multi(self.launch_multi(seqs, budgets), len(seqs))
 
     def _multi_step_body(self, bs: int, max_ctx_len: int | None = None) -> None:
         """decode_steps forwards over the static inputs of `bs` rows, advancing them on the device (captured
@@ -313,13 +355,13 @@ class ModelRunner:
                           ctx_lens=self._static_ctx_lens[:bs], max_ctx_len=max_ctx_len)
         out = None if self._graph_logits is None else self._graph_logits[:bs]
         for j in range(self.decode_steps):
-            if j:
-                # this step's token sits at position ctx_len - 1: its slot from the block table; rows past
-                # their budget write to the scratch block
-                kv_pos = ctx_lens - 1
-                index = (kv_pos // block).clamp_(max=width - 1)
-                slot = tables.gather(1, index[:, None])[:, 0].long() * block + kv_pos % block
-                slots.copy_(torch.where(budget > j, slot, scratch_slot))
+            # the fed token sits at position ctx_len - 1: its slot from the block table; rows past their
+            # budget write to the scratch block
+            active = budget > j
+            kv_pos = ctx_lens - 1
+            index = (kv_pos // block).clamp_(0, width - 1)
+            slot = tables.gather(1, index[:, None])[:, 0].long() * block + kv_pos % block
+            slots.copy_(torch.where(active, slot, scratch_slot))
             self._static_ctx_lens[:bs].copy_(ctx_lens)
             logits = self.net.logits(self.net.forward(ids, pos, ctx, self._cache()), out=out)
             if self.sample_in_graph:
@@ -330,11 +372,11 @@ class ModelRunner:
                 tokens, logprobs = sample_plain(logits, floats[0, :bs], floats[1, :bs], seeds, ctx_lens)
             self._multi_tokens[j, :bs].copy_(tokens)
             self._multi_logprobs[j, :bs].copy_(logprobs)
-            if j + 1 < self.decode_steps:
-                advance = (budget > j + 1).long()  # the row's next step is within its budget
-                ids.copy_(tokens)
-                pos.add_(advance)
-                ctx_lens.add_(advance)
+            # A valid sample is fed next: the state after the last step is where a chained launch resumes.
+            ids.copy_(torch.where(active, tokens, ids))
+            advance = active.long()
+            pos.add_(advance)
+            ctx_lens.add_(advance)
 
     # ---- CUDA graphs -------------------------------------------------------------------------------
     def graph_batch_sizes(self) -> list[int]:

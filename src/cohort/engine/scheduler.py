@@ -126,6 +126,17 @@ class Scheduler:
                 wanted.append((seq, more))
         return wanted if sum(n for _, n in wanted) <= self.blocks.num_free_blocks else None
 
+    def reserve_ahead(self, wanted: list[tuple[Sequence, int]]) -> bool:
+        """Give each sequence the blocks for the KV of its first `tokens` positions, all or none (a chained
+        multi-step launch); False when the free blocks do not cover them."""
+        more = [(seq, self.blocks.blocks_for(tokens) - len(seq.block_table)) for seq, tokens in wanted]
+        if sum(max(n, 0) for _, n in more) > self.blocks.num_free_blocks:
+            return False
+        for seq, n in more:
+            for _ in range(n):
+                self.blocks.append_block(seq)
+        return True
+
     def _schedule_decode(self, lookahead: int = 1) -> ScheduledStep:
         if lookahead > 1 and self.running:
             wanted = self._lookahead_blocks(lookahead)
