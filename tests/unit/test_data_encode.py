@@ -47,7 +47,8 @@ def test_left_truncation_keeps_the_end_and_counts(tok):
     assert out.stats.num_truncated == 1 and out.stats.num_dropped == 0
     assert out.stats.longest_prompt_tokens == len(full[1])
     assert out.stats.as_metrics()["data/prompts_truncated"] == 1.0
-    assert "1 truncated, 0 dropped of 3" in out.stats_line()
+    assert (f"prompt tokens: {len(full[2])} to {len(full[1])} (limit {limit}); 1 truncated (kept their last {limit} "
+            "tokens), 0 dropped of 3") == out.stats_line()
 
 
 def test_drop_removes_rows_and_keeps_columns_aligned(tok):

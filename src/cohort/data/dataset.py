@@ -46,6 +46,7 @@ class EncodeStats:
     num_dropped: int = 0
     max_prompt_length: int | None = None
     longest_prompt_tokens: int = 0
+    shortest_prompt_tokens: int | None = None  # with the longest: the range of encoded lengths, before truncation
 
     def as_metrics(self) -> dict[str, float]:
         return {
@@ -133,9 +134,14 @@ class PromptDataset(Sequence):
         if self.prompt_ids is None:
             return "prompts not tokenised yet"
         limit = "no limit" if s.max_prompt_length is None else f"limit {s.max_prompt_length}"
+        # the range of lengths shows at once when every prompt is over the limit (e.g. a tokenizer that cuts
+        # text into single characters), and a truncated prompt lost its beginning, not its end
+        cut = f" (kept their last {s.max_prompt_length} tokens)" if s.num_truncated else ""
+        lengths = (f"longest {s.longest_prompt_tokens}" if s.shortest_prompt_tokens is None
+                   else f"{s.shortest_prompt_tokens} to {s.longest_prompt_tokens}")
         return (
-            f"prompt tokens: longest {s.longest_prompt_tokens} ({limit}); {s.num_truncated} truncated, "
-            f"{s.num_dropped} dropped of {s.num_prompts}"
+            f"prompt tokens: {lengths} ({limit}); "
+            f"{s.num_truncated} truncated{cut}, {s.num_dropped} dropped of {s.num_prompts}"
         )
 
     def batch(self, indices: Sequence[int]) -> PromptBatch:
@@ -168,6 +174,8 @@ class PromptDataset(Sequence):
         for i, row in enumerate(self.rows):
             ids = _tokenize_prompt(tokenizer, row["prompt"], self.source, i, dict(chat_template_kwargs or {}))
             stats.longest_prompt_tokens = max(stats.longest_prompt_tokens, len(ids))
+            shortest = stats.shortest_prompt_tokens
+            stats.shortest_prompt_tokens = len(ids) if shortest is None else min(shortest, len(ids))
             _keep(row, ids, max_prompt_length, truncation, stats, kept_rows, kept_ids)
         if not kept_rows:
             raise ConfigError(
@@ -190,7 +198,8 @@ class PromptDataset(Sequence):
             return self
         s = self.stats
         stats = EncodeStats(num_prompts=s.num_prompts, num_truncated=s.num_truncated, num_dropped=s.num_dropped,
-                            max_prompt_length=max_prompt_length, longest_prompt_tokens=s.longest_prompt_tokens)
+                            max_prompt_length=max_prompt_length, longest_prompt_tokens=s.longest_prompt_tokens,
+                            shortest_prompt_tokens=s.shortest_prompt_tokens)
         kept_rows: list[dict[str, Any]] = []
         kept_ids: list[list[int]] = []
         for row, ids in zip(self.rows, self.prompt_ids, strict=True):
