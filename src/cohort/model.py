@@ -82,7 +82,10 @@ def convert_gguf(gguf_path: str | Path, cache_dir: str | Path | None = None) -> 
     gguf_path = Path(gguf_path).expanduser().resolve()
     if not gguf_path.is_file():
         raise ConfigError(f"model gguf_file={str(gguf_path)!r} does not exist; give the path to a .gguf file")
-    target = Path(cache_dir or default_cache_dir()) / f"{gguf_path.stem}-{_file_digest(gguf_path)[:12]}"
+    # The transformers version is part of the name: its GGUF conversion changes between versions (5.17 built
+    # a character-level Gemma 3 tokenizer), and a copy made by one version is not reused by another.
+    version = "".join(transformers_version().split(".")[:2])
+    target = Path(cache_dir or default_cache_dir()) / f"{gguf_path.stem}-{_file_digest(gguf_path)[:12]}-tf{version}"
     if _is_converted(target):
         return target
     _require_gguf_support()
@@ -101,12 +104,39 @@ def convert_gguf(gguf_path: str | Path, cache_dir: str | Path | None = None) -> 
     try:
         fresh.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        _check_tokenizer(tmp, gguf_path)
         os.replace(tmp, target)
+    except ConfigError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         if not _is_converted(target):  # another process may have won the race; that copy is as good
             raise
     return target
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
+
+
+def _check_tokenizer(folder: Path, gguf_path: Path) -> None:
+    """Refuse a converted tokenizer that splits plain English into characters (a broken GGUF conversion:
+    training on it would silently see prompts several times longer, cut by max_prompt_length)."""
+    from transformers import AutoTokenizer
+
+    text = "The quick brown fox jumps over the lazy dog."
+    ids = AutoTokenizer.from_pretrained(folder)(text, add_special_tokens=False)["input_ids"]
+    if len(ids) > len(text) // 2:
+        raise ConfigError(
+            f"the tokenizer converted from {gguf_path.name} with transformers {transformers_version()} splits "
+            f"text into characters ({len(ids)} tokens for a {len(text)}-character sentence): this version's "
+            "GGUF tokenizer conversion is broken for this model. Use another transformers version (5.24 converts "
+            "SmolLM2's and Gemma 3's correctly; 5.17 breaks Gemma 3's), or pass a model folder that has its own "
+            "tokenizer files."
+        )
 
 
 def _require_gguf_support() -> None:

@@ -172,15 +172,15 @@ def test_chained_multi_step_graphs_equal_one_step():
     model = tiny_model("qwen2").to("cuda", torch.bfloat16)
     prompts = random_prompts([5, 30, 2, 17])
     params = SamplingParams(n=4, temperature=1.0, max_tokens=65, seed=2, ignore_eos=True)
-    outs, chained = {}, []
+    outs, chained_launches = {}, []
     for steps in (1, None):
         engine = CohortEngine(model, eos_token_ids=[EOS], block_size=16, max_model_len=128, max_num_seqs=32,
                               decode_steps=steps)
         launch = engine.runner.launch_multi
-        engine.runner.launch_multi = lambda seqs, budgets, chained_=False, launch=launch: (
-            chained.append(chained_) or launch(seqs, budgets, chained_))
+        engine.runner.launch_multi = lambda seqs, budgets, chained=False, launch=launch: (
+            chained_launches.append(chained) or launch(seqs, budgets, chained))
         outs[steps] = engine.generate(prompts, params)
-    assert chained == [False] + [True] * 7  # 64 decoded tokens = 8 launches of 8
+    assert chained_launches == [False] + [True] * 7  # 64 decoded tokens = 8 launches of 8
     for g1, g8 in zip(outs[1], outs[None]):
         for c1, c8 in zip(g1, g8):
             assert c8.token_ids == c1.token_ids
