@@ -100,11 +100,17 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, payload: dict) -> None:
         data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            # The client left before its answer (a trainer that finished with a rollout request queued ahead):
+            # one line, not a traceback per request.
+            print(f"cohort serve: {self.command} {self.path}: the client closed the connection before the answer",
+                  file=sys.stderr, flush=True)
 
     # ---- routes ------------------------------------------------------------------------------------
     def _generate(self, body: dict) -> dict:
