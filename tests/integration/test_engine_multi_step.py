@@ -94,6 +94,24 @@ def test_chained_launches_run_ahead_of_the_host(temperature):
             assert any(c for _, c in launches)
 
 
+def test_rows_that_end_stay_in_a_chained_batch_with_budget_zero():
+    """Rows of different max_tokens end at different launches: the chain goes on while at least 3/4 of the
+    rows decode, the ended ones riding along with a budget of 0; then a fresh launch drops them."""
+    model = tiny_model("llama")
+    prompts = random_prompts([6] * 8)
+    params = [SamplingParams(temperature=1.0, max_tokens=m, seed=i, ignore_eos=True)
+              for i, m in enumerate([41, 37, 30, 25, 41, 41, 41, 41])]
+    engine = make_engine(model, 4)
+    launches = spy_launches(engine)
+    got = engine.generate(prompts, params)
+    assert_same(got, make_engine(model, 1).generate(prompts, params))
+    assert [len(c.token_ids) for g in got for c in g] == [41, 37, 30, 25, 41, 41, 41, 41]
+    chained_with_ended_rows = [b for b, chained in launches if chained and 0 in b]
+    assert chained_with_ended_rows and all(sum(x > 0 for x in b) >= 6 for b in chained_with_ended_rows)
+    assert any(not chained and len(b) < 8 for b, chained in launches[1:])  # compacted by a fresh launch
+    assert engine._inflight is None and engine.blocks.num_used_blocks == 0
+
+
 def test_stop_tokens_inside_a_chunk_drop_the_rest():
     model = tiny_model("llama")
     prompts = random_prompts([6, 7])

@@ -35,6 +35,9 @@ from cohort.engine.scheduler import Scheduler
 from cohort.engine.sequence import PrefillUnit, Sequence, Status
 from cohort.types import Completion, SamplingParams, TurnCallback, TurnEnd
 
+# A chained launch keeps rows that ended in the batch (budget 0) while at least this share still decodes.
+MIN_LIVE_SHARE = 0.75
+
 
 @dataclass
 class _Launch:
@@ -313,20 +316,27 @@ class CohortEngine:
         return finished
 
     def _chain(self, current: _Launch) -> _Launch | None:
-        """Queue the launch after `current`, before its tokens are read, when the batch cannot change in
-        between: no prefill waits, every row is running and has a full chunk in `current` and room for more
-        (a row that stops inside `current` is computed once more, in vain), and the blocks for both chunks
-        are free. Otherwise None: the host reads `current` and schedules afresh."""
+        """Queue the launch after `current`, before its tokens are read, when the batch need not change in
+        between: no prefill waits, and at least MIN_LIVE_SHARE of the rows have tokens left after `current`.
+        The other rows stay in the batch with a budget of 0 (they compute nothing that is kept and write only
+        the scratch block): those that reach max_tokens inside `current`, and those that ended in an earlier
+        launch. A row that stops (EOS, stop string) inside `current` is computed once more in vain. The blocks
+        for both chunks must be free. Otherwise None: the host reads `current` and schedules afresh, which
+        drops the ended rows from the batch."""
         steps = self.runner.decode_steps
-        seqs = current.seqs
-        if self.scheduler.waiting or any(b != steps for b in current.budgets):
+        if self.scheduler.waiting:
             return None
-        if any(seq.status is not Status.RUNNING or seq.finish_reason is not None for seq in seqs):
+        budgets = []
+        for seq, budget in zip(current.seqs, current.budgets):
+            if seq.status is not Status.RUNNING or seq.finish_reason is not None:
+                budgets.append(0)  # ended before `current`, whose tokens for it are dropped too
+            else:  # tokens left once `current`'s are in (a row with budget < steps ends in `current`)
+                budgets.append(max(0, min(steps, seq.params.max_tokens - seq.num_completion_tokens - budget)))
+        live = sum(b > 0 for b in budgets)
+        if live == 0 or live < MIN_LIVE_SHARE * len(budgets):
             return None
-        budgets = [min(steps, seq.params.max_tokens - seq.num_completion_tokens - steps) for seq in seqs]
-        if min(budgets) < 1:
+        # this launch writes KV at positions len + budget(current) - 1 .. len + budget(current) + budget - 2
+        wanted = [(seq, len(seq) + b0 + b - 1) for seq, b0, b in zip(current.seqs, current.budgets, budgets) if b]
+        if not self.scheduler.reserve_ahead(wanted):
             return None
-        # this launch writes KV at positions len + steps - 1 .. len + steps + budget - 2
-        if not self.scheduler.reserve_ahead([(seq, len(seq) + steps + b - 1) for seq, b in zip(seqs, budgets)]):
-            return None
-        return _Launch(self.runner.launch_multi(seqs, budgets, chained=True), seqs, budgets)
+        return _Launch(self.runner.launch_multi(current.seqs, budgets, chained=True), current.seqs, budgets)
