@@ -311,6 +311,7 @@ class ModelRunner:
             host.numpy()[5, :n] = budgets
             host.numpy()[5, n:rows] = 0
             self._fill_tables(tables.numpy(), seqs)
+            tables.numpy()[n:rows, 0] = self.scratch_block  # padding rows read only the scratch block
             self._static_rows[5].copy_(host[5], non_blocking=True)
         else:
             self._fill_decode_inputs(seqs, rows, budgets, which)
