@@ -23,11 +23,12 @@ import time
 import numpy as np
 import torch
 
+from cohort.engine import multi_step
 from cohort.engine.attention import AttentionOps, AttnContext, prefix_batch
 from cohort.engine.config import EngineConfig
 from cohort.engine.models.decoder import HFModule
 from cohort.engine.models.registry import build_forward
-from cohort.engine.sampler import sample_plain, temperature_rows
+from cohort.engine.sampler import temperature_rows
 from cohort.engine.scheduler import PrefillUnit
 from cohort.engine.sequence import Sequence
 
@@ -293,91 +294,11 @@ class ModelRunner:
         )
         return self.net.logits(self.net.forward(rows_dev[0], rows_dev[1], ctx, self._cache())), None
 
-    @torch.inference_mode()
-    def launch_multi(self, seqs: list[Sequence], budgets: list[int], chained: bool = False) -> int:
-        """Queue `decode_steps` plain-sampling decode steps of `seqs` (row i's first budgets[i] tokens are
-        valid; its blocks hold their KV slots: Scheduler.schedule(lookahead) / reserve_ahead) and the copy of
-        their tokens to the host; returns the ticket for `collect_multi`. Nothing waits for the device.
-
-        chained: the same rows, in the same order, continue where the previous launch leaves them on the
-        device (last token, positions, context lengths), so only the budgets and block tables are sent;
-        the previous launch need not have finished (its tokens are read later)."""
-        n = len(seqs)
-        which = self._multi_turn = 1 - self._multi_turn
-        graph_bs = next((b for b in sorted(self.multi_graphs) if b >= n), None)
-        rows = graph_bs or n
-        host, floats, tables = self._multi_host[which], self._multi_float_host[which], self._multi_tables_host[which]
-        if chained:
-            host.numpy()[5, :n] = budgets
-            host.numpy()[5, n:rows] = 0
-            self._fill_tables(tables.numpy(), seqs)
-            tables.numpy()[n:rows, 0] = self.scratch_block  # padding rows read only the scratch block
-            self._static_rows[5].copy_(host[5], non_blocking=True)
-        else:
-            self._fill_decode_inputs(seqs, rows, budgets, which)
-            self._static_rows.copy_(host, non_blocking=True)
-            self._static_floats.copy_(floats, non_blocking=True)
-        self._static_tables.copy_(tables, non_blocking=True)
-        if graph_bs is not None:
-            self.multi_graphs[graph_bs].replay()
-        else:
-            self._multi_step_body(n, max_ctx_len=max(len(s) + b for s, b in zip(seqs, budgets)) + self.decode_steps)
-        out_tokens, out_logprobs = self._multi_out[which]
-        out_tokens[:, :n].copy_(self._multi_tokens[:, :n], non_blocking=True)
-        out_logprobs[:, :n].copy_(self._multi_logprobs[:, :n], non_blocking=True)
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            self._multi_events[which] = event
-        return which
-
-    def collect_multi(self, ticket: int, n: int) -> tuple[list[list[int]], list[list[float]]]:
-        """Wait for a launch's tokens: per-row token and logprob lists of length decode_steps."""
-        event = self._multi_events[ticket]
-        if event is not None:
-            event.synchronize()
-        out_tokens, out_logprobs = self._multi_out[ticket]
-        return ([list(t) for t in zip(*out_tokens[:, :n].tolist())],
-                [list(lp) for lp in zip(*out_logprobs[:, :n].tolist())])
-
-    @torch.inference_mode()
-    def decode_multi(self, seqs: list[Sequence], budgets: list[int]) -> tuple[list[list[int]], list[list[float]]]:
-        """launch_multi then collect_multi (no pipelining)."""
-        return self.collect_multi(self.launch_multi(seqs, budgets), len(seqs))
-
-    def _multi_step_body(self, bs: int, max_ctx_len: int | None = None) -> None:
-        """decode_steps forwards over the static inputs of `bs` rows, advancing them on the device (captured
-        as one graph, or run eagerly without graphs)."""
-        rows, floats, tables = self._static_rows, self._static_floats, self._static_tables[:bs]
-        block, width = self.config.block_size, self.config.max_blocks_per_seq
-        scratch_slot = self.scratch_block * block
-        ids, pos, slots, ctx_lens, seeds, budget = (rows[r, :bs] for r in range(6))
-        ctx = AttnContext(is_prefill=False, slot_mapping=slots, block_tables=tables,
-                          ctx_lens=self._static_ctx_lens[:bs], max_ctx_len=max_ctx_len)
-        out = None if self._graph_logits is None else self._graph_logits[:bs]
-        for j in range(self.decode_steps):
-            # the fed token sits at position ctx_len - 1: its slot from the block table; rows past their
-            # budget write to the scratch block
-            active = budget > j
-            kv_pos = ctx_lens - 1
-            index = (kv_pos // block).clamp_(0, width - 1)
-            slot = tables.gather(1, index[:, None])[:, 0].long() * block + kv_pos % block
-            slots.copy_(torch.where(active, slot, scratch_slot))
-            self._static_ctx_lens[:bs].copy_(ctx_lens)
-            logits = self.net.logits(self.net.forward(ids, pos, ctx, self._cache()), out=out)
-            if self.sample_in_graph:
-                from cohort.engine.triton_ops import fused_sample
-
-                tokens, logprobs = fused_sample(logits, logits, floats[0, :bs], floats[1, :bs], seeds, ctx_lens)
-            else:
-                tokens, logprobs = sample_plain(logits, floats[0, :bs], floats[1, :bs], seeds, ctx_lens)
-            self._multi_tokens[j, :bs].copy_(tokens)
-            self._multi_logprobs[j, :bs].copy_(logprobs)
-            # A valid sample is fed next: the state after the last step is where a chained launch resumes.
-            ids.copy_(torch.where(active, tokens, ids))
-            advance = active.long()
-            pos.add_(advance)
-            ctx_lens.add_(advance)
+    # ---- multi-step decode (engine/multi_step.py) --------------------------------------------------
+    launch_multi = multi_step.launch
+    collect_multi = multi_step.collect
+    decode_multi = multi_step.decode
+    _multi_step_body = multi_step.body
 
     # ---- CUDA graphs -------------------------------------------------------------------------------
     def graph_batch_sizes(self) -> list[int]:

@@ -1,0 +1,115 @@
+"""Multi-step decode on the ModelRunner: `decode_steps` forwards per launch, launches that chain.
+
+`launch` queues one launch: the host fills the decode inputs (or, chained, only the budgets and block tables:
+the rows continue from the device state the previous launch left), replays the multi-step CUDA graph (or runs
+`body` eagerly without graphs), queues the copy of the K x B tokens to a pinned host buffer and records an
+event; `collect` waits for that event and returns the tokens. Two host buffer sets alternate, so a chained
+launch never rewrites a buffer whose copy may still be queued. `body` is the device-side loop a graph
+captures: after each forward the sampled tokens are the next inputs, and positions, context lengths and KV
+slots (from the block tables) advance; a row past its budget writes to the scratch block.
+
+The functions are ModelRunner methods (`launch_multi`, `collect_multi`, `decode_multi`, `_multi_step_body`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from cohort.engine.attention import AttnContext
+from cohort.engine.sampler import sample_plain
+from cohort.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from cohort.engine.model_runner import ModelRunner
+
+
+@torch.inference_mode()
+def launch(runner: ModelRunner, seqs: list[Sequence], budgets: list[int], chained: bool = False) -> int:
+    """Queue `decode_steps` plain-sampling decode steps of `seqs` (row i's first budgets[i] tokens are
+    valid; its blocks hold their KV slots: Scheduler.schedule(lookahead) / reserve_ahead) and the copy of
+    their tokens to the host; returns the ticket for `collect`. Nothing waits for the device.
+
+    chained: the same rows, in the same order, continue where the previous launch leaves them on the
+    device (last token, positions, context lengths), so only the budgets and block tables are sent;
+    the previous launch need not have finished (its tokens are read later)."""
+    n = len(seqs)
+    which = runner._multi_turn = 1 - runner._multi_turn
+    graph_bs = next((b for b in sorted(runner.multi_graphs) if b >= n), None)
+    rows = graph_bs or n
+    host, floats, tables = runner._multi_host[which], runner._multi_float_host[which], runner._multi_tables_host[which]
+    if chained:
+        host.numpy()[5, :n] = budgets
+        host.numpy()[5, n:rows] = 0
+        runner._fill_tables(tables.numpy(), seqs)
+        tables.numpy()[n:rows, 0] = runner.scratch_block  # padding rows read only the scratch block
+        runner._static_rows[5].copy_(host[5], non_blocking=True)
+    else:
+        runner._fill_decode_inputs(seqs, rows, budgets, which)
+        runner._static_rows.copy_(host, non_blocking=True)
+        runner._static_floats.copy_(floats, non_blocking=True)
+    runner._static_tables.copy_(tables, non_blocking=True)
+    if graph_bs is not None:
+        runner.multi_graphs[graph_bs].replay()
+    else:
+        runner._multi_step_body(n, max_ctx_len=max(len(s) + b for s, b in zip(seqs, budgets)) + runner.decode_steps)
+    out_tokens, out_logprobs = runner._multi_out[which]
+    out_tokens[:, :n].copy_(runner._multi_tokens[:, :n], non_blocking=True)
+    out_logprobs[:, :n].copy_(runner._multi_logprobs[:, :n], non_blocking=True)
+    if runner.device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(runner.device))
+        runner._multi_events[which] = event
+    return which
+
+
+def collect(runner: ModelRunner, ticket: int, n: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Wait for a launch's tokens: per-row token and logprob lists of length decode_steps."""
+    event = runner._multi_events[ticket]
+    if event is not None:
+        event.synchronize()
+    out_tokens, out_logprobs = runner._multi_out[ticket]
+    return ([list(t) for t in zip(*out_tokens[:, :n].tolist())],
+            [list(lp) for lp in zip(*out_logprobs[:, :n].tolist())])
+
+
+@torch.inference_mode()
+def decode(runner: ModelRunner, seqs: list[Sequence], budgets: list[int]) -> tuple[list[list[int]], list[list[float]]]:
+    """launch then collect (no pipelining)."""
+    return runner.collect_multi(runner.launch_multi(seqs, budgets), len(seqs))
+
+
+def body(runner: ModelRunner, bs: int, max_ctx_len: int | None = None) -> None:
+    """decode_steps forwards over the static inputs of `bs` rows, advancing them on the device (captured
+    as one graph, or run eagerly without graphs)."""
+    rows, floats, tables = runner._static_rows, runner._static_floats, runner._static_tables[:bs]
+    block, width = runner.config.block_size, runner.config.max_blocks_per_seq
+    scratch_slot = runner.scratch_block * block
+    ids, pos, slots, ctx_lens, seeds, budget = (rows[r, :bs] for r in range(6))
+    ctx = AttnContext(is_prefill=False, slot_mapping=slots, block_tables=tables,
+                      ctx_lens=runner._static_ctx_lens[:bs], max_ctx_len=max_ctx_len)
+    out = None if runner._graph_logits is None else runner._graph_logits[:bs]
+    for j in range(runner.decode_steps):
+        # the fed token sits at position ctx_len - 1: its slot from the block table; rows past their
+        # budget write to the scratch block
+        active = budget > j
+        kv_pos = ctx_lens - 1
+        index = (kv_pos // block).clamp_(0, width - 1)
+        slot = tables.gather(1, index[:, None])[:, 0].long() * block + kv_pos % block
+        slots.copy_(torch.where(active, slot, scratch_slot))
+        runner._static_ctx_lens[:bs].copy_(ctx_lens)
+        logits = runner.net.logits(runner.net.forward(ids, pos, ctx, runner._cache()), out=out)
+        if runner.sample_in_graph:
+            from cohort.engine.triton_ops import fused_sample
+
+            tokens, logprobs = fused_sample(logits, logits, floats[0, :bs], floats[1, :bs], seeds, ctx_lens)
+        else:
+            tokens, logprobs = sample_plain(logits, floats[0, :bs], floats[1, :bs], seeds, ctx_lens)
+        runner._multi_tokens[j, :bs].copy_(tokens)
+        runner._multi_logprobs[j, :bs].copy_(logprobs)
+        # A valid sample is fed next: the state after the last step is where a chained launch resumes.
+        ids.copy_(torch.where(active, tokens, ids))
+        advance = active.long()
+        pos.add_(advance)
+        ctx_lens.add_(advance)
