@@ -115,17 +115,6 @@ class Scheduler:
         seqs = [seq for unit in units for seq in unit.seqs]
         return ScheduledStep(True, seqs, units, copies)
 
-    def _lookahead_blocks(self, lookahead: int) -> list[tuple[Sequence, int]] | None:
-        """(sequence, blocks to add) so that each holds the KV slots of its next decode_budget(lookahead)
-        tokens; None when the free blocks do not cover them (then the step decodes one token)."""
-        wanted = []
-        for seq in self.running:
-            # the chunk writes KV at positions len-1 .. len+budget-2
-            more = self.blocks.blocks_for(len(seq) - 1 + seq.decode_budget(lookahead)) - len(seq.block_table)
-            if more > 0:
-                wanted.append((seq, more))
-        return wanted if sum(n for _, n in wanted) <= self.blocks.num_free_blocks else None
-
     def reserve_ahead(self, wanted: list[tuple[Sequence, int]]) -> bool:
         """Give each sequence the blocks for the KV of its first `tokens` positions, all or none (a chained
         multi-step launch); False when the free blocks do not cover them."""
@@ -138,13 +127,11 @@ class Scheduler:
         return True
 
     def _schedule_decode(self, lookahead: int = 1) -> ScheduledStep:
-        if lookahead > 1 and self.running:
-            wanted = self._lookahead_blocks(lookahead)
-            if wanted is not None:
-                for seq, more in wanted:
-                    for _ in range(more):
-                        self.blocks.append_block(seq)
-                return ScheduledStep(False, list(self.running), lookahead=lookahead)
+        # A chunk of `lookahead` steps writes KV at positions len-1 .. len+budget-2 of each sequence; when the
+        # free blocks do not cover that, the step decodes one token (and may preempt, below).
+        if lookahead > 1 and self.running and self.reserve_ahead(
+                [(seq, len(seq) - 1 + seq.decode_budget(lookahead)) for seq in self.running]):
+            return ScheduledStep(False, list(self.running), lookahead=lookahead)
         # Fast path (almost every step): the blocks that sequences crossing a boundary need are free.
         size = self.blocks.block_size
         needing = [s for s in self.running if (len(s.token_ids) - 1) // size >= len(s.block_table)]
