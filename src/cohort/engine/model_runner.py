@@ -8,8 +8,8 @@ use, so the engine never allocates past what is free. Block `num_blocks` is scra
 Decode steps on CUDA replay a graph captured for the smallest captured batch size >= the live batch; the
 padded rows write to and read from the scratch block, so they never touch a live sequence's KV.
 
-Multi-step decode (`decode_multi`, EngineConfig.decode_steps = K): one graph runs K forwards; after each, the
-in-graph sampler's tokens become the next step's inputs and the positions, context lengths and KV slots
+Multi-step decode (`launch_multi` / `collect_multi` from engine/multi_step.py; EngineConfig.decode_steps = K):
+one graph runs K forwards; after each, the in-graph sampler's tokens become the next step's inputs and the positions, context lengths and KV slots
 (looked up in the block tables, which the scheduler filled ahead) advance on the device. A row stops
 advancing after its budget (max_tokens), writing to the scratch block from then on. The host fills the inputs
 and reads the K x B tokens once per K steps.
@@ -297,7 +297,6 @@ class ModelRunner:
     # ---- multi-step decode (engine/multi_step.py) --------------------------------------------------
     launch_multi = multi_step.launch
     collect_multi = multi_step.collect
-    decode_multi = multi_step.decode
     _multi_step_body = multi_step.body
 
     # ---- CUDA graphs -------------------------------------------------------------------------------

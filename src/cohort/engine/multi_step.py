@@ -8,7 +8,7 @@ launch never rewrites a buffer whose copy may still be queued. `body` is the dev
 captures: after each forward the sampled tokens are the next inputs, and positions, context lengths and KV
 slots (from the block tables) advance; a row past its budget writes to the scratch block.
 
-The functions are ModelRunner methods (`launch_multi`, `collect_multi`, `decode_multi`, `_multi_step_body`).
+The functions are ModelRunner methods (`launch_multi`, `collect_multi`, `_multi_step_body`).
 """
 
 from __future__ import annotations
@@ -72,13 +72,6 @@ def collect(runner: ModelRunner, ticket: int, n: int) -> tuple[list[list[int]], 
     out_tokens, out_logprobs = runner._multi_out[ticket]
     return ([list(t) for t in zip(*out_tokens[:, :n].tolist())],
             [list(lp) for lp in zip(*out_logprobs[:, :n].tolist())])
-
-
-@torch.inference_mode()
-def decode(runner: ModelRunner, seqs: list[Sequence], budgets: list[int]) -> tuple[list[list[int]], list[list[float]]]:
-    """launch then collect (no pipelining)."""
-    return runner.collect_multi(runner.launch_multi(seqs, budgets), len(seqs))
-
 
 def body(runner: ModelRunner, bs: int, max_ctx_len: int | None = None) -> None:
     """decode_steps forwards over the static inputs of `bs` rows, advancing them on the device (captured
