@@ -1,17 +1,23 @@
 """Where a decode step's time goes: graph replay, sampler kernel, host-side work (one GPU).
 
-    python bench/engine_profile.py
+    python bench/engine_profile.py [--trace-dir DIR]
 
 Times (median of repeats, CUDA events) at batch 256, Qwen2.5-0.5B architecture with random bf16 weights:
 the captured decode graph alone, the fused sampler alone, the paged-attention kernel alone, and the host
 side of the engine's step (scheduling, input preparation, appending tokens) measured on the real loop.
+Then the sampler's slicing variants and the decode matmuls (cuBLAS vs cuBLASLt) timed as CUDA graphs (no
+launch overhead), and workload A through `engine.generate` under torch.profiler: the device timeline's busy
+time and idle gaps (trace_gaps.py; the Chrome trace saved under --trace-dir).
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import time
 
 import torch
+import trace_gaps
 from rollout import build_model, workload_a  # bench/ is the script's folder, so on sys.path
 
 
@@ -27,6 +33,80 @@ def gpu_ms(fn, repeats: int = 50) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def graph_ms(fn, repeats: int = 20, inner: int = 10) -> float:
+    """Median ms of one call of `fn` captured `inner` times in a CUDA graph (kernel time, no launch cost)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    return gpu_ms(graph.replay, repeats) / inner
+
+
+def sampler_table(vocab: int) -> None:
+    """The sliced sampler against one program per row (splits=1, the kernel before slicing) at 256 rows."""
+    from cohort.engine.triton_ops import fused_sample, sample_splits
+
+    rows = 256
+    seeds = torch.randint(0, 2**62, (rows,), device="cuda")
+    positions = torch.randint(0, 2048, (rows,), device="cuda")
+    inv_t, noise = torch.ones(rows, device="cuda"), torch.ones(rows, device="cuda")
+    fake = torch.randn(rows, vocab, device="cuda").to(torch.bfloat16)
+    default = sample_splits(rows, vocab)
+    for splits, block, warps in ((1, 2048, 8), (default, 2048, 8), (default, 1024, 4), (16, 1024, 4),
+                                 (16, 2048, 8), (4, 2048, 8)):
+        ms = graph_ms(lambda s=splits, b=block, w=warps: fused_sample(fake, fake, inv_t, noise, seeds, positions,
+                                                                      splits=s, block_v=b, num_warps=w))
+        tag = " (default)" if (splits, block, warps) == (default, 2048, 8) else ""
+        print(f"sampler {rows} x {vocab}, splits {splits}, block {block}, {warps} warps: {ms * 1000:.1f} us{tag}")
+
+
+def matmul_table(cfg, rows: int = 256) -> None:
+    """The decode step's matmuls at `rows` rows (fused QKV and gate/up as the engine runs them), cuBLAS vs
+    cuBLASLt (torch.backends.cuda.preferred_blas_library), each timed as a CUDA graph."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    shapes = {"qkv": (h, q + 2 * kv), "o_proj": (q, h), "gate_up": (h, 2 * inter), "down": (inter, h),
+              "lm_head": (h, cfg.vocab_size)}
+    print(f"| decode matmul, M = {rows} | K x N | cuBLAS us | cuBLASLt us |\n| --- | --- | ---: | ---: |")
+    for name, (k, n) in shapes.items():
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        times = []
+        for lib in ("cublas", "cublaslt"):
+            torch.backends.cuda.preferred_blas_library(lib)
+            times.append(graph_ms(lambda x=x, w=w: x @ w.t()) * 1000)
+        torch.backends.cuda.preferred_blas_library("cublas")
+        print(f"| {name} | {k} x {n} | {times[0]:.1f} | {times[1]:.1f} |")
+
+
+def traced_generate(engine, prompts, trace_dir: str | None) -> None:
+    """Workload A through engine.generate (the real loop: chained launches, no extra synchronisation) under
+    torch.profiler: where the device sits idle."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from cohort.types import SamplingParams
+
+    params = SamplingParams(n=8, max_tokens=256, temperature=1.0, ignore_eos=True, seed=0)
+    engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        engine.generate(prompts, params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    print(f"engine.generate, workload A, under the profiler: {wall * 1000:.0f} ms wall")
+    print(trace_gaps.summary(prof, "engine.generate timeline"))
+    if trace_dir:
+        trace_gaps.save(prof, os.path.join(trace_dir, "engine-generate-trace.json.gz"))
 
 
 def step_breakdown(engine, prompts) -> dict[str, float]:
@@ -96,6 +176,9 @@ def loop_breakdown(engine, prompts) -> str:
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--trace-dir", default=None, help="save the engine.generate Chrome trace (gzipped) here")
+    args = p.parse_args()
     from cohort.engine import CohortEngine
     from cohort.engine.triton_ops import fused_sample, paged_decode_attention
 
@@ -114,6 +197,8 @@ def main() -> None:
     noise = torch.ones(256, device="cuda")
     fake = torch.randn(256, model.config.vocab_size, device="cuda").to(torch.bfloat16)
     print(f"fused sampler 256 x {fake.shape[1]}: {gpu_ms(lambda: fused_sample(fake, fake, inv_t, noise, seeds, positions)):.3f} ms")
+    sampler_table(model.config.vocab_size)
+    matmul_table(model.config)
     q = torch.randn(256, 14, 64, device="cuda", dtype=torch.bfloat16)
     kc = runner.kv_cache[0, 0]
     for ctx in (256, 1024, 2048):
@@ -125,6 +210,7 @@ def main() -> None:
     parts = step_breakdown(engine, prompts)
     print("per decode step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))
     print(loop_breakdown(engine, prompts))
+    traced_generate(engine, prompts, args.trace_dir)
     del engine, runner, graph
     torch.cuda.empty_cache()
     kernel_table(model, prompts)

@@ -353,13 +353,32 @@ def _profile_last_update(last_step: int):
         calls["n"] += 1
         if calls["n"] < last_step:
             return original(updater, *a, **k)
+        import warnings
+        from collections import Counter
+
+        import trace_gaps
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            out = original(updater, *a, **k)
-            sync(next(updater.policy.parameters()).device)
+        device = next(updater.policy.parameters()).device
+        cuda = device.type == "cuda"
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if cuda:  # every host-device synchronisation of the update, by the line that caused it
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = original(updater, *a, **k)
+            finally:
+                if cuda:
+                    torch.cuda.set_sync_debug_mode("default")
+            sync(device)
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
-        print("PROFILE-BEGIN\n" + table + "\nPROFILE-END", flush=True)
+        syncs = Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+        lines = [f"  {n} x {where}" for where, n in syncs.most_common(20)]
+        print("PROFILE-BEGIN\n" + table + "\n" + trace_gaps.summary(prof, "update timeline")
+              + "\nsynchronising calls in the update:\n" + ("\n".join(lines) or "  none") + "\nPROFILE-END", flush=True)
+        if os.environ.get("COHORT_BENCH_TRACE_DIR"):
+            trace_gaps.save(prof, os.path.join(os.environ["COHORT_BENCH_TRACE_DIR"], "update-trace.json.gz"))
         return out
 
     return mock.patch.object(cohort.trainer.PolicyUpdater, "update", update) if last_step else contextlib.nullcontext()

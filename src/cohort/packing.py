@@ -264,19 +264,24 @@ def packed_forward_logprobs(
     # a sharded (FSDP) policy registers the pass as a forward method on its root, so that calling it gathers
     # the root's parameters (embeddings, LM head) and hooks the backward as a root forward would
     run = getattr(model, "cohort_packed_pass", None) or functools.partial(packed_pass, model)
+    # the longest sequence, from the host's lists: reading it off `cu` would make the host wait for the GPU
+    max_len = max(len(prompt) + len(completion) for prompt, completion in sequences)
     logprobs, entropy = run(input_ids, position_ids, cu, hidden_idx, labels, temperature=temperature,
                             compute_entropy=compute_entropy, chunk_tokens=chunk_tokens, attn=attn,
-                            lm_head_grad_fp32=lm_head_grad_fp32)
+                            lm_head_grad_fp32=lm_head_grad_fp32, max_len=max_len)
     return PackedLogprobs(logprobs, entropy, offsets)
 
 
 def packed_pass(model, input_ids, position_ids, cu, hidden_idx, labels, *, temperature: float,
-                compute_entropy: bool, chunk_tokens: int, attn: str, lm_head_grad_fp32: bool):
-    """The decoder body over one packed row, then the chunked logprobs of the labels (model is the root)."""
+                compute_entropy: bool, chunk_tokens: int, attn: str, lm_head_grad_fp32: bool,
+                max_len: int | None = None):
+    """The decoder body over one packed row, then the chunked logprobs of the labels (model is the root).
+    max_len: the longest sequence of the row, when the caller knows it (else read from `cu`, a device sync)."""
     kwargs = {}
     if attn == "varlen":
         enable_packed_attention(model)
-        max_len = int((cu[1:] - cu[:-1]).max())
+        if max_len is None:
+            max_len = int((cu[1:] - cu[:-1]).max())
         kwargs = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
     token = _PACKED_MASKS.set(attn == "varlen")
     try:

@@ -1,0 +1,62 @@
+"""Where the GPU waits: the device timeline of a torch.profiler run, as busy time, idle gaps and their neighbours.
+
+`summary(prof)` reads the profiler's device events (kernels, copies, memsets), merges their intervals and
+prints the span from the first to the last, the time some kernel ran, the idle time, and the largest idle
+gaps with the kernels on either side (which phase of the step the host was slow in). `save(prof, path)`
+writes the Chrome trace gzipped, for a closer look where the device run came back from.
+Used by bench/engine_profile.py (the engine loop without per-step synchronisation) and bench/grpo_step.py
+(`--profile-update`: the update).
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+import tempfile
+
+
+def _device_events(prof) -> list[tuple[int, int, str]]:
+    """(start ns, end ns, name) of every device-side event, sorted by start."""
+    out = []
+    for e in prof.profiler.kineto_results.events():
+        if str(e.device_type()).endswith("CUDA") and e.duration_ns() > 0:
+            out.append((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()))
+    return sorted(out)
+
+
+def summary(prof, label: str, top: int = 12, min_gap_us: float = 5.0) -> str:
+    events = _device_events(prof)
+    if not events:
+        return f"{label}: no device events"
+    busy = 0
+    gaps = []
+    cur_start, cur_end, cur_name = events[0]
+    for start, end, name in events[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            gaps.append((start - cur_end, cur_name, name))
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+        cur_name = name if end >= cur_end else cur_name
+    busy += cur_end - cur_start
+    span = events[-1][1] - events[0][0]
+    big = [g for g in gaps if g[0] >= min_gap_us * 1000]
+    lines = [f"{label}: device span {span / 1e6:.1f} ms, busy {busy / 1e6:.1f} ms ({100 * busy / span:.1f}%), "
+             f"idle {(span - busy) / 1e6:.1f} ms in {len(gaps)} gaps ({len(big)} of >= {min_gap_us:.0f} us: "
+             f"{sum(g[0] for g in big) / 1e6:.1f} ms); {len(events)} device events",
+             "| idle us | after | before |", "| ---: | --- | --- |"]
+    for gap, before, after in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"| {gap / 1000:.0f} | {before[:70]} | {after[:70]} |")
+    return "\n".join(lines)
+
+
+def save(prof, path: str) -> None:
+    """The Chrome trace, gzipped, at `path` (a .json.gz)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(path, "wb", compresslevel=6) as dst:
+            shutil.copyfileobj(src, dst)
