@@ -60,12 +60,14 @@ def sampler_table(vocab: int) -> None:
     inv_t, noise = torch.ones(rows, device="cuda"), torch.ones(rows, device="cuda")
     fake = torch.randn(rows, vocab, device="cuda").to(torch.bfloat16)
     default = sample_splits(rows, vocab)
-    for splits, block, warps in ((1, 2048, 8), (default, 2048, 8), (default, 1024, 4), (16, 1024, 4),
-                                 (16, 2048, 8), (4, 2048, 8)):
-        ms = graph_ms(lambda s=splits, b=block, w=warps: fused_sample(fake, fake, inv_t, noise, seeds, positions,
-                                                                      splits=s, block_v=b, num_warps=w))
-        tag = " (default)" if (splits, block, warps) == (default, 2048, 8) else ""
-        print(f"sampler {rows} x {vocab}, splits {splits}, block {block}, {warps} warps: {ms * 1000:.1f} us{tag}")
+    variants = ((1, 2048, 8, False), (default, 2048, 8, False), (default, 2048, 8, True), (16, 1024, 4, True),
+                (default, 1024, 4, True), (4, 2048, 8, True), (32, 1024, 4, True))
+    for splits, block, warps, fast in variants:
+        ms = graph_ms(lambda s=splits, b=block, w=warps, f=fast: fused_sample(
+            fake, fake, inv_t, noise, seeds, positions, splits=s, block_v=b, num_warps=w, fast_log=f))
+        tag = " (default)" if (splits, block, warps, fast) == (default, 2048, 8, True) else ""
+        print(f"sampler {rows} x {vocab}, splits {splits}, block {block}, {warps} warps, "
+              f"{'fast' if fast else 'accurate'} log: {ms * 1000:.1f} us{tag}")
 
 
 def matmul_table(cfg, rows: int = 256) -> None:

@@ -31,8 +31,9 @@ import functools
 import inspect
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -52,6 +53,9 @@ class PackedLogprobs:
     logprobs: torch.Tensor
     entropy: torch.Tensor | None
     offsets: list[int]
+    # padded()'s scatter index on the device, and the (device, rows, width) it was built for
+    _index: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _index_key: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def split(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """One (logprobs, entropy) pair per sequence."""
@@ -61,12 +65,25 @@ class PackedLogprobs:
         return out
 
     def padded(self, which: str = "logprobs", pad_value: float = 0.0) -> torch.Tensor:
-        """[B, T] right-padded tensor (T = longest completion), the layout of `LossInputs`; differentiable."""
+        """[B, T] right-padded tensor (T = longest completion), the layout of `LossInputs`; differentiable.
+
+        One scatter into the padded layout (its backward one gather), not a slice and a copy per sequence:
+        with ~100 sequences per micro-batch those small launches (and their backward's zero-filled slices)
+        left the GPU idle for ~10% of the update."""
         flat = self.logprobs if which == "logprobs" else self.entropy
         if flat is None:
             raise ValueError(f"padded({which!r}): entropy was not computed (compute_entropy=False)")
-        parts = [flat[a:b] for a, b in itertools.pairwise(self.offsets)]
-        return torch.nn.utils.rnn.pad_sequence(parts, batch_first=True, padding_value=pad_value)
+        lengths = np.asarray(self.offsets[1:], dtype=np.int64) - np.asarray(self.offsets[:-1], dtype=np.int64)
+        rows, width = len(lengths), int(lengths.max(initial=0))
+        key = (str(flat.device), rows, width)
+        if self._index is None or self._index_key != key:
+            # flat position of token k of sequence i in the [B, T] layout: i * T + k
+            index = np.repeat(np.arange(rows, dtype=np.int64) * width - np.asarray(self.offsets[:-1]), lengths)
+            index += np.arange(len(index), dtype=np.int64)
+            self._index, self._index_key = host_to_device(index, flat.device), key
+        assert self._index is not None
+        out = flat.new_full((rows * width,), pad_value).index_put((self._index,), flat)
+        return out.view(rows, width)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -195,31 +212,46 @@ def disable_packed_attention(model) -> None:
 # Packed forward
 
 
+def host_to_device(array: np.ndarray, device) -> torch.Tensor:
+    """A host array on `device` without making the host wait: on CUDA through pinned memory and an
+    asynchronous copy (a copy from pageable memory waits for the whole queue of GPU work to drain)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    device = torch.device(device)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def pack_layout(sequences, device):
-    """Flat input ids, restarting position ids, cu_seqlens, and (hidden index, label) of completion tokens."""
-    ids, pos, hidden_idx, labels, cu, offsets = [], [], [], [], [0], [0]
+    """Flat input ids, restarting position ids, cu_seqlens, and (hidden index, label) of completion tokens.
+    Built on the host and sent in one asynchronous copy (see host_to_device)."""
+    ids: list[int] = []
+    prompt_lens, completion_lens = [], []
     for i, (prompt, completion) in enumerate(sequences):
-        prompt, completion = list(prompt), list(completion)
-        if not prompt:
+        if not len(prompt):
             raise ValueError(f"sequence {i} has an empty prompt: the first completion token needs a context")
-        start = len(ids)
-        ids += prompt + completion
-        pos += range(len(prompt) + len(completion))
-        # Completion token k sits at start + P + k and is predicted by the hidden state just before it.
-        first = start + len(prompt) - 1
-        hidden_idx += range(first, first + len(completion))
-        labels += completion
-        cu.append(len(ids))
-        offsets.append(offsets[-1] + len(completion))
-    as_long = {"dtype": torch.long, "device": device}
-    return (
-        torch.tensor([ids], **as_long),
-        torch.tensor([pos], **as_long),
-        torch.tensor(cu, dtype=torch.int32, device=device),
-        torch.tensor(hidden_idx, **as_long),
-        torch.tensor(labels, **as_long),
-        offsets,
-    )
+        ids.extend(prompt)
+        ids.extend(completion)
+        prompt_lens.append(len(prompt))
+        completion_lens.append(len(completion))
+    p_len = np.asarray(prompt_lens, dtype=np.int64)
+    c_len = np.asarray(completion_lens, dtype=np.int64)
+    seq_len = p_len + c_len
+    cu = np.concatenate([[0], np.cumsum(seq_len)])
+    total, n_completion = int(cu[-1]), int(c_len.sum())
+    # positions restart at 0 for every sequence
+    pos = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], seq_len)
+    # Completion token k of sequence i sits at cu[i] + P_i + k and is predicted by the hidden state before it.
+    completion_start = np.repeat(cu[:-1] + p_len - 1, c_len)
+    offsets = np.concatenate([[0], np.cumsum(c_len)])
+    hidden_idx = completion_start + np.arange(n_completion, dtype=np.int64) - np.repeat(offsets[:-1], c_len)
+    flat_ids = np.asarray(ids, dtype=np.int64)
+    labels = flat_ids[hidden_idx + 1]
+    # one copy: [ids | positions | hidden index | labels | cu_seqlens]
+    packed = host_to_device(np.concatenate([flat_ids, pos, hidden_idx, labels, cu]), device)
+    ids_t, pos_t, hidden_t, labels_t, cu_t = packed.split([total, total, n_completion, n_completion, len(cu)])
+    return (ids_t.view(1, total), pos_t.view(1, total), cu_t.to(torch.int32), hidden_t, labels_t,
+            offsets.tolist())
 
 
 def _decoder(model):

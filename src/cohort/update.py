@@ -24,12 +24,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from cohort import distributed
 from cohort.algorithms import LossInputs, reduce_metrics
 from cohort.errors import CohortError
-from cohort.packing import packed_forward_logprobs, split_micro_batches, spread_micro_batches
+from cohort.packing import host_to_device, packed_forward_logprobs, split_micro_batches, spread_micro_batches
 from cohort.rollout import RolloutBatch
 
 
@@ -118,7 +119,7 @@ class PolicyUpdater:
         for m, micro in enumerate(micro_batches):
             idx = [rows[i] for i in micro] or rows[:1]  # empty (sharded padding): a zero-weight pass
             width = max(len(batch.completion_ids[r]) for r in idx)
-            mask, sampling = self._host_tensors(batch, idx, width)
+            mask, sampling, advantages = self._host_tensors(batch, idx, width)
             packed = packed_forward_logprobs(
                 self.policy, [(batch.prompt_ids[r], batch.completion_ids[r]) for r in idx],
                 temperature=self.s.temperature, compute_entropy=True, chunk_tokens=self.s.chunk_tokens,
@@ -126,7 +127,7 @@ class PolicyUpdater:
             inputs = LossInputs(
                 logprobs=packed.padded("logprobs"),
                 old_logprobs=None if old is None else pad_rows([old[r] for r in idx], width),
-                advantages=batch.advantages[idx].to(self.device, torch.float32),
+                advantages=advantages,
                 mask=mask,
                 ref_logprobs=None if ref is None else pad_rows([ref[r] for r in idx], width),
                 sampling_logprobs=sampling,
@@ -185,16 +186,23 @@ class PolicyUpdater:
             distributed.sum_gradients(self.params)
         return float(torch.nn.utils.clip_grad_norm_(self.params, self.s.max_grad_norm))
 
-    def _host_tensors(self, batch: RolloutBatch, idx: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, width] loss mask (0 on padding, masked completions and context tokens) and engine logprobs, on
-        the device."""
-        mask = torch.zeros(len(idx), width)
-        sampling = torch.zeros(len(idx), width)
+    def _host_tensors(self, batch: RolloutBatch, idx: list[int],
+                      width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B, width] loss mask (0 on padding, masked completions and context tokens), engine logprobs, and
+        the [B] advantages, on the device: one host array, one asynchronous copy (no synchronisation)."""
+        b = len(idx)
+        cols = max(width, b)  # the advantages ride in one extra row
+        host = np.zeros((2 * b + 1, cols), dtype=np.float32)
         for i, r in enumerate(idx):
             n = len(batch.completion_ids[r])
-            mask[i, :n] = torch.tensor(batch.token_mask(r), dtype=torch.float32)
-            sampling[i, :n] = torch.tensor(batch.sampling_logprobs[r], dtype=torch.float32)
-        return mask.to(self.device, non_blocking=True), sampling.to(self.device, non_blocking=True)
+            host[i, :n] = batch.token_mask(r)
+            host[b + i, :n] = batch.sampling_logprobs[r]
+        host[-1, :b] = batch.advantages[idx].detach().float().cpu().numpy()
+        both = host_to_device(host, self.device)
+        mask, sampling = both[:b, :width], both[b: 2 * b, :width]
+        if cols != width:
+            mask, sampling = mask.contiguous(), sampling.contiguous()
+        return mask, sampling, both[-1, :b]
 
     def update(self, batch: RolloutBatch, timer) -> dict[str, float]:
         n, g = len(batch), self.s.num_generations

@@ -44,3 +44,34 @@ def test_empty_and_bad_budget():
     assert split_micro_batches([], 10) == []
     with pytest.raises(ValueError, match="token_budget"):
         split_micro_batches([1], 0)
+
+
+def test_pack_layout_hand_example():
+    import torch
+
+    from cohort.packing import pack_layout
+
+    ids, pos, cu, hidden_idx, labels, offsets = pack_layout([([5, 6], [7, 8, 9]), ([1], []), ([2, 3], [4])], "cpu")
+    assert ids.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4]]
+    assert pos.tolist() == [[0, 1, 2, 3, 4, 0, 0, 1, 2]]
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 5, 6, 9]
+    # completion token k of a sequence is predicted by the hidden state just before it
+    assert hidden_idx.tolist() == [1, 2, 3, 7]
+    assert labels.tolist() == [7, 8, 9, 4]
+    assert offsets == [0, 3, 3, 4]
+
+
+def test_padded_scatters_values_and_gathers_gradients():
+    import torch
+
+    from cohort.packing import PackedLogprobs
+
+    flat = torch.tensor([1.0, 2.0, 3.0, 4.0], requires_grad=True)
+    packed = PackedLogprobs(flat, None, [0, 3, 3, 4])
+    out = packed.padded("logprobs", pad_value=-1.0)
+    assert out.tolist() == [[1.0, 2.0, 3.0], [-1.0, -1.0, -1.0], [4.0, -1.0, -1.0]]
+    (out * torch.arange(9.0).view(3, 3)).sum().backward()
+    assert flat.grad.tolist() == [0.0, 1.0, 2.0, 6.0]
+    assert packed.padded("logprobs").tolist()[2] == [4.0, 0.0, 0.0]  # the cached index, another pad value
+    with pytest.raises(ValueError, match="entropy was not computed"):
+        packed.padded("entropy")

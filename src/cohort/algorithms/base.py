@@ -201,24 +201,36 @@ class PolicyLoss:
     def _sampler_metrics(self, ctx: RatioContext) -> dict[str, torch.Tensor]:
         w = ctx.sampler_weights
         assert w is not None  # called only when sampler weights were computed
-        flat = w.reshape(-1) if w.shape[-1] == 1 and ctx.mask.shape[-1] != 1 else w[ctx.mask.bool()]
-        empty = flat.numel() == 0
-        nan = torch.tensor(torch.nan, dtype=w.dtype, device=w.device)
+        w = w.detach()
+        # masked min / max as reductions with a fill value, NaN when no token counts: boolean indexing has a
+        # data-dependent size, so it would make the host wait for the GPU in every micro-batch
+        if w.shape[-1] == 1 and ctx.mask.shape[-1] != 1:
+            counted = torch.ones_like(w, dtype=torch.bool)
+        else:
+            counted = ctx.mask.bool()
         out = {
-            "sampling/importance_sampling_ratio/min": nan if empty else flat.min(),
+            "sampling/importance_sampling_ratio/min": _masked_extreme(w, counted, torch.amin),
             "sampling/importance_sampling_ratio/mean": self._mean(w, ctx),
-            "sampling/importance_sampling_ratio/max": nan if empty else flat.max(),
+            "sampling/importance_sampling_ratio/max": _masked_extreme(w, counted, torch.amax),
         }
         sampling = ctx.inputs.sampling_logprobs
         if sampling is not None and sampling.shape == ctx.old_logprobs.shape == ctx.mask.shape:
             # TRL 1.16's mismatch gauge: |trainer's old logprob - sampler's logprob| over completion tokens
             delta = (ctx.old_logprobs.detach() - sampling).abs()
-            tokens = delta[ctx.mask.bool()]
             out["sampling/sampling_logp_difference/mean"] = self._mean(delta, ctx)
-            out["sampling/sampling_logp_difference/max"] = tokens.max() if tokens.numel() else nan
+            out["sampling/sampling_logp_difference/max"] = _masked_extreme(delta, ctx.mask.bool(), torch.amax)
         return out
 
 
 def _at_least_one(count):
     """A step whose every token is masked has loss 0, not 0/0 (TRL clamps its normalisers the same way)."""
     return count.clamp(min=1) if isinstance(count, torch.Tensor) else max(count, 1)
+
+
+def _masked_extreme(values: torch.Tensor, counted: torch.Tensor, op) -> torch.Tensor:
+    """op (torch.amin / torch.amax) over the entries where `counted`; NaN when none counts."""
+    if values.numel() == 0:
+        return values.new_full((), torch.nan)
+    fill = torch.inf if op is torch.amin else -torch.inf
+    extreme = op(torch.where(counted, values, fill))
+    return torch.where(counted.any(), extreme, torch.full_like(extreme, torch.nan))

@@ -91,7 +91,10 @@ def reduce_metrics(per_micro_batch: Iterable[Mapping[str, torch.Tensor]]) -> dic
             op = metric_reduction(name)
             out[name] = torch.fmin(out[name], value) if op == "min" else (
                 torch.fmax(out[name], value) if op == "max" else out[name] + value)
-    return {k: v.item() for k, v in out.items()}
+    if not out:
+        return {}
+    # one device-to-host read for all of them (each .item() would be a synchronisation of its own)
+    return dict(zip(out, torch.stack([v.reshape(()) for v in out.values()]).tolist()))
 
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")

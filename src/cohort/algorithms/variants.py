@@ -180,7 +180,10 @@ class VESPOLoss(PolicyLoss):
 
 def _nan_extreme(values: torch.Tensor, op) -> torch.Tensor:
     """min/max over the finite entries (TRL's nanmin/nanmax); NaN when there are none."""
-    finite = values[~torch.isnan(values)]
-    if finite.numel() == 0:
-        return values.new_tensor(torch.nan)  # same device/dtype, so reductions never mix devices
-    return op(finite)
+    if values.numel() == 0:
+        return values.new_full((), torch.nan)  # same device/dtype, so reductions never mix devices
+    # without boolean indexing, whose data-dependent size makes the host wait for the GPU
+    nan = torch.isnan(values)
+    fill = torch.inf if op is torch.min else -torch.inf
+    extreme = op(torch.where(nan, fill, values))
+    return torch.where(nan.all(), torch.full_like(extreme, torch.nan), extreme)
