@@ -23,6 +23,8 @@ import warnings
 
 import torch
 
+from cohort import triton_logprobs
+
 DEFAULT_CHUNK_TOKENS = 4096
 
 
@@ -93,7 +95,10 @@ def _kernels(device: torch.device):
 
 
 def _call(which: int, device, *args):
-    """Run a kernel; if compilation fails once, warn and use the eager code from then on."""
+    """Run a kernel; if compilation fails once, warn and use the eager code from then on. The forward
+    statistics run as one Triton pass on CUDA (cohort.triton_logprobs) unless COHORT_TRITON_LOGPROBS=0."""
+    if which == 0 and triton_logprobs.available(device) and os.environ.get("COHORT_TRITON_LOGPROBS", "1") != "0":
+        return triton_logprobs.stats(*args)
     fn = _kernels(device)[which]
     if fn not in (_stats_eager, _grad_eager):
         # The vocabulary is the kernels' reduction / row width: static, so inductor sizes its blocks for it (a

@@ -190,7 +190,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-def sample_splits(rows: int, vocab: int, block_v: int = 2048) -> int:
+def sample_splits(rows: int, vocab: int, block_v: int = 1024) -> int:
     """Slices per row for the sampler: a power of two (each count compiles its own kernel) giving about 2,048
     programs in all (16 per SM on an H100: every SM busy for a few waves), at most 64, and never more slices
     than blocks of the vocabulary."""
@@ -200,7 +200,7 @@ def sample_splits(rows: int, vocab: int, block_v: int = 2048) -> int:
 
 def fused_sample(logits: torch.Tensor, choice: torch.Tensor, inv_temp: torch.Tensor, noise: torch.Tensor,
                  seeds: torch.Tensor, positions: torch.Tensor, *, splits: int | None = None,
-                 block_v: int = 2048, num_warps: int = 8,
+                 block_v: int = 1024, num_warps: int = 4,
                  fast_log: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gumbel-max sample of `choice`/T and log_softmax(logits/T)[token], one pass. Rows: [B, V].
 

@@ -1,0 +1,57 @@
+"""triton_logprobs.stats (one pass over each row: chosen logprob, logsumexp, entropy) against the eager
+statistics of cohort.logprobs on the CPU under TRITON_INTERPRET=1: random rows, peaked rows (entropy near 0,
+where lse - E[z] would cancel), rows with -inf logits, a vocabulary that is not a multiple of the block, and
+temperatures other than 1. The interpreter must be on when the module is first imported, so the kernel runs
+in a child process (this file as a script). Skips without Triton (not a project dependency)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def _check() -> None:
+    from cohort import triton_logprobs
+    from cohort.logprobs import _stats_eager
+
+    g = torch.Generator().manual_seed(0)
+    for vocab, dtype in ((3000, torch.bfloat16), (2048, torch.float32), (777, torch.float32)):
+        rows = torch.randn(6, vocab, generator=g) * 3
+        rows[1] *= 40  # peaked: entropy ~ 0
+        rows[2, ::3] = -torch.inf  # masked tokens
+        rows[3, : vocab - 1] = -torch.inf  # one token left: entropy 0
+        logits = rows.to(dtype)
+        labels = torch.randint(0, vocab, (6,), generator=g)
+        labels[3] = vocab - 1
+        labels[2] = 1
+        for inv_t in (1.0, 1.0 / 0.7):
+            got = triton_logprobs.stats(logits, labels, inv_t, True)
+            want = _stats_eager(logits.clone(), labels, inv_t, True)  # it scales float32 logits in place
+            # the eager entropy is NaN on -inf logits (0 * -inf); 0 log 0 = 0 is the right value
+            p = torch.softmax(logits.double() * inv_t, dim=-1)
+            entropy = torch.special.entr(p).sum(-1).float()
+            for a, b in zip(got, (want[0], want[1], entropy)):
+                torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+            chosen, lse, no_entropy = triton_logprobs.stats(logits, labels, inv_t, False)
+            assert no_entropy is None
+            torch.testing.assert_close(chosen, want[0], atol=2e-5, rtol=2e-5)
+            torch.testing.assert_close(lse, want[1], atol=2e-5, rtol=2e-5)
+
+
+def test_one_pass_statistics_equal_the_eager_ones():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "stats ok" in done.stdout
+
+
+if __name__ == "__main__":
+    _check()
+    print("stats ok")
