@@ -101,3 +101,38 @@ def test_hf_generate_logprobs_on_cuda():
         ref = packing.packed_forward_logprobs(model, seqs, compute_entropy=False)
     got = torch.tensor([x for g in out for c in g for x in c.logprobs], device="cuda")
     assert (got - ref.logprobs).abs().mean().item() < 5e-2  # bf16: padded decode vs packed prefill
+
+
+def test_one_pass_logprob_statistics_match_eager_on_cuda():
+    from cohort import triton_logprobs
+    from cohort.logprobs import _stats_eager
+
+    torch.manual_seed(0)
+    logits = (torch.randn(512, 151936, device="cuda") * 4).to(torch.bfloat16)
+    logits[7] *= 30  # peaked row
+    labels = torch.randint(0, 151936, (512,), device="cuda")
+    for inv_t in (1.0, 1 / 0.7):
+        got = triton_logprobs.stats(logits, labels, inv_t, True)
+        want = _stats_eager(logits, labels, inv_t, True)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)
+
+
+def test_chunked_logprobs_and_grads_on_cuda_match_float64():
+    from cohort.logprobs import selective_logprobs_and_entropy
+
+    torch.manual_seed(0)
+    hidden = torch.randn(300, 64, device="cuda", dtype=torch.float32, requires_grad=True)
+    weight = torch.randn(1000, 64, device="cuda", dtype=torch.float32, requires_grad=True)
+    labels = torch.randint(0, 1000, (300,), device="cuda")
+    lp, ent = selective_logprobs_and_entropy(hidden, weight, labels, temperature=0.8, chunk_tokens=128)
+    (lp.sum() + 0.3 * ent.sum()).backward()
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    logp = torch.log_softmax(h64 @ w64.t() / 0.8, dim=-1)
+    ref_lp = logp.gather(-1, labels[:, None])[:, 0]
+    ref_ent = -(logp.exp() * logp).sum(-1)
+    (ref_lp.sum() + 0.3 * ref_ent.sum()).backward()
+    torch.testing.assert_close(lp.double(), ref_lp, atol=2e-3, rtol=2e-3)  # TF32 matmuls, if a test enabled them
+    torch.testing.assert_close(ent.double(), ref_ent, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(hidden.grad.double(), h64.grad, atol=5e-3, rtol=5e-3)
+    torch.testing.assert_close(weight.grad.double(), w64.grad, atol=5e-3, rtol=5e-3)
