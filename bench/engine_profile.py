@@ -203,11 +203,14 @@ def main() -> None:
     matmul_table(model.config)
     q = torch.randn(256, 14, 64, device="cuda", dtype=torch.bfloat16)
     kc = runner.kv_cache[0, 0]
-    for ctx in (256, 1024, 2048):
-        tables = torch.randint(0, runner.num_blocks, (256, 32), device="cuda", dtype=torch.int32)
-        lens = torch.full((256,), ctx, device="cuda", dtype=torch.int32)
-        ms = gpu_ms(lambda tables=tables, lens=lens: paged_decode_attention(q, kc, kc, tables, lens, 0.125))
-        print(f"paged decode attention, 1 layer, 256 seqs x ctx {ctx}: {ms:.3f} ms")
+    width = runner.config.max_blocks_per_seq
+    for rows, ctx in ((256, 256), (256, 1024), (256, 2048), (64, 1536), (16, 2000)):
+        tables = torch.randint(0, runner.num_blocks, (rows, width), device="cuda", dtype=torch.int32)
+        lens = torch.full((rows,), ctx, device="cuda", dtype=torch.int32)
+        times = [graph_ms(lambda tables=tables, lens=lens, s=s: paged_decode_attention(
+            q[:rows], kc, kc, tables, lens, 0.125, splits=s)) * 1000 for s in (1, None)]
+        print(f"paged decode attention, 1 layer, {rows} seqs x ctx {ctx}: one program per (seq, KV head) "
+              f"{times[0]:.1f} us, default splits {times[1]:.1f} us")
     prompts = workload_a(model.config.vocab_size)
     parts = step_breakdown(engine, prompts)
     print("per decode step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))

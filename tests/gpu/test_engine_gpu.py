@@ -22,8 +22,9 @@ from cohort.types import SamplingParams
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("splits", [1, 4, None])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_paged_decode_kernel_matches_gather(dtype):
+def test_paged_decode_kernel_matches_gather(dtype, splits):
     torch.manual_seed(0)
     batch, heads, kv_heads, dim, block, blocks = 9, 14, 2, 64, 64, 40
     q = torch.randn(batch, heads, dim, device="cuda", dtype=dtype)
@@ -31,7 +32,7 @@ def test_paged_decode_kernel_matches_gather(dtype):
     vc = torch.randn_like(kc)
     tables = torch.randint(0, blocks, (batch, 8), device="cuda", dtype=torch.int32)
     ctx_lens = torch.randint(1, 8 * block, (batch,), device="cuda", dtype=torch.int32)
-    out = triton_ops.paged_decode_attention(q, kc, vc, tables, ctx_lens, 0.125)
+    out = triton_ops.paged_decode_attention(q, kc, vc, tables, ctx_lens, 0.125, splits=splits)
     ctx = AttnContext(False, None, block_tables=tables, ctx_lens=ctx_lens, max_ctx_len=8 * block)
     ref = decode_gather(q.float(), kc.float(), vc.float(), ctx, 0.125)
     err = (out.float() - ref).norm() / ref.norm()

@@ -3,12 +3,14 @@
 Both are optional: without Triton (CPU, CI) the engine uses the PyTorch versions in attention.py and
 sampler.py, which compute the same functions (tests compare them under TRITON_INTERPRET=1).
 
-Decode attention: one program per (sequence, KV head). The GQA group's query heads are folded into the
-rows of one tile (padded to 16, the smallest tl.dot tile), so a ratio of 7 (Qwen2.5) costs nothing
-special and every K/V block is read once per KV head. The loop over the sequence's blocks uses an online
+Decode attention: one program per (sequence, KV head, KV split). The GQA group's query heads are folded
+into the rows of one tile (padded to 16, the smallest tl.dot tile), so a ratio of 7 (Qwen2.5) costs nothing
+special and every K/V block is read once per KV head. The loop over the split's blocks uses an online
 softmax; the trip count comes from ctx_lens on the device, so the kernel can live inside a CUDA graph.
 A sliding-window layer passes window=W: the loop starts at the block holding position ctx_len - W and
-masks the keys before it (full attention passes 2**30, larger than any context).
+masks the keys before it (full attention passes 2**30, larger than any context). With several splits
+(flash-decoding: a small batch of long contexts would leave most SMs idle) each program writes its
+unnormalised output, maximum and denominator, and a second kernel combines the splits.
 
 Sampler: the vocabulary of each row is cut into `splits` slices, one program per (row, slice). A program
 walks its slice once, keeping the running logsumexp of logits/T (for the reported logprob) and the running
@@ -44,13 +46,14 @@ if triton is not None:
 
     @triton.jit
     def _paged_decode_kernel(
-        q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, scale, window,
+        q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, part_acc_ptr, part_ml_ptr, scale, window,
         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, SPLITS: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
+        split = tl.program_id(2)
         ctx_len = tl.load(ctx_ptr + seq)
         rows = tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, HEAD_DIM)
@@ -63,9 +66,11 @@ if triton is not None:
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         denom = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        num_blocks = tl.cdiv(ctx_len, BLOCK)
         lo = tl.maximum(ctx_len - window, 0)
-        for i in range(lo // BLOCK, num_blocks):
+        # this program's share of the sequence's blocks (all of them when SPLITS == 1)
+        first = tl.maximum(lo // BLOCK, split * BLOCKS_PER_SPLIT)
+        last = tl.minimum(tl.cdiv(ctx_len, BLOCK), (split + 1) * BLOCKS_PER_SPLIT)
+        for i in range(first, last):
             block = tl.load(tables_ptr + seq * stride_tb + i).to(tl.int64)
             offs = block * stride_kb + slots[:, None] * stride_ks + kvh * stride_kh + dims[None, :]
             k = tl.load(k_ptr + offs)
@@ -74,14 +79,39 @@ if triton is not None:
             valid = ((i * BLOCK + slots) < ctx_len) & ((i * BLOCK + slots) >= lo)
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
+            # a row with nothing seen yet (m_new = -inf) keeps zeros rather than exp(-inf - -inf) = NaN
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(s - m_safe[:, None])
             denom = denom * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
-        out = acc / denom[:, None]
-        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        if SPLITS == 1:
+            out = acc / denom[:, None]
+            tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            # unnormalised partials of this split: acc [B, H, S, D], (max, denominator) [B, H, S, 2]
+            part = (seq * (tl.num_programs(1) * GROUP) + heads) * SPLITS + split
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
+            tl.store(part_ml_ptr + part * 2, m, mask=row_ok)
+            tl.store(part_ml_ptr + part * 2 + 1, denom, mask=row_ok)
+
+    @triton.jit
+    def _paged_decode_combine_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ob, stride_oh,
+                                     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        parts = tl.arange(0, SPLITS)
+        dims = tl.arange(0, HEAD_DIM)
+        base = (seq * HEADS + head) * SPLITS + parts
+        m = tl.load(part_ml_ptr + base * 2)
+        denom = tl.load(part_ml_ptr + base * 2 + 1)
+        top = tl.max(m, 0)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))  # an empty split weighs nothing
+        acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + dims[None, :])
+        out = tl.sum(acc * w[:, None], 0) / tl.sum(denom * w, 0)
+        tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
     def _mix32(x):
@@ -171,22 +201,45 @@ if triton is not None:
         tl.store(lp_ptr + row, chosen - row_max - tl.log(total))
 
 
+def decode_splits(batch: int, kv_heads: int, max_blocks: int) -> int:
+    """KV splits per (sequence, KV head) for decode attention (flash-decoding): a power of two giving about
+    1,024 programs, at most 16 and at most the blocks a sequence can have. One program per (sequence, KV
+    head) leaves most SMs idle once the batch is small and the contexts long (a mixed workload's tail)."""
+    want = min(16, max(1, -(-1024 // max(batch * kv_heads, 1))), max(1, max_blocks))
+    return 1 << (want.bit_length() - 1)
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
-                           window: int | None = None) -> torch.Tensor:
-    """q [B, H, D]; caches [num_blocks, block_size, Hkv, D]; returns [B, H, D]. window: sliding window or None."""
+                           window: int | None = None, splits: int | None = None) -> torch.Tensor:
+    """q [B, H, D]; caches [num_blocks, block_size, Hkv, D]; returns [B, H, D]. window: sliding window or None.
+    splits: KV splits per sequence (default decode_splits; 1 = one program per (sequence, KV head))."""
     batch, heads, head_dim = q.shape
     kv_heads, block = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
     out = torch.empty_like(q)
-    _paged_decode_kernel[(batch, kv_heads)](
-        q, k_cache, v_cache, block_tables, ctx_lens, out, scale, int(window or 1 << 30),
+    width = block_tables.shape[1]
+    splits = splits or decode_splits(batch, kv_heads, width)
+    if splits & (splits - 1):
+        raise ValueError(f"splits={splits} must be a power of two")
+    per_split = -(-width // splits)
+    if splits > 1:
+        part_acc = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    _paged_decode_kernel[(batch, kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, ctx_lens, out, part_acc, part_ml, scale, int(window or 1 << 30),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK=block,
         # float32 models get exact float32 products (not tf32), so they match the PyTorch reference.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits, BLOCKS_PER_SPLIT=per_split,
+        num_warps=4,
     )
+    if splits > 1:
+        _paged_decode_combine_kernel[(batch, heads)](part_acc, part_ml, out, out.stride(0), out.stride(1),
+                                                     HEADS=heads, HEAD_DIM=head_dim, SPLITS=splits, num_warps=1)
     return out
 
 
