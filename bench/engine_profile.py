@@ -207,8 +207,8 @@ def main() -> None:
     for rows, ctx in ((256, 256), (256, 1024), (256, 2048), (64, 1536), (16, 2000)):
         tables = torch.randint(0, runner.num_blocks, (rows, width), device="cuda", dtype=torch.int32)
         lens = torch.full((rows,), ctx, device="cuda", dtype=torch.int32)
-        times = [graph_ms(lambda tables=tables, lens=lens, s=s: paged_decode_attention(
-            q[:rows], kc, kc, tables, lens, 0.125, splits=s)) * 1000 for s in (1, None)]
+        times = [graph_ms(lambda tables=tables, lens=lens, s=s, qr=q[:rows]: paged_decode_attention(
+            qr, kc, kc, tables, lens, 0.125, splits=s)) * 1000 for s in (1, None)]
         print(f"paged decode attention, 1 layer, {rows} seqs x ctx {ctx}: one program per (seq, KV head) "
               f"{times[0]:.1f} us, default splits {times[1]:.1f} us")
     prompts = workload_a(model.config.vocab_size)
