@@ -63,8 +63,9 @@ def test_default_splits_grow_as_the_batch_shrinks():
     pytest.importorskip("triton")
     from cohort.engine.triton_ops import decode_splits
 
-    assert decode_splits(256, 2, 128) == 2
-    assert decode_splits(64, 2, 128) == 8
+    assert decode_splits(256, 2, 128) == 1
+    assert decode_splits(128, 2, 128) == 2
+    assert decode_splits(64, 2, 128) == 4
     assert decode_splits(1, 2, 128) == 16
     assert decode_splits(512, 8, 128) == 1
     assert decode_splits(1, 2, 3) == 2  # never more splits than blocks per sequence
