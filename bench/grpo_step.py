@@ -45,9 +45,9 @@ checkpointing, bf16 AdamW states, 8 completions per micro-batch, so 32 accumulat
 (GRPOTrainer as a TRL user with a big GPU would set it: 32 completions per micro-batch (`--trl-tuned-micro`),
 so 8 accumulation steps, gradient checkpointing off, dynamic cache, no continuous batching; see
 bench/grpo_step_trl.py); `cohort` (fast: no checkpointing, fp32 master
-weights and AdamW, packed micro-batches of `--token-budget` tokens (32768 on 0.5B, 8192 on 1.5B, rounded up to whole completions per
-micro-batch: 33,024 and 8,448 on the bench workload, see even_budget), logprob
-chunks of 8192 tokens on 0.5B, KV pool sized to the workload, decoder layers compiled with
+weights and AdamW, packed micro-batches of `--token-budget` tokens (32768 on 0.5B, 12288 on 1.5B, rounded up to whole completions per
+micro-batch: 33,024 and 12,288 on the bench workload, see even_budget), logprob
+chunks of 8192 tokens, KV pool sized to the workload, decoder layers compiled with
 cohort.packing.compile_decoder_layers on CUDA, retried eager if that fails);
 `cohort-lowmem` (plain config fields: model.gradient_checkpointing, train.master_weights=false (bf16 AdamW
 moments as TRL, LM-head gradient summed in bf16), train.logprob_chunk_tokens=256, generation.fuse_projections=
@@ -84,8 +84,8 @@ SIZES = {
     "1.5b": {"hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
              "intermediate_size": 8960, "vocab_size": 151936},
 }
-FAST_TOKEN_BUDGET = {"tiny": 256, "0.5b": 32768, "1.5b": 8192}
-FAST_CHUNK_TOKENS = {"0.5b": 8192}  # logprob chunk of the fast row (else the trainer's default, 4096)
+FAST_TOKEN_BUDGET = {"tiny": 256, "0.5b": 32768, "1.5b": 12288}
+FAST_CHUNK_TOKENS = {"0.5b": 8192, "1.5b": 8192}  # logprob chunk of the fast row (else the trainer's default)
 PEAK_FLOPS = 989e12  # H100 SXM, dense bf16
 QWEN_EOS = 151643
 RUNNERS = ("trl", "trl-tuned", "cohort", "cohort-lowmem")
