@@ -5,15 +5,21 @@
 #
 #   export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false && bash bench/serve_learning.sh 0 600 $OUT/k0
 #   export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false && bash bench/serve_learning.sh 1 600 $OUT/k1
+#
+# On 4 GPUs both runs at once (GPUs 0/1 and 2/3), MODEL a converted model folder or a .gguf file:
+#
+#   ENGINE_GPU=1 TRAINER_GPU=0 PORT=8011 bash bench/serve_learning.sh 0 400 /tmp/k0 &
+#   ENGINE_GPU=3 TRAINER_GPU=2 PORT=8012 bash bench/serve_learning.sh 1 400 /tmp/k1; wait
 set -euo pipefail
 K=${1:?max_staleness}; STEPS=${2:-600}; OUTDIR=${3:-runs/serve_learning_k$K}; PORT=${PORT:-8011}
+MODEL=${MODEL:-smollm2-135m-instruct}
 mkdir -p "$OUTDIR"
-CUDA_VISIBLE_DEVICES=${ENGINE_GPU:-1} python3 -m cohort.cli serve smollm2-135m-instruct --port "$PORT" \
+CUDA_VISIBLE_DEVICES=${ENGINE_GPU:-1} python3 -m cohort.cli serve "$MODEL" --port "$PORT" \
     > "$OUTDIR/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT
 start=$(date +%s)
-CUDA_VISIBLE_DEVICES=${TRAINER_GPU:-0} python3 -m cohort.cli train recipes/chain_sum_gpu.yaml \
+CUDA_VISIBLE_DEVICES=${TRAINER_GPU:-0} python3 -m cohort.cli train recipes/chain_sum_gpu.yaml "model.name_or_path=$MODEL" \
     generation.placement=server "generation.server_address=127.0.0.1:$PORT" generation.server_connect_timeout_s=300 \
     "train.max_staleness=$K" "train.max_steps=$STEPS" train.max_train_time_s=null "run.output_dir=$OUTDIR/run" \
     2>&1 | grep -v "^step " | tail -n 12
