@@ -10,11 +10,17 @@
 #
 #   ENGINE_GPU=1 TRAINER_GPU=0 PORT=8011 bash bench/serve_learning.sh 0 400 /tmp/k0 &
 #   ENGINE_GPU=3 TRAINER_GPU=2 PORT=8012 bash bench/serve_learning.sh 1 400 /tmp/k1; wait
+#
+# or on 2 GPUs, crossed (each GPU holds one run's server and the other's trainer; SERVE_ARGS leaves room):
+#
+#   export SERVE_ARGS="--kv-cache-fraction 0.2"
+#   ENGINE_GPU=1 TRAINER_GPU=0 PORT=8011 bash bench/serve_learning.sh 0 300 /tmp/k0 &
+#   ENGINE_GPU=0 TRAINER_GPU=1 PORT=8012 bash bench/serve_learning.sh 1 300 /tmp/k1; wait
 set -euo pipefail
 K=${1:?max_staleness}; STEPS=${2:-600}; OUTDIR=${3:-runs/serve_learning_k$K}; PORT=${PORT:-8011}
 MODEL=${MODEL:-smollm2-135m-instruct}
 mkdir -p "$OUTDIR"
-CUDA_VISIBLE_DEVICES=${ENGINE_GPU:-1} python3 -m cohort.cli serve "$MODEL" --port "$PORT" \
+CUDA_VISIBLE_DEVICES=${ENGINE_GPU:-1} python3 -m cohort.cli serve "$MODEL" --port "$PORT" ${SERVE_ARGS:-} \
     > "$OUTDIR/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT
