@@ -27,7 +27,7 @@ trap 'kill $SERVER 2>/dev/null || true' EXIT
 start=$(date +%s)
 CUDA_VISIBLE_DEVICES=${TRAINER_GPU:-0} python3 -m cohort.cli train recipes/chain_sum_gpu.yaml "model.name_or_path=$MODEL" \
     generation.placement=server "generation.server_address=127.0.0.1:$PORT" generation.server_connect_timeout_s=300 \
-    "train.max_staleness=$K" "train.max_steps=$STEPS" train.max_train_time_s=null "run.output_dir=$OUTDIR/run" \
+    "train.max_staleness=$K" "train.max_steps=$STEPS" train.max_train_time_s=null "run.output_dir=$OUTDIR/run" ${TRAIN_ARGS:-} \
     2>&1 | grep -v "^step " | tail -n 12
 echo "max_staleness=$K steps=$STEPS wall=$(( $(date +%s) - start )) s"
 tail -n 1 "$OUTDIR/run/metrics.jsonl" | python3 -c "import json,sys; m=json.loads(sys.stdin.read()); print({k: round(v, 4) for k, v in m.items() if k.startswith(('eval/', 'staleness', 'sampling/importance')) or k in ('step', 'train_time')})"

@@ -282,6 +282,16 @@ def _argv_with_recipe_fix(argv: list[str]) -> list[str]:
     return [argv[0], *flags, *positionals]
 
 
+def _exit_now_if_nccl_aborted() -> None:
+    """After an aborted NCCL weight group (a server lost mid-push), leave without the interpreter's teardown,
+    which can wait forever on that communicator: exit code 75 (serving.liveness.EXIT_SERVER_LOST)."""
+    liveness = sys.modules.get("cohort.serving.liveness")
+    if liveness is not None and liveness.nccl_group_aborted():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(liveness.EXIT_SERVER_LOST)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         argv = _argv_with_recipe_fix(list(sys.argv[1:] if argv is None else argv))
@@ -295,6 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except CohortError as exc:
         print(f"cohort: error: {exc}", file=sys.stderr)
+        _exit_now_if_nccl_aborted()
         return 2
     except KeyboardInterrupt:
         print("cohort: interrupted", file=sys.stderr)

@@ -111,8 +111,9 @@ def test_a_server_lost_in_the_middle_of_an_nccl_push_gives_the_named_error_withi
             assert out["version"] == 0 and out["group_dropped"], out  # nothing counted; the next push: a new group
             outcome = "ServerUnavailable raised"
         assert took < LOST_WITHIN_S, f"{outcome} after {took:.1f} s{_logs(trainer, server)}"
-        if out is not None:  # and the process still exits cleanly (an aborted NCCL group must not hang it)
-            assert trainer.exit() == 0, _logs(trainer, server)
+        if out is not None:  # and the process still exits, never hangs: as the CLI does, with code 75 once an NCCL
+            # group was aborted (measured: with a frozen server a normal teardown waits forever on it)
+            assert trainer.exit() in (0, EXIT_SERVER_LOST), _logs(trainer, server)
         if fault == "exit_mid_push":
             assert server.proc.wait(10) == 17, _logs(trainer, server)
         print(f"{fault}: {outcome} after {took:.1f} s: {out['error'] if out else trainer.stderr[-600:]}")

@@ -200,6 +200,11 @@ def main(model_dir: str) -> None:
         answers.write(json.dumps(answer) + "\n")
         if op == "exit":
             break
+    # as the CLI leaves after an error: os._exit(75) once an NCCL weight group was aborted (its teardown can
+    # wait forever on a frozen peer), a normal exit otherwise
+    from cohort.cli import _exit_now_if_nccl_aborted
+
+    _exit_now_if_nccl_aborted()
 
 
 if __name__ == "__main__":

@@ -189,3 +189,26 @@ def test_the_liveness_timeout_must_be_positive():
     cfg.generation.server_liveness_timeout_s = 0
     with pytest.raises(ConfigError, match="server_liveness_timeout_s"):
         cfg.validate()
+
+
+def test_the_cli_leaves_with_exit_75_and_no_teardown_after_an_aborted_nccl_group(monkeypatch, capsys):
+    """A server frozen mid-push: the NCCL group was aborted and the error raised, but the interpreter's teardown
+    can wait forever on that communicator (measured on 2 H100s), so the CLI prints the error and os._exit(75)s."""
+    from cohort import cli
+    from cohort.serving import liveness
+    from cohort.serving.client import ServerUnavailable
+
+    def lost(args):
+        raise ServerUnavailable("cohort server at 127.0.0.1:1 stopped answering during weight push")
+
+    exits = []
+    monkeypatch.setattr(cli.os, "_exit", lambda code: exits.append(code))
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    monkeypatch.setattr(parser, "parse_args", lambda argv: type("A", (), {"func": staticmethod(lost)})())
+    assert cli.main(["train"]) == 2 and exits == []  # no group aborted: the ordinary error exit
+    monkeypatch.setattr(liveness, "_NCCL_ABORTED", threading.Event())
+    liveness.mark_nccl_aborted()
+    cli.main(["train"])
+    assert exits == [liveness.EXIT_SERVER_LOST]
+    assert "during weight push" in capsys.readouterr().err

@@ -264,6 +264,10 @@ class RemoteEngine:
         """Unblock a collective on the weight group (NCCL's kernels return; gloo's wait ends) and drop it."""
         group, self._group = self._group, None
         if group is not None:
+            if group[1].type == "cuda":  # an NCCL group: see liveness.mark_nccl_aborted
+                from cohort.serving.liveness import mark_nccl_aborted
+
+                mark_nccl_aborted()
             group[0].abort()
 
     def _join_group(self, phase: str):

@@ -28,6 +28,20 @@ T = TypeVar("T")
 
 EXIT_SERVER_LOST = 75  # EX_TEMPFAIL: the server went away; restart it (and resume the run)
 
+# Set once this process aborted an NCCL weight group. Measured on 2 H100s: with the server frozen (SIGSTOP)
+# mid-push the abort makes the push return and ServerUnavailable is raised in time, but the process then
+# never finishes exiting (the interpreter's teardown waits on the aborted communicator). The CLI checks
+# this after printing the error and leaves with os._exit(EXIT_SERVER_LOST) instead.
+_NCCL_ABORTED = threading.Event()
+
+
+def mark_nccl_aborted() -> None:
+    _NCCL_ABORTED.set()
+
+
+def nccl_group_aborted() -> bool:
+    return _NCCL_ABORTED.is_set()
+
 
 def run_watched(work: Callable[[threading.Event], T], client, *, phase: str, timeout_s: float,
                 poll_s: float = 1.0, abort: Callable[[], None] | None = None,
