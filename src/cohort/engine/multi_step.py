@@ -91,7 +91,10 @@ def body(runner: ModelRunner, bs: int, max_ctx_len: int | None = None) -> None:
         index = (kv_pos // block).clamp_(0, width - 1)
         slot = tables.gather(1, index[:, None])[:, 0].long() * block + kv_pos % block
         slots.copy_(torch.where(active, slot, scratch_slot))
-        runner._static_ctx_lens[:bs].copy_(ctx_lens)
+        # Attention of a row past its budget is computed in vain: it sees one position (its first block's
+        # first slot), not its whole context. Rows that ended ride along in chained launches while most
+        # still decode, and on long contexts their attention was most of a step's waste.
+        runner._static_ctx_lens[:bs].copy_(torch.where(active, ctx_lens, torch.ones_like(ctx_lens)))
         logits = runner.net.logits(runner.net.forward(ids, pos, ctx, runner._cache()), out=out)
         if runner.sample_in_graph:
             from cohort.engine.triton_ops import fused_sample
