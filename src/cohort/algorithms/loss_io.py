@@ -94,7 +94,9 @@ def reduce_metrics(per_micro_batch: Iterable[Mapping[str, torch.Tensor]]) -> dic
     if not out:
         return {}
     # one device-to-host read for all of them (each .item() would be a synchronisation of its own)
-    return dict(zip(out, torch.stack([v.reshape(()) for v in out.values()]).tolist()))
+    values = list(out.values())
+    device = values[0].device  # a metric on another device (a host-side count) joins the first one's
+    return dict(zip(out, torch.stack([v.reshape(()).to(device) for v in values]).tolist()))
 
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
