@@ -6,8 +6,8 @@ Times (median of repeats, CUDA events) at batch 256, Qwen2.5-0.5B architecture w
 the captured decode graph alone, the fused sampler alone, the paged-attention kernel alone, and the host
 side of the engine's step (scheduling, input preparation, appending tokens) measured on the real loop.
 Then the sampler's slicing variants and the decode matmuls (cuBLAS vs cuBLASLt) timed as CUDA graphs (no
-launch overhead), and workload A through `engine.generate` under torch.profiler: the device timeline's busy
-time and idle gaps (trace_gaps.py; the Chrome trace saved under --trace-dir).
+launch overhead), and workloads A and B through `engine.generate` under torch.profiler: the device timeline's
+busy time and idle gaps (trace_gaps.py; the Chrome traces saved under --trace-dir).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 
 import torch
 import trace_gaps
-from rollout import build_model, workload_a  # bench/ is the script's folder, so on sys.path
+from rollout import build_model, run_engine_mixed, workload_a  # bench/ is the script's folder, so on sys.path
 
 
 def gpu_ms(fn, repeats: int = 50) -> float:
@@ -109,6 +109,23 @@ def traced_generate(engine, prompts, trace_dir: str | None) -> None:
     print(trace_gaps.summary(prof, "engine.generate timeline"))
     if trace_dir:
         trace_gaps.save(prof, os.path.join(trace_dir, "engine-generate-trace.json.gz"))
+
+
+def traced_mixed(engine, vocab: int, trace_dir: str | None) -> None:
+    """Workload B (bench/rollout.py's mixed workload) through engine.generate under torch.profiler: where
+    the device sits idle (chain breaks, prefills, the small-batch tail)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prefills, decodes = engine.stats.prefill_steps, engine.stats.decode_steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        tok_s, wall, tokens = run_engine_mixed(engine, vocab)
+        torch.cuda.synchronize()
+    print(f"engine.generate, workload B, under the profiler: {tokens} tokens in {wall * 1000:.0f} ms "
+          f"({tok_s:,.0f} tok/s); {engine.stats.prefill_steps - prefills} prefill steps, "
+          f"{engine.stats.decode_steps - decodes} decode steps")
+    print(trace_gaps.summary(prof, "engine.generate timeline, workload B"))
+    if trace_dir:
+        trace_gaps.save(prof, os.path.join(trace_dir, "engine-generate-b-trace.json.gz"))
 
 
 def step_breakdown(engine, prompts) -> dict[str, float]:
@@ -216,6 +233,7 @@ def main() -> None:
     print("per decode step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))
     print(loop_breakdown(engine, prompts))
     traced_generate(engine, prompts, args.trace_dir)
+    traced_mixed(engine, model.config.vocab_size, args.trace_dir)
     del engine, runner, graph
     torch.cuda.empty_cache()
     kernel_table(model, prompts)
