@@ -78,7 +78,7 @@ def continue_command(args: argparse.Namespace, *, resume: bool = True) -> str:
 
 def interrupted_message(cfg, args: argparse.Namespace) -> str:
     """What Ctrl-C prints: the newest checkpoint (if any) and the exact command that continues the run."""
-    from cohort.checkpoint import latest_checkpoint
+    from cohort.checkpointing import latest_checkpoint
     from cohort.run_dir import run_has_progress
 
     out = Path(cfg.run.output_dir).expanduser()

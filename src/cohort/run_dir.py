@@ -128,7 +128,7 @@ def run_has_progress(path: str | os.PathLike) -> bool:
     metrics = path / METRICS_FILE
     if metrics.is_file() and metrics.stat().st_size > 0:
         return True
-    from cohort.checkpoint import latest_checkpoint  # late import: checkpoint imports this module
+    from cohort.checkpointing import latest_checkpoint  # late import: checkpointing imports this module
 
     return latest_checkpoint(path) is not None
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cohort import checkpoint as ckpt
+from cohort import checkpointing as ckpt
 from cohort import distributed
 from cohort.config import CohortConfig, dump_config
 from cohort.data import PromptBatch, PromptSampler

@@ -12,7 +12,7 @@ def _cuda_llama(seed: int):
 
 
 def test_bf16_cuda_round_trip_with_cuda_rng(tmp_path):
-    from cohort.checkpoint import load_checkpoint, save_checkpoint
+    from cohort.checkpointing import load_checkpoint, save_checkpoint
 
     model = _cuda_llama(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -44,7 +44,8 @@ def _saving_step(path) -> int:
 
 
 def _install() -> None:
-    from cohort import checkpoint, trainer, update
+    from cohort import checkpointing, trainer, update
+    from cohort.checkpointing import atomic, saving
 
     if POINT == "update":
         real_clip = update.PolicyUpdater._reduce_and_clip
@@ -57,26 +58,26 @@ def _install() -> None:
 
         update.PolicyUpdater._reduce_and_clip = reduce_and_clip
     elif POINT == "save_write":
-        real_write = checkpoint._write_contents
+        real_write = saving._write_contents
 
         def write_contents(directory, *args, **kwargs):
             real_write(directory, *args, **kwargs)
             if _saving_step(directory) == STEP:
-                optimizer = directory / checkpoint.OPTIMIZER_FILE
+                optimizer = directory / checkpointing.OPTIMIZER_FILE
                 with open(optimizer, "r+b") as f:
                     f.truncate(f.seek(0, 2) // 2)
                 _die()
 
-        checkpoint._write_contents = write_contents
+        saving._write_contents = write_contents
     elif POINT == "save_publish":
-        real_move = checkpoint._move_into_place
+        real_move = atomic._move_into_place
 
         def move_into_place(tmp, final):
             real_move(tmp, final)
             if _saving_step(final) == STEP:
                 _die()
 
-        checkpoint._move_into_place = move_into_place
+        atomic._move_into_place = move_into_place
     elif POINT == "after_save":
         real_save = trainer._save
 

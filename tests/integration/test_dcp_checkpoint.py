@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from cohort.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from cohort.checkpointing import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from cohort.distributed.dcp import canonical_name, is_sharded
 
 KINDS = ("llama", "lora")

@@ -20,7 +20,7 @@ import pytest
 import torch
 from tests.integration.test_dcp_checkpoint import _init, assert_same, build, snapshot, spawn, train_step
 
-from cohort.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from cohort.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from cohort.logging import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]

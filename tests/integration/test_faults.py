@@ -23,8 +23,8 @@ from tests.helpers.toy_task import digit_share, tiny_model, toy_rows
 from tests.integration.test_trainer_learns import toy_components
 from tests.integration.test_trainer_learns import toy_config as _toy_config
 
-from cohort import checkpoint as ckpt
-from cohort.checkpoint import CheckpointError
+from cohort import checkpointing as ckpt
+from cohort.checkpointing import CheckpointError, atomic
 from cohort.cli import main
 from cohort.data import load_prompt_dataset
 from cohort.logging import read_jsonl
@@ -183,7 +183,7 @@ def test_save_failing_halfway_is_a_clear_error_and_keeps_latest(tmp_path, monkey
 def test_permission_error_while_publishing_is_a_clear_error(tmp_path, monkeypatch):
     model, optimizer = _model_and_optimizer()
     _save(tmp_path, 1, model, optimizer)
-    monkeypatch.setattr(ckpt, "_move_into_place", lambda tmp, final: (_ for _ in ()).throw(
+    monkeypatch.setattr(atomic, "_move_into_place", lambda tmp, final: (_ for _ in ()).throw(
         PermissionError(13, "Permission denied", str(final))))
     with pytest.raises(CheckpointError, match=r"step-000002.*Permission denied"):
         _save(tmp_path, 2, model, optimizer)

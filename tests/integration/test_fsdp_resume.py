@@ -149,7 +149,7 @@ def test_sharded_checkpoint_folder_loads_with_from_pretrained(runs):
     """The step-4 folder of the 2-rank run is a Hugging Face model whose weights are the gathered ones."""
     from transformers import AutoModelForCausalLM
 
-    from cohort.checkpoint import latest_checkpoint
+    from cohort.checkpointing import latest_checkpoint
 
     folder = latest_checkpoint(runs["straight"] / "run")
     assert folder is not None and folder.name == f"step-{STRAIGHT:06d}"

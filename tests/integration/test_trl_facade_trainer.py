@@ -271,7 +271,7 @@ def test_saved_trainer_state_is_strict_json_and_round_trips_non_finite_metrics()
     from cohort.trl_compat.callbacks import _from_json, _to_json
 
     history = [{"loss": float("nan"), "reward": 0.5, "grad_norm": float("inf"), "step": 1}, {"note": "x"}]
-    text = json.dumps(_to_json(history), allow_nan=False)  # what checkpoint.py requires
+    text = json.dumps(_to_json(history), allow_nan=False)  # what cohort.checkpointing requires
     back = _from_json(json.loads(text))
     assert math.isnan(back[0]["loss"]) and back[0]["grad_norm"] == math.inf and back[0]["reward"] == 0.5
     assert back[1] == {"note": "x"}

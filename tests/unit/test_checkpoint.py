@@ -9,8 +9,8 @@ import torch
 from tests.helpers.tiny_models import tiny_llama
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from cohort import checkpoint as ckpt
-from cohort.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from cohort import checkpointing as ckpt
+from cohort.checkpointing import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from cohort.errors import ConfigError
 
 
@@ -108,7 +108,7 @@ def test_crash_mid_write_keeps_previous_checkpoint_latest(tmp_path, monkeypatch)
             raise OSError("disk full (simulated)")
         return real_save(obj, f, *a, **k)
 
-    monkeypatch.setattr(ckpt.torch, "save", failing_save)
+    monkeypatch.setattr(torch, "save", failing_save)
     # a CheckpointError naming the folder and the cause (the CLI's exit-2 message, not a traceback)
     with pytest.raises(CheckpointError, match=r"step-000002.*OSError: disk full \(simulated\)"):
         save_checkpoint(tmp_path, 2, model=model, optimizer=opt, scheduler=sched, trainer_state={"x": 2})

@@ -4,7 +4,7 @@ import pytest
 import torch
 from tests.helpers.tiny_models import tiny_llama
 
-from cohort.checkpoint import load_checkpoint, save_checkpoint
+from cohort.checkpointing import load_checkpoint, save_checkpoint
 
 peft = pytest.importorskip("peft")
 

@@ -146,7 +146,7 @@ def test_crash_and_resume_flow_keeps_files_consistent(tmp_path):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from cohort.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from cohort.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
     from cohort.logging import MetricLogger, read_jsonl
 
     config = LlamaConfig(

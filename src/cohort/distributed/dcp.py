@@ -1,6 +1,6 @@
 """Sharded checkpoints of FSDP2 policies through torch.distributed.checkpoint (DCP).
 
-`cohort.checkpoint` owns the checkpoint layout and its atomic save protocol; this module holds the parts that
+`cohort.checkpointing` owns the checkpoint layout and its atomic save protocol; this module holds the parts that
 are collective over the ranks of an FSDP2-sharded (`fully_shard`) policy:
 
 - `is_sharded`: whether a policy is FSDP2-sharded (then saving and loading are collective);
@@ -38,7 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule
 
-from cohort.checkpoint import CheckpointError, _unwrap
+from cohort.checkpointing import CheckpointError
+from cohort.checkpointing.weights import unwrap_model
 
 DCP_DIR = "dcp"
 _MODEL_KEY = "model"
@@ -67,7 +68,7 @@ def is_peft(model: Any) -> bool:
         from peft import PeftModel
     except ImportError:
         return False
-    return isinstance(_unwrap(model), PeftModel)
+    return isinstance(unwrap_model(model), PeftModel)
 
 
 def _options(model: Any, **kwargs: Any) -> StateDictOptions:
@@ -132,10 +133,10 @@ def export_hf(directory: Path, model: torch.nn.Module) -> None:
         if name != first and first in full:
             full.pop(name, None)
     if not is_peft(model):
-        full = _in_config_dtype(_unwrap(model), full)
+        full = _in_config_dtype(unwrap_model(model), full)
     # PeftModel.save_pretrained passes `state_dict` through get_peft_model_state_dict (which keeps the adapter
     # and drops the adapter name from its keys); a transformers model writes the dict as given.
-    _unwrap(model).save_pretrained(directory, state_dict=full, safe_serialization=True)
+    unwrap_model(model).save_pretrained(directory, state_dict=full, safe_serialization=True)
 
 
 def _in_config_dtype(model: Any, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -228,7 +229,7 @@ def _check_model_keys(path: Path, model: Any, live: set[str], saved_flat: set[st
     missing, unexpected = sorted(live - saved), sorted(saved - live)
     if missing or unexpected:
         raise CheckpointError(
-            f"sharded checkpoint {str(path)!r} does not fit the model ({type(_unwrap(model)).__name__}): keys "
+            f"sharded checkpoint {str(path)!r} does not fit the model ({type(unwrap_model(model)).__name__}): keys "
             f"missing from it {missing[:5]}{'...' if len(missing) > 5 else ''}, keys the model lacks "
             f"{unexpected[:5]}{'...' if len(unexpected) > 5 else ''}; load it into the architecture (and LoRA "
             "settings) it was saved from"
@@ -270,7 +271,7 @@ def _to_model_names(path: Path, model: Any, saved: dict[str, torch.Tensor],
 
     # get_peft_model_state_dict renames without copying, so the identity of each value maps a PEFT name
     # back to the model's name; this follows whatever renaming PEFT applies (adapter names, modules_to_save).
-    peft_view = get_peft_model_state_dict(_unwrap(model), state_dict=live)
+    peft_view = get_peft_model_state_dict(unwrap_model(model), state_dict=live)
     model_name = {id(v): k for k, v in live.items()}
     to_model = {peft_key: model_name[id(v)] for peft_key, v in peft_view.items() if id(v) in model_name}
     unknown = sorted(set(saved) - set(to_model))
@@ -286,7 +287,7 @@ def _check_full_keys(path: Path, model: torch.nn.Module, saved: set[str], live: 
     unexpected = sorted(saved - live)
     if missing or unexpected:
         raise CheckpointError(
-            f"checkpoint {str(path)!r} does not fit the model ({type(_unwrap(model)).__name__}): missing keys "
+            f"checkpoint {str(path)!r} does not fit the model ({type(unwrap_model(model)).__name__}): missing keys "
             f"{missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
             f"{'...' if len(unexpected) > 5 else ''}; load it into the architecture it was saved from"
         )

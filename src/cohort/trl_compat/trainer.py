@@ -194,7 +194,7 @@ class GRPOTrainer:
             if path is not True and not Path(path).is_dir():
                 raise ConfigError(f"train(resume_from_checkpoint={path!r}): no such checkpoint folder.")
             if path is True:
-                from cohort.checkpoint import latest_checkpoint
+                from cohort.checkpointing import latest_checkpoint
 
                 if latest_checkpoint(cfg.run.output_dir) is None:  # TRL raises here too
                     raise ConfigError(f"train(resume_from_checkpoint=True): no checkpoint in {cfg.run.output_dir}"
@@ -249,7 +249,7 @@ class GRPOTrainer:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Weights (or the LoRA adapters), config and tokenizer in `output_dir` (default args.output_dir),
         loadable with from_pretrained."""
-        from cohort.checkpoint import _unwrap
+        from cohort.checkpointing.weights import unwrap_model
 
         if self.config.train.sharding != "fsdp" and not self.is_world_process_zero():
             return  # every rank holds the same weights: rank 0 writes them, as TRL's should_save
@@ -258,7 +258,7 @@ class GRPOTrainer:
         model = self._comp.policy if self._comp is not None else self.model
         if isinstance(model, str):
             raise ConfigError("save_model(): the model is still a name; call train() (or evaluate()) first.")
-        _unwrap(model).save_pretrained(out)
+        unwrap_model(model).save_pretrained(out)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(out)
 

@@ -1,0 +1,52 @@
+"""What a saved checkpoint holds, for the log and for resume: its size on disk and whether it has optimizer
+state (a run.save_only_model checkpoint has none)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from cohort.checkpointing.layout import OPTIMIZER_FILE
+
+
+def checkpoint_size(path: str | os.PathLike) -> dict[str, int]:
+    """Bytes on disk of a checkpoint folder: {"total", "optimizer" (optimizer.pt or dcp/ optimizer shards
+    cannot be told apart from the model's there, so dcp/ counts as "sharded state")}."""
+    path = Path(path)
+    total = 0
+    for dirpath, _dirnames, filenames in os.walk(path):
+        for name in filenames:
+            total += os.path.getsize(os.path.join(dirpath, name))
+    optimizer = path / OPTIMIZER_FILE
+    return {"total": total, "optimizer": optimizer.stat().st_size if optimizer.is_file() else 0}
+
+
+def describe_size(path: str | os.PathLike) -> str:
+    """One line for the log: a checkpoint's size on disk and how much of it is optimizer state."""
+    size = checkpoint_size(path)
+    text = f"{_human_bytes(size['total'])} on disk"
+    if size["optimizer"]:
+        text += f" ({_human_bytes(size['optimizer'])} of it optimizer state; run.save_only_model=true leaves it out)"
+    elif not has_optimizer_state(path):
+        text += " (weights only: run.save_only_model)"
+    return text
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def has_optimizer_state(path: str | os.PathLike) -> bool:
+    """Whether a checkpoint holds optimizer state (not when saved with run.save_only_model)."""
+    path = Path(path)
+    if (path / OPTIMIZER_FILE).is_file():
+        return True
+    from cohort.distributed import dcp  # imported here: dcp imports this package
+
+    if dcp.has_sharded_state(path):
+        return any(k.startswith("optim.") for k in dcp._saved_keys(path / dcp.DCP_DIR))
+    return False
