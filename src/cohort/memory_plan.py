@@ -75,7 +75,7 @@ def micro_batch_tokens(cfg: CohortConfig, longest_prompt: int | None = None) -> 
     generation.max_completion_length and every prompt is as long as the longest encoded one
     (data.max_prompt_length when not known): the activations and logprob chunk the memory estimate sizes.
     A mini-batch's rollouts are spread evenly over as few micro-batches of train.token_budget tokens as hold them
-    (cohort.packing.split_micro_batches), so a step smaller than the budget is one micro-batch of its size."""
+    (cohort.micro_batches.split_micro_batches), so a step smaller than the budget is one micro-batch of its size."""
     g, t = cfg.generation, cfg.train
     ranks = max(1, distributed.current().world_size)
     rollouts = max(1, -(-t.prompts_per_step // (ranks * t.mini_batches))) * g.num_generations

@@ -2,44 +2,32 @@
 
 TRL pads every micro-batch to its longest sequence; with completions of 20 to 1000 tokens most of the
 compute goes to padding. Here a micro-batch is one row `[p0 c0 p1 c1 ...]` whose position ids restart at
-every sequence, and attention never crosses a sequence boundary:
+every sequence (`pack_layout`), and attention never crosses a sequence boundary:
 
-- attn="varlen" (default): the model's attention is routed (once, permanently; see
-  `enable_packed_attention`) through a function registered with transformers' `AttentionInterface`. With
-  `cu_seq_lens` it runs `torch.nn.attention.varlen.varlen_attn` on CUDA in bf16/fp16 (flash-attention, no
-  mask tensor) and SDPA per sequence elsewhere (exact, cheap enough on the CPU); without them (generate,
-  ordinary forwards) it calls the model's previous implementation. Flash-attention-2/3 models already
-  understand the same `cu_seq_lens_*` kwargs and are left as they are.
+- attn="varlen" (default): the model's attention goes through `cohort.packed_attention` (cu_seqlens
+  attention: flash varlen on CUDA, SDPA per sequence elsewhere; sliding windows honoured per sequence).
 - attn="native": the model's own attention (sdpa/eager) with no attention mask; transformers detects the
   restarting position ids and builds a block-diagonal causal mask ([T, T] booleans, fine on the CPU).
-
-Sliding-window layers (Mistral, Gemma 3's local layers, Qwen with use_sliding_window) hand their window to
-the attention function as `sliding_window`; the packed paths honour it inside each sequence (flash
-window_size=(W - 1, 0), a windowed causal mask in the SDPA fallback), as transformers' own masks do.
 
 Only the final hidden states are computed by the model; logprobs and entropy of the completion tokens go
 through `cohort.logprobs.selective_logprobs_and_entropy`, so [tokens, vocab] logits never exist. A model
 whose config sets `final_logit_softcapping` (logits = c * tanh(logits / c)) takes a chunked path with the
-cap applied (`_softcapped_logprobs`).
-`split_micro_batches` cuts a step's sequences into such rows by a token budget.
+cap applied (`_softcapped_logprobs`). `compile_decoder_layers` fuses each decoder layer's small kernels.
+Which sequences share a row is decided in `cohort.micro_batches`.
 """
 
 from __future__ import annotations
 
-import contextvars
 import functools
-import inspect
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from cohort.logprobs import DEFAULT_CHUNK_TOKENS, selective_logprobs_and_entropy
-
-VARLEN_IMPL = "cohort_varlen"
+from cohort.packed_attention import _PACKED_MASKS, enable_packed_attention
 
 
 @dataclass
@@ -84,132 +72,6 @@ class PackedLogprobs:
         assert self._index is not None
         out = flat.new_full((rows * width,), pad_value).index_put((self._index,), flat)
         return out.view(rows, width)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Attention
-
-
-def _has_varlen_attn() -> bool:
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _flash_varlen(query, key, value, cu_seqlens, max_len, scaling, window=None):
-    """varlen_attn on [T, H, D] tensors; older torch builds lack `enable_gqa`, so expand KV heads there.
-    window W (sliding-window layers): each query sees its own and the W - 1 previous keys."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    kwargs = {"scale": scaling, "window_size": (-1 if window is None else window - 1, 0)}  # (-1, 0): causal
-    if query.shape[1] != key.shape[1]:
-        if "enable_gqa" in inspect.signature(varlen_attn).parameters:
-            kwargs["enable_gqa"] = True
-        else:
-            rep = query.shape[1] // key.shape[1]
-            key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
-    return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
-
-
-def _segment_sdpa(query, key, value, cu_seqlens, scaling, window=None):
-    """Exact fallback: causal (optionally sliding-window) SDPA over each sequence separately.
-    query [1, Hq, T, D] -> [1, T, Hq, D]."""
-    rep = query.shape[1] // key.shape[1]
-    bounds = cu_seqlens.tolist()
-    outs = []
-    for a, b in itertools.pairwise(bounds):
-        k = key[:, :, a:b].repeat_interleave(rep, dim=1) if rep > 1 else key[:, :, a:b]
-        v = value[:, :, a:b].repeat_interleave(rep, dim=1) if rep > 1 else value[:, :, a:b]
-        if window is None or b - a <= window:
-            outs.append(F.scaled_dot_product_attention(query[:, :, a:b], k, v, is_causal=True, scale=scaling))
-        else:
-            pos = torch.arange(b - a, device=query.device)
-            # key j is visible from query i when i - W < j <= i (transformers' sliding_window_overlay)
-            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
-            outs.append(F.scaled_dot_product_attention(query[:, :, a:b], k, v, attn_mask=mask, scale=scaling))
-    return torch.cat(outs, dim=2).transpose(1, 2)
-
-
-# Set only while a packed forward builds its masks; the attention kernels themselves key off cu_seq_lens,
-# which autograd's checkpoint recomputation replays, so backward needs no flag.
-_PACKED_MASKS = contextvars.ContextVar("cohort_packed_masks", default=False)
-# id(config) -> the implementation the model had before; kept off the config so save_pretrained stays clean.
-_FALLBACK: dict[int, str] = {}
-
-
-def _fallback_name(config) -> str:
-    """The model's own attention implementation, used for every call that is not a packed forward."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    name = _FALLBACK.get(id(config), "sdpa")
-    # "eager" lives in each modeling file, not in the registry; sdpa computes the same thing.
-    return name if name in ALL_ATTENTION_FUNCTIONS else "sdpa"
-
-
-def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention function: packed rows (cu_seq_lens_q given) or the model's own attention."""
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is None:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        fallback = ALL_ATTENTION_FUNCTIONS[_fallback_name(module.config)]
-        return fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    if query.shape[0] != 1:
-        raise RuntimeError(f"packed forward expects one row, got a batch of {query.shape[0]}")
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError(f"attention-logit softcap={kwargs['softcap']} (Gemma 2) is not implemented in "
-                                  "the packed attention; packed_forward_logprobs(attn='native') uses the model's own")
-    window = kwargs.get("sliding_window")
-    window = int(window) if window else None
-    use_flash = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _has_varlen_attn()
-    if use_flash:
-        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
-        out = _flash_varlen(q, k, v, cu.to(torch.int32), int(kwargs["max_length_q"]), scaling, window)
-        return out.unsqueeze(0), None
-    return _segment_sdpa(query, key, value, cu, scaling, window), None
-
-
-def _varlen_mask(*args, config=None, **kwargs):
-    """No mask tensor inside a packed forward (boundaries come from cu_seqlens); the model's own mask otherwise."""
-    if _PACKED_MASKS.get():
-        return None
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-    return ALL_MASK_ATTENTION_FUNCTIONS[_fallback_name(config)](*args, config=config, **kwargs)
-
-
-def enable_packed_attention(model) -> None:
-    """Route the model's attention through VARLEN_IMPL (idempotent).
-
-    The switch is permanent on purpose: gradient checkpointing recomputes layers during backward, after any
-    context manager would have exited, and the recomputation must use the same kernel. Calls without
-    cu_seq_lens (generate, ordinary forwards) go to the model's previous implementation unchanged.
-    Flash-attention models already understand cu_seq_lens and are left alone.
-    """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    config = model.config
-    current = str(config._attn_implementation)
-    if current == VARLEN_IMPL or current.startswith("flash_attention"):
-        return
-    AttentionInterface.register(VARLEN_IMPL, varlen_attention_forward)
-    AttentionMaskInterface.register(VARLEN_IMPL, _varlen_mask)
-    _FALLBACK[id(config)] = current
-    config._attn_implementation = VARLEN_IMPL
-
-
-def disable_packed_attention(model) -> None:
-    """Undo `enable_packed_attention` (the model's previous attention implementation comes back)."""
-    config = model.config
-    if config._attn_implementation == VARLEN_IMPL:
-        config._attn_implementation = _FALLBACK.pop(id(config), "sdpa")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Packed forward
 
 
 def host_to_device(array: np.ndarray, device) -> torch.Tensor:
@@ -389,65 +251,3 @@ def compile_decoder_layers(model, *, dynamic: bool = True, forward_only: bool = 
             layer._cohort_compiled = True
             count += 1
     return count
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Micro-batches
-
-
-def split_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
-    """Cut sequences (by total token length) into micro-batches of at most `token_budget` tokens.
-
-    Every index appears in exactly one micro-batch; a sequence longer than the budget sits alone in its
-    own. The number of micro-batches is the first-fit-decreasing count; the sequences are then spread over
-    that many bins longest-first into the least-loaded bin that fits, so micro-batches carry similar token
-    counts (if that spread cannot fit, the first-fit-decreasing packing is kept). Indices inside a
-    micro-batch are ascending; micro-batches are ordered by their first index. Deterministic.
-    """
-    if token_budget < 1:
-        raise ValueError(f"token_budget={token_budget} must be >= 1 (tokens per forward/backward)")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    ffd: list[list[int]] = []
-    loads: list[int] = []
-    for i in order:
-        n = lengths[i]
-        slot = next((b for b, used in enumerate(loads) if used + n <= token_budget), None)
-        if slot is None:
-            ffd.append([i])
-            loads.append(n)
-        else:
-            ffd[slot].append(i)
-            loads[slot] += n
-    balanced = _balance(order, lengths, token_budget, len(ffd))
-    bins = balanced if balanced is not None else ffd
-    return sorted((sorted(b) for b in bins if b), key=lambda b: b[0])
-
-
-def spread_micro_batches(bins: list[list[int]], lengths: Sequence[int], count: int) -> list[list[int]]:
-    """`bins` re-cut into exactly `count` micro-batches (sharded training: every rank must run the same number
-    of forwards, since each one gathers parameters collectively). The micro-batch with the most tokens is
-    halved until there are enough; when there are fewer sequences than `count`, empty micro-batches pad the
-    list (the caller runs them as a zero-weight pass)."""
-    out = [list(b) for b in bins]
-    while len(out) < count:
-        splittable = [b for b in out if len(b) > 1]
-        if not splittable:
-            break
-        big = max(splittable, key=lambda b: (sum(lengths[i] for i in b), -b[0]))
-        out.remove(big)
-        out += [big[: len(big) // 2], big[len(big) // 2:]]
-    out.sort(key=lambda b: b[0])
-    return out + [[] for _ in range(count - len(out))]
-
-
-def _balance(order, lengths, budget, k):
-    """Longest-first into the least-loaded of k bins; None when some sequence does not fit."""
-    bins: list[list[int]] = [[] for _ in range(k)]
-    loads = [0] * k
-    for i in order:
-        b = min(range(k), key=lambda j: (loads[j], j))
-        if loads[b] and loads[b] + lengths[i] > budget:
-            return None
-        bins[b].append(i)
-        loads[b] += lengths[i]
-    return bins

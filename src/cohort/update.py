@@ -30,7 +30,8 @@ import torch
 from cohort import distributed
 from cohort.algorithms import LossInputs, reduce_metrics
 from cohort.errors import CohortError
-from cohort.packing import host_to_device, packed_forward_logprobs, split_micro_batches, spread_micro_batches
+from cohort.micro_batches import split_micro_batches, spread_micro_batches
+from cohort.packing import host_to_device, packed_forward_logprobs
 from cohort.rollout import RolloutBatch
 
 

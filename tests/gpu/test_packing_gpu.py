@@ -8,6 +8,7 @@ if not torch.cuda.is_available():
 
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+import cohort.packed_attention as packed_attention
 import cohort.packing as packing
 from cohort.engine.hf_backend import HFGenerateEngine
 from cohort.logprobs import selective_logprobs_and_entropy
@@ -40,8 +41,8 @@ def _run(model, seqs, attn):
 
 def test_flash_varlen_matches_masked_sdpa_bf16(monkeypatch):
     calls = []
-    real = packing._flash_varlen
-    monkeypatch.setattr(packing, "_flash_varlen", lambda *a: calls.append(1) or real(*a))
+    real = packed_attention._flash_varlen
+    monkeypatch.setattr(packed_attention, "_flash_varlen", lambda *a: calls.append(1) or real(*a))
     model, seqs = _model(torch.bfloat16), _sequences()
     lp_v, g_v = _run(model, seqs, "varlen")
     assert len(calls) == 2  # one per layer: the flash kernel ran

@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from cohort.packing import compile_decoder_layers, disable_packed_attention, packed_forward_logprobs
+from cohort.packed_attention import disable_packed_attention
+from cohort.packing import compile_decoder_layers, packed_forward_logprobs
 
 VOCAB = 97
 
@@ -55,11 +56,11 @@ def _grads(model):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("attn", ["varlen", "native", "varlen+checkpointing"])
 def test_packed_equals_padded(arch, attn, monkeypatch):
-    import cohort.packing as packing
+    import cohort.packed_attention as packed_attention
 
     calls = []
-    real = packing._segment_sdpa
-    monkeypatch.setattr(packing, "_segment_sdpa", lambda *a: calls.append(1) or real(*a))
+    real = packed_attention._segment_sdpa
+    monkeypatch.setattr(packed_attention, "_segment_sdpa", lambda *a: calls.append(1) or real(*a))
     model = _tiny(arch)
     if attn.endswith("checkpointing"):
         # Recomputation in backward must use the same (packed) attention as the forward did.

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from cohort.packing import split_micro_batches
+from cohort.micro_batches import split_micro_batches
 
 
 def _check(lengths, budget, bins):

@@ -119,7 +119,8 @@ def vision_packed_logprobs(model, sequences, *, temperature: float = 1.0, comput
                            chunk_tokens: int = DEFAULT_CHUNK_TOKENS, attn: str = "varlen",
                            lm_head_grad_fp32: bool = True):
     """`packed_forward_logprobs` for prompts with images (see the module docstring) -> PackedLogprobs."""
-    from cohort.packing import _PACKED_MASKS, PackedLogprobs, enable_packed_attention
+    from cohort.packed_attention import _PACKED_MASKS, enable_packed_attention
+    from cohort.packing import PackedLogprobs
 
     if attn not in ("varlen", "native"):
         raise ValueError(f"attn={attn!r} is not one of 'varlen', 'native'")

@@ -1,0 +1,146 @@
+"""How a packed row's attention sees only its own sequence.
+
+A packed row is many (prompt, completion) sequences laid end to end (`cohort.packing`), with
+`cu_seq_lens` marking where each begins. `enable_packed_attention` routes the model's attention (once,
+permanently) through `varlen_attention_forward`, registered with transformers' `AttentionInterface` as
+VARLEN_IMPL:
+
+- with `cu_seq_lens`: `torch.nn.attention.varlen.varlen_attn` on CUDA in bf16/fp16 (flash-attention, no
+  mask tensor), and causal SDPA over each sequence elsewhere (exact, cheap enough on the CPU);
+- without them (generate, ordinary forwards): the model's previous implementation, unchanged.
+
+Sliding-window layers (Mistral, Gemma 3's local layers, Qwen with use_sliding_window) hand their window to
+the attention function as `sliding_window`; both packed paths honour it inside each sequence (flash
+window_size=(W - 1, 0), a windowed causal mask in the SDPA fallback), as transformers' own masks do.
+While a packed forward runs (`_PACKED_MASKS` set), the registered mask function builds no mask at all.
+Flash-attention-2/3 models already understand the same `cu_seq_lens_*` kwargs and are left as they are.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+VARLEN_IMPL = "cohort_varlen"
+
+
+def _has_varlen_attn() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _flash_varlen(query, key, value, cu_seqlens, max_len, scaling, window=None):
+    """varlen_attn on [T, H, D] tensors; older torch builds lack `enable_gqa`, so expand KV heads there.
+    window W (sliding-window layers): each query sees its own and the W - 1 previous keys."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    kwargs = {"scale": scaling, "window_size": (-1 if window is None else window - 1, 0)}  # (-1, 0): causal
+    if query.shape[1] != key.shape[1]:
+        if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+            kwargs["enable_gqa"] = True
+        else:
+            rep = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
+
+
+def _segment_sdpa(query, key, value, cu_seqlens, scaling, window=None):
+    """Exact fallback: causal (optionally sliding-window) SDPA over each sequence separately.
+    query [1, Hq, T, D] -> [1, T, Hq, D]."""
+    rep = query.shape[1] // key.shape[1]
+    bounds = cu_seqlens.tolist()
+    outs = []
+    for a, b in itertools.pairwise(bounds):
+        k = key[:, :, a:b].repeat_interleave(rep, dim=1) if rep > 1 else key[:, :, a:b]
+        v = value[:, :, a:b].repeat_interleave(rep, dim=1) if rep > 1 else value[:, :, a:b]
+        if window is None or b - a <= window:
+            outs.append(F.scaled_dot_product_attention(query[:, :, a:b], k, v, is_causal=True, scale=scaling))
+        else:
+            pos = torch.arange(b - a, device=query.device)
+            # key j is visible from query i when i - W < j <= i (transformers' sliding_window_overlay)
+            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+            outs.append(F.scaled_dot_product_attention(query[:, :, a:b], k, v, attn_mask=mask, scale=scaling))
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+# Set only while a packed forward builds its masks; the attention kernels themselves key off cu_seq_lens,
+# which autograd's checkpoint recomputation replays, so backward needs no flag.
+_PACKED_MASKS = contextvars.ContextVar("cohort_packed_masks", default=False)
+# id(config) -> the implementation the model had before; kept off the config so save_pretrained stays clean.
+_FALLBACK: dict[int, str] = {}
+
+
+def _fallback_name(config) -> str:
+    """The model's own attention implementation, used for every call that is not a packed forward."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = _FALLBACK.get(id(config), "sdpa")
+    # "eager" lives in each modeling file, not in the registry; sdpa computes the same thing.
+    return name if name in ALL_ATTENTION_FUNCTIONS else "sdpa"
+
+
+def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: packed rows (cu_seq_lens_q given) or the model's own attention."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        fallback = ALL_ATTENTION_FUNCTIONS[_fallback_name(module.config)]
+        return fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if query.shape[0] != 1:
+        raise RuntimeError(f"packed forward expects one row, got a batch of {query.shape[0]}")
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError(f"attention-logit softcap={kwargs['softcap']} (Gemma 2) is not implemented in "
+                                  "the packed attention; packed_forward_logprobs(attn='native') uses the model's own")
+    window = kwargs.get("sliding_window")
+    window = int(window) if window else None
+    use_flash = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _has_varlen_attn()
+    if use_flash:
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+        out = _flash_varlen(q, k, v, cu.to(torch.int32), int(kwargs["max_length_q"]), scaling, window)
+        return out.unsqueeze(0), None
+    return _segment_sdpa(query, key, value, cu, scaling, window), None
+
+
+def _varlen_mask(*args, config=None, **kwargs):
+    """No mask tensor inside a packed forward (boundaries come from cu_seqlens); the model's own mask otherwise."""
+    if _PACKED_MASKS.get():
+        return None
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    return ALL_MASK_ATTENTION_FUNCTIONS[_fallback_name(config)](*args, config=config, **kwargs)
+
+
+def enable_packed_attention(model) -> None:
+    """Route the model's attention through VARLEN_IMPL (idempotent).
+
+    The switch is permanent on purpose: gradient checkpointing recomputes layers during backward, after any
+    context manager would have exited, and the recomputation must use the same kernel. Calls without
+    cu_seq_lens (generate, ordinary forwards) go to the model's previous implementation unchanged.
+    Flash-attention models already understand cu_seq_lens and are left alone.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    config = model.config
+    current = str(config._attn_implementation)
+    if current == VARLEN_IMPL or current.startswith("flash_attention"):
+        return
+    AttentionInterface.register(VARLEN_IMPL, varlen_attention_forward)
+    AttentionMaskInterface.register(VARLEN_IMPL, _varlen_mask)
+    _FALLBACK[id(config)] = current
+    config._attn_implementation = VARLEN_IMPL
+
+
+def disable_packed_attention(model) -> None:
+    """Undo `enable_packed_attention` (the model's previous attention implementation comes back)."""
+    config = model.config
+    if config._attn_implementation == VARLEN_IMPL:
+        config._attn_implementation = _FALLBACK.pop(id(config), "sdpa")
