@@ -105,6 +105,7 @@ class EngineServer:
         self._push: _Push | None = None
         self._admin = threading.Lock()  # one weight operation at a time
         self.specs = W.manifest_of(W.model_tensors(self.replicas[0].model))
+        self.castable = W.buffer_names(self.replicas[0].model)  # buffers: a push may send another float dtype
         self.backend = "nccl" if self.replicas[0].device.type == "cuda" else "gloo"
         self._pool = ThreadPoolExecutor(len(self.replicas)) if len(self.replicas) > 1 else None
 
@@ -177,7 +178,7 @@ class EngineServer:
         """Check the announced manifest and plan, then receive the buckets into staging in the background."""
         with self._admin:
             specs = [W.TensorSpec.from_json(item) for item in manifest]
-            W.check_manifest(specs, self.specs)
+            W.check_manifest(specs, self.specs, self.castable)
             W.check_plan(plan, len(specs))
             group = self._joined_group()
             push = _Push(version=int(version), specs=specs, thread=threading.Thread(), started=time.perf_counter(),
@@ -232,6 +233,8 @@ class EngineServer:
 
     @torch.no_grad()
     def _apply(self, staged: dict[str, torch.Tensor]) -> None:
+        """Copy the staged tensors into every replica (buffers cast to their own dtype), then let each engine
+        refresh what it derives from them (fused copies, RoPE tables)."""
         for replica in self.replicas:
             for name, param in W.model_tensors(replica.model):
                 param.copy_(staged[name], non_blocking=True)

@@ -13,7 +13,7 @@ ProcessGroupNCCL (GPU) built on it directly, with a timeout on every collective.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -70,8 +70,21 @@ def manifest_of(named: Iterable[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
 
 def model_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """What a push carries: every parameter once (tied weights once, under their first name), in module
-    order. Buffers are not pushed: HF decoders' buffers (RoPE tables) are computed from the config."""
-    return [(n, p) for n, p in model.named_parameters()]
+    order, then every floating-point buffer (`buffer_names`).
+
+    Buffers travel too because they are not always what the config gives: `model.to(torch.bfloat16)` also
+    casts HF's RoPE frequencies (`rotary_emb.inv_freq`, computed in float32 and kept so by from_pretrained),
+    and the engine's RoPE tables come from them. A server that kept its own float32 frequencies rotated
+    differently from the trainer's engine and forward (measured: the greedy tokens of a toy model after a
+    perturbation differed in 11 of 40 trials); with them pushed, the server computes the trainer's model."""
+    named = [(n, p) for n, p in model.named_parameters()]
+    return named + [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
+
+
+def buffer_names(model: torch.nn.Module) -> set[str]:
+    """The buffers `model_tensors` lists: a push may carry them in another floating dtype (a model cast with
+    .to(dtype) casts them too); the server copies them into its own with a cast."""
+    return {n for n, b in model.named_buffers() if b.is_floating_point()}
 
 
 def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list[int]]:
@@ -96,8 +109,9 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int = DEFAULT_BUCKET
     return buckets
 
 
-def check_manifest(pushed: Sequence[TensorSpec], served: Sequence[TensorSpec]) -> None:
-    """Raise WeightMismatchError listing what differs (names missing or unknown, shapes, dtypes)."""
+def check_manifest(pushed: Sequence[TensorSpec], served: Sequence[TensorSpec], castable: Collection[str] = ()) -> None:
+    """Raise WeightMismatchError listing what differs (names missing or unknown, shapes, dtypes). Tensors named
+    in `castable` (the served model's floating buffers) may differ in floating dtype: they are cast on copy."""
     mine = {s.name: s for s in served}
     theirs = {s.name: s for s in pushed}
     problems = []
@@ -111,12 +125,16 @@ def check_manifest(pushed: Sequence[TensorSpec], served: Sequence[TensorSpec]) -
         own = mine.get(name)
         if own is not None and own.shape != spec.shape:
             problems.append(f"{name!r} has shape {list(spec.shape)} in the push but {list(own.shape)} on the server")
-        elif own is not None and own.dtype != spec.dtype:
+        elif own is not None and own.dtype != spec.dtype and not (name in castable and _floating(own, spec)):
             problems.append(f"{name!r} is {spec.dtype} in the push but {own.dtype} on the server")
     if problems:
         shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
         raise WeightMismatchError(f"weight push refused, it does not match the served model: {shown}. Serve the "
                                   "same architecture and dtype as the trainer's policy (cohort serve MODEL --dtype)")
+
+
+def _floating(*specs: TensorSpec) -> bool:
+    return all(dtype_of(s.dtype).is_floating_point for s in specs)
 
 
 def check_plan(plan: Sequence[Sequence[int]], count: int) -> None:

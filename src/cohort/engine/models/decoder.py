@@ -182,6 +182,21 @@ class DecoderForward:
             rebuilt.append((qkv, bias, gate_up))
         self.fused = rebuilt
 
+    @torch.inference_mode()
+    def refresh_rope(self) -> None:
+        """Recompute the RoPE tables from the rotary module's current buffers, in place (captured CUDA graphs
+        hold their addresses). A served engine's model gets the trainer's frequencies with each push
+        (serving/weights.model_tensors), which may differ from its own (a trainer's .to(bfloat16) rounds them)."""
+        first = next(iter(self.cos.values())) if isinstance(self.cos, dict) else self.cos
+        cos, sin = self._rope_tables(first.shape[0])
+        if isinstance(self.cos, dict):
+            for key in self.cos:
+                self.cos[key].copy_(cos[key])
+                self.sin[key].copy_(sin[key])
+        else:
+            self.cos.copy_(cos)
+            self.sin.copy_(sin)
+
     @property
     def dtype(self) -> torch.dtype:
         return self.inner.embed_tokens.weight.dtype
