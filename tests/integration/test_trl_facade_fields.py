@@ -11,7 +11,7 @@ import pytest
 
 import cohort
 from cohort import GRPOConfig
-from cohort.config import _set
+from cohort.config.overrides import _set
 from cohort.errors import ConfigError
 from cohort.trl_compat.fields import EXTRA_FIELDS, TABLE, kind, markdown_table
 

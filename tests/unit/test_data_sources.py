@@ -187,7 +187,7 @@ def test_few_shot_on_text_prompts_names_the_fix():
 
 def test_few_shot_config_is_validated():
     from cohort.config import CohortConfig
-    from cohort.config_checks import validate_fields as validate
+    from cohort.config.checks import validate_fields as validate
 
     cfg = CohortConfig()
     cfg.data.few_shot = [{"role": "robot", "content": "hi"}]

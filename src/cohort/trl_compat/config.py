@@ -18,7 +18,8 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
-from cohort.config import CohortConfig, _set
+from cohort.config import CohortConfig
+from cohort.config.overrides import _set
 from cohort.errors import ConfigError
 from cohort.trl_compat.fields import TABLE, kind
 

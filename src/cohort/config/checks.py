@@ -1,5 +1,5 @@
-"""Validation of a `CohortConfig`: every range, enum and cross-field rule, each error naming the field, the
-value and the fix (issue 14). `CohortConfig.validate` calls `validate_fields`; the helpers are shared with it.
+"""Field checks of a `CohortConfig`: every range, enum and cross-field rule, each error naming the field, the
+value and the fix (issue 14). cohort.config.validation calls `validate_fields`; the helpers are shared with it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from cohort.errors import ConfigError
 
 if TYPE_CHECKING:
-    from cohort.config import CohortConfig
+    from cohort.config.tree import CohortConfig
 
 
 def _scheduler_names() -> list[str]:

@@ -1,0 +1,101 @@
+"""Checking a whole config before any work, in a fixed order (the first failing rule is the error a user sees).
+
+1. the batch schedule and the rules that span sections (here), including that the loss and its parameters
+   build (cohort.algorithms);
+2. every field's range and enum (cohort.config.checks.validate_fields);
+3. the inputs those fields name: data options against the source, reward names and kwargs, tool import paths
+   (cohort.preflight.check_inputs).
+
+Each error names the field, the value and the fix. `CohortConfig.validate` is the entry point.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import TYPE_CHECKING
+
+from cohort.config.checks import _require, _require_choice, _scheduler_names, validate_fields
+from cohort.errors import ConfigError
+
+if TYPE_CHECKING:
+    from cohort.config.tree import CohortConfig
+
+
+def validate_config(cfg: CohortConfig) -> None:
+    """Every rule, in the order above; the first that fails raises a ConfigError naming field, value and fix."""
+    g, t = cfg.generation, cfg.train
+    _require(g.num_generations >= 2, "generation.num_generations", g.num_generations,
+             "GRPO normalises rewards within a group of completions of the same prompt; use 2 or more")
+    _require(t.prompts_per_step >= 1, "train.prompts_per_step", t.prompts_per_step, "use 1 or more")
+    _require(t.mini_batches >= 1 and t.prompts_per_step % t.mini_batches == 0, "train.mini_batches",
+             t.mini_batches, f"it must divide train.prompts_per_step={t.prompts_per_step} so every "
+             "optimiser update sees whole groups; choose a divisor")
+    _require(t.num_iterations >= 1, "train.num_iterations", t.num_iterations, "use 1 or more")
+    _require(t.max_steps >= 1, "train.max_steps", t.max_steps, "use 1 or more")
+    _require(t.max_train_time_s is None or t.max_train_time_s > 0, "train.max_train_time_s",
+             t.max_train_time_s, "use a positive number of seconds, or leave it unset (null) for no limit")
+    _require(cfg.run.time_limit_s is None or cfg.run.time_limit_s > 0, "run.time_limit_s",
+             cfg.run.time_limit_s, "use a positive number of seconds, or leave it unset (null) for no limit")
+    _require(t.dist_timeout_s > 0, "train.dist_timeout_s", t.dist_timeout_s,
+             "use a positive number of seconds (default 600), longer than rank 0's evaluation or save")
+    _require(g.max_completion_length >= 1, "generation.max_completion_length", g.max_completion_length,
+             "use 1 or more")
+    _require(cfg.run.eval_max_completion_length is None or cfg.run.eval_max_completion_length >= 1,
+             "run.eval_max_completion_length", cfg.run.eval_max_completion_length,
+             "use 1 or more, or leave it unset to use generation.max_completion_length")
+    _require(g.temperature >= 0, "generation.temperature", g.temperature, "use 0 (greedy) or more")
+    _require(0 < g.top_p <= 1, "generation.top_p", g.top_p, "use a value in (0, 1]")
+    _require(t.token_budget >= 1, "train.token_budget", t.token_budget, "use a positive token count")
+    _require(cfg.reward.max_oversample >= 1, "reward.max_oversample", cfg.reward.max_oversample,
+             "use 1 (draw only the missing prompts) or more")
+    _require(cfg.reward.max_resample_tries >= 1, "reward.max_resample_tries", cfg.reward.max_resample_tries,
+             "use 1 or more")
+    _require(not (t.optimizer_offload and t.master_weights), "train.optimizer_offload", t.optimizer_offload,
+             "offloaded Adam moments are kept in the weights' dtype; set train.master_weights=false with it")
+    _require_choice("train.sharding", t.sharding, ("none", "fsdp"),
+                    " ('none': data parallel, a whole model per rank; 'fsdp': FSDP2 sharding)")
+    _require(not (t.sharding == "fsdp" and t.optimizer_offload), "train.optimizer_offload", t.optimizer_offload,
+             "with train.sharding=fsdp the Adam state is already split over the ranks; set it to false")
+    _require(t.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens", t.logprob_chunk_tokens,
+             "use a positive token count (e.g. 1024; smaller saves memory, larger launches fewer kernels)")
+    _require_choice("data.truncation", cfg.data.truncation, ("left", "drop"))
+    _require_choice("generation.engine", g.engine, ("auto", "cohort", "hf"))
+    _require_choice("reward.on_error", cfg.reward.on_error, ("raise", "skip"))
+    close = difflib.get_close_matches(str(t.lr_scheduler_type), _scheduler_names(), n=1, cutoff=0.6)
+    _require(t.lr_scheduler_type.removeprefix("hf:") in _scheduler_names(), "train.lr_scheduler_type",
+             t.lr_scheduler_type, (f"did you mean '{close[0]}'? " if close else "")
+             + "use 'constant' or 'cosine' (cohort's) or one of transformers' "
+             f"{', '.join(n for n in _scheduler_names() if n not in ('constant', 'cosine'))}")
+    from cohort.algorithms import build_policy_loss
+
+    try:  # unknown loss names and parameters fail here, before any work
+        build_policy_loss(cfg.loss.loss_type, cfg.loss.loss_params())
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, ImportError) as exc:
+        raise ConfigError(f"loss (loss.loss_type={cfg.loss.loss_type!r}): {exc} Set it as loss.<name>=value."
+                          ) from exc
+    _require(isinstance(t.max_nonfinite_updates, int) and t.max_nonfinite_updates >= 1,
+             "train.max_nonfinite_updates", t.max_nonfinite_updates,
+             "use 1 or more: how many optimiser updates in a row may be skipped for a non-finite loss or "
+             "gradient norm before the run stops")
+    _require(g.max_tool_calling_iterations is None or g.max_tool_calling_iterations >= 0,
+             "generation.max_tool_calling_iterations", g.max_tool_calling_iterations,
+             "use 0 or more rounds of tool calls, or leave it unset (null) for no cap")
+    _require(cfg.agent.tool_timeout_s > 0, "agent.tool_timeout_s", cfg.agent.tool_timeout_s,
+             "use a positive number of seconds")
+    _require(isinstance(cfg.agent.inline_tools, bool), "agent.inline_tools", cfg.agent.inline_tools,
+             "use true (tools run on the engine's thread) or false (on a thread pool)")
+    factory = cfg.agent.environment_factory
+    _require(factory is None or isinstance(factory, str) or callable(factory)
+             or (isinstance(factory, dict) and bool(factory) and all(isinstance(v, str) or callable(v)
+                                                                for v in factory.values())),
+             "agent.environment_factory", factory,
+             "give 'pkg.module:Class', or a mapping {name: 'pkg.module:Class'} routed by the 'environment' column")
+    weights = cfg.reward.reward_weights
+    _require(weights is None or len(weights) == len(cfg.reward.funcs), "reward.reward_weights", weights,
+             f"give one weight per reward function ({len(cfg.reward.funcs)})")
+    validate_fields(cfg)
+    from cohort.preflight import check_inputs
+
+    check_inputs(cfg)  # data options against the source, reward names and kwargs, tool import paths
