@@ -20,7 +20,7 @@ from cohort.engine import CohortEngine
 from cohort.model import load_policy
 from cohort.serving import RemoteEngine
 from cohort.serving.liveness import EXIT_SERVER_LOST
-from cohort.setup import _eos_ids
+from cohort.setup_engine import eos_ids
 from cohort.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -38,7 +38,7 @@ def test_nccl_push_and_greedy_generation_match_the_in_process_engine(tmp_path):
         assert remote.client.request("GET", "/health", phase="test")["backend"] == "nccl"
         prompts = [tok(t)["input_ids"] for t in ("Say the digit 3", "What is 2 + 3?")]
         params = SamplingParams(n=2, max_tokens=16, temperature=0.0)
-        local = CohortEngine(policy, tok, eos_token_ids=_eos_ids(tok, policy), kv_cache_fraction=0.05)
+        local = CohortEngine(policy, tok, eos_token_ids=eos_ids(tok, policy), kv_cache_fraction=0.05)
         expected = local.generate(prompts, params)
         served = remote.generate(prompts, params)
         assert [c.token_ids for g in served for c in g] == [c.token_ids for g in expected for c in g]

@@ -162,14 +162,14 @@ class _Trainer:
     def generate(self) -> dict:
         """Greedy completions of PROMPTS from the server and from an in-process engine on the same weights."""
         from cohort.engine import CohortEngine
-        from cohort.setup import _eos_ids
+        from cohort.setup_engine import eos_ids
         from cohort.types import SamplingParams
 
         prompts = [self.tok(t)["input_ids"] for t in PROMPTS]
         params = SamplingParams(n=2, max_tokens=16, temperature=0.0)
         served = self.remote.generate(prompts, params)  # may find a restarted server and re-push first
         if self.local is None:  # eager, like the test's servers: one code path on both sides
-            self.local = CohortEngine(self.policy, self.tok, eos_token_ids=_eos_ids(self.tok, self.policy),
+            self.local = CohortEngine(self.policy, self.tok, eos_token_ids=eos_ids(self.tok, self.policy),
                                       kv_cache_fraction=0.05, max_num_seqs=16, enforce_eager=True)
         self.local.sync_weights()  # the fused copies follow the perturbed weights
         local = self.local.generate(prompts, params)

@@ -266,12 +266,12 @@ _TIMES: dict[str, float] = {}
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input(case: Case, workspace, tmp_path, capsys, monkeypatch):
-    from cohort import setup
+    from cohort import setup_policy
     from cohort.cli import main
 
     loads = []
-    real_load = setup.load_policy
-    monkeypatch.setattr(setup, "load_policy", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    real_load = setup_policy.load_policy
+    monkeypatch.setattr(setup_policy, "load_policy", lambda *a, **k: loads.append(a) or real_load(*a, **k))
     out = {"none": tmp_path / "run", "run": workspace["run"], "user": workspace["user"]}[case.run_dir]
     before = _snapshot(out)
     args = [a.replace("{ws}", str(workspace["root"])) for a in case.args]

@@ -20,7 +20,7 @@ from tests.helpers.toy_task import tiny_model, write_toy_workspace
 from cohort.engine import CohortEngine
 from cohort.model import load_policy
 from cohort.serving import RemoteEngine, ServerUnavailable, WeightMismatchError
-from cohort.setup import _eos_ids
+from cohort.setup_engine import eos_ids
 from cohort.types import SamplingParams
 
 PARAMS = SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=5)
@@ -40,7 +40,7 @@ def server(workspace):
 
 
 def _local(model, tok) -> CohortEngine:
-    return CohortEngine(model, tok, eos_token_ids=_eos_ids(tok, model))
+    return CohortEngine(model, tok, eos_token_ids=eos_ids(tok, model))
 
 
 def _prompts(tok) -> list[list[int]]:

@@ -15,7 +15,7 @@ from cohort.engine import CohortEngine
 from cohort.model import load_policy
 from cohort.serving import weights as W
 from cohort.serving.engine_server import EngineServer, Replica, _Push
-from cohort.setup import _eos_ids
+from cohort.setup_engine import eos_ids
 from cohort.types import SamplingParams
 
 GREEDY = SamplingParams(n=2, max_tokens=16, temperature=0.0)
@@ -45,7 +45,7 @@ def test_a_bf16_cast_policy_is_served_with_its_own_rope_frequencies(tmp_path, se
     assert served_model.model.rotary_emb.inv_freq.dtype == torch.float32  # from_pretrained keeps them float32
     policy = tiny_model(tok, seed=5).to(dtype=torch.bfloat16)  # casts the frequencies as well
     assert policy.model.rotary_emb.inv_freq.dtype == torch.bfloat16
-    eos = _eos_ids(tok, policy)
+    eos = eos_ids(tok, policy)
     engine = CohortEngine(served_model, tok, eos_token_ids=eos)
     server = EngineServer([Replica(served_model, engine, torch.device("cpu"), threading.Lock())], tok,
                           model_name="m")

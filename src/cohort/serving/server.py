@@ -173,7 +173,7 @@ def _devices(device: str, replicas: int) -> list[torch.device]:
 
 def _load(model: str, device: torch.device, dtype: str, load_format: str):
     from cohort.model import load_policy
-    from cohort.setup import resolve_dtype
+    from cohort.setup_policy import resolve_dtype
 
     torch_dtype = resolve_dtype(dtype, device)
     if load_format == "dummy":  # random weights from the config: the trainer's first push replaces them
@@ -191,7 +191,7 @@ def _load(model: str, device: torch.device, dtype: str, load_format: str):
 def build_replicas(args) -> tuple[list[Replica], Any]:
     from cohort.engine import CohortEngine, engine_supports
     from cohort.engine.hf_backend import HFGenerateEngine
-    from cohort.setup import _eos_ids
+    from cohort.setup_engine import eos_ids
 
     replicas, tokenizer = [], None
     for device in _devices(args.device, args.replicas):
@@ -200,13 +200,13 @@ def build_replicas(args) -> tuple[list[Replica], Any]:
         ok, why = engine_supports(model)
         engine: Any
         if ok and args.engine in ("auto", "cohort"):
-            engine = CohortEngine(model, tokenizer, eos_token_ids=_eos_ids(tokenizer, model),
+            engine = CohortEngine(model, tokenizer, eos_token_ids=eos_ids(tokenizer, model),
                                   kv_cache_fraction=args.kv_cache_fraction, max_num_seqs=args.max_num_seqs,
                                   max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, device=device)
         elif args.engine == "cohort":
             raise CohortError(f"--engine cohort: {why}")
         else:
-            engine = HFGenerateEngine(model, tokenizer, eos_token_ids=_eos_ids(tokenizer, model))
+            engine = HFGenerateEngine(model, tokenizer, eos_token_ids=eos_ids(tokenizer, model))
         replicas.append(Replica(model=model, engine=engine, device=device, lock=threading.Lock()))
     return replicas, tokenizer
 

@@ -1,0 +1,111 @@
+"""The models of a run, from `cohort.setup.build_components`: where they live (device, dtype), the policy
+loaded or handed in (a vision-language model through `cohort.vision.setup`), LoRA adapters, the chat template
+override, gradient checkpointing, the frozen reference copy, and FSDP sharding of both.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from cohort.config import CohortConfig
+from cohort.errors import ConfigError
+from cohort.model import load_policy
+from cohort.model import resolve_dtype as model_dtype
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"train.device={name!r} but CUDA is not available here; use train.device=cpu or auto.")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' is bfloat16 on a GPU (weights read in place by the engine) and float32 on the CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return model_dtype(name)
+
+
+def prepare_policy(cfg: CohortConfig, policy, tokenizer, *, device: torch.device, dtype: torch.dtype, echo):
+    """The policy ready to train: loaded from model.name_or_path unless handed in (facade, tests), checked and
+    prepared for vision, wrapped in LoRA, with the chat template override and gradient checkpointing applied.
+    Returns (policy, tokenizer, processor); the processor is None for text models."""
+    from cohort.vision import setup as vision
+
+    tokenizer, processor = vision.split_processor(tokenizer)  # a VLM's processor handed in (facade, tests)
+    if policy is None:
+        loaded = vision.load_model(cfg, dtype=dtype, device=device)  # None unless a vision-language model
+        policy, tokenizer, processor = loaded or (*load_policy(
+            cfg.model.name_or_path, dtype=dtype, device=device, gguf_file=cfg.model.gguf_file,
+            trust_remote_code=cfg.model.trust_remote_code, attn_implementation=cfg.model.attn_implementation), None)
+    elif next(policy.parameters()).device != device:
+        policy.to(device)  # a model object handed in (facade, tests) trains where the config says
+    vision.check_settings(cfg, policy)
+    vision.prepare_policy(cfg, policy, echo)
+    policy = with_lora(cfg, policy)
+    if cfg.model.chat_template and tokenizer is not None:  # before any prompt is rendered
+        from cohort.agents.templates import apply_chat_template_override
+
+        apply_chat_template_override(tokenizer, cfg.model.chat_template)
+    if cfg.model.gradient_checkpointing:
+        # transformers >= 5.2x renamed it (the old name warns); older releases have only the old one
+        enable = getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
+        enable()
+    return policy, tokenizer, processor
+
+
+def with_lora(cfg: CohortConfig, policy):
+    """model.lora_r > 0: wrap the policy in peft LoRA adapters; the engine runs them unmerged, checkpoints
+    save only the adapters."""
+    m = cfg.model
+    if m.lora_r <= 0:
+        return policy
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise ConfigError(f"model.lora_r={m.lora_r} needs peft: pip install peft (or set model.lora_r=0).") from exc
+    from cohort.vision.setup import lora_targets
+
+    lora = LoraConfig(r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
+                      target_modules=lora_targets(policy, list(m.lora_target_modules)), task_type="CAUSAL_LM")
+    return get_peft_model(policy, lora)
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """The reference policy: the starting weights, frozen (beta > 0 only)."""
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+def shard_for_fsdp(cfg: CohortConfig, policy, reference, device: torch.device):
+    """train.sharding=fsdp: shard the policy (and the reference) in place; returns (the engine's mirror of the
+    policy, the WeightGather that refreshes it after each optimizer step)."""
+    from cohort.distributed import fsdp
+
+    ok, why = fsdp.fsdp_available()
+    if not ok:
+        raise ConfigError(f"train.sharding=fsdp: {why}.")
+    mirror = fsdp.mirror_for_engine(policy)  # keeps the loaded bf16 storage: no extra memory
+    units = fsdp.shard_model(policy, device=device, master_weights=cfg.train.master_weights,
+                             reshard_after_forward=cfg.train.fsdp_reshard_after_forward)
+    if reference is not None:
+        fsdp.shard_model(reference, device=device, master_weights=False, trainable=False)
+    return mirror, fsdp.WeightGather(policy, mirror, units)
+
+
+def compile_layers(cfg: CohortConfig, policy, reference, device: torch.device, *, sharded: bool) -> None:
+    """model.compile_layers on a GPU: torch.compile each decoder layer (bench/grpo_step.py's fast row); the
+    sharded policy compiles its forward only."""
+    if cfg.model.compile_layers and device.type == "cuda":
+        from cohort.packing import compile_decoder_layers
+
+        compile_decoder_layers(policy, forward_only=sharded)
+        if reference is not None:
+            compile_decoder_layers(reference, forward_only=sharded)
