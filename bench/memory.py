@@ -116,10 +116,10 @@ def _capture_components(stack: ExitStack, sampler: _Sampler | None) -> dict:
 
         stack.enter_context(mock.patch.object(cohort.model, "load_policy",
                                               sampler.wrap("load", cohort.model.load_policy)))
-        import cohort.setup_policy
+        import cohort.setup.policy
 
-        stack.enter_context(mock.patch.object(cohort.setup_policy, "load_policy",
-                                              sampler.wrap("load", cohort.setup_policy.load_policy)))
+        stack.enter_context(mock.patch.object(cohort.setup.policy, "load_policy",
+                                              sampler.wrap("load", cohort.setup.policy.load_policy)))
     return seen
 
 

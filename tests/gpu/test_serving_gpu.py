@@ -20,7 +20,7 @@ from cohort.engine import CohortEngine
 from cohort.model import load_policy
 from cohort.serving import RemoteEngine
 from cohort.serving.liveness import EXIT_SERVER_LOST
-from cohort.setup_engine import eos_ids
+from cohort.setup.engine import eos_ids
 from cohort.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,

@@ -162,7 +162,7 @@ class _Trainer:
     def generate(self) -> dict:
         """Greedy completions of PROMPTS from the server and from an in-process engine on the same weights."""
         from cohort.engine import CohortEngine
-        from cohort.setup_engine import eos_ids
+        from cohort.setup.engine import eos_ids
         from cohort.types import SamplingParams
 
         prompts = [self.tok(t)["input_ids"] for t in PROMPTS]

@@ -266,8 +266,8 @@ _TIMES: dict[str, float] = {}
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input(case: Case, workspace, tmp_path, capsys, monkeypatch):
-    from cohort import setup_policy
     from cohort.cli import main
+    from cohort.setup import policy as setup_policy
 
     loads = []
     real_load = setup_policy.load_policy

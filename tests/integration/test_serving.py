@@ -20,7 +20,7 @@ from tests.helpers.toy_task import tiny_model, write_toy_workspace
 from cohort.engine import CohortEngine
 from cohort.model import load_policy
 from cohort.serving import RemoteEngine, ServerUnavailable, WeightMismatchError
-from cohort.setup_engine import eos_ids
+from cohort.setup.engine import eos_ids
 from cohort.types import SamplingParams
 
 PARAMS = SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=5)

@@ -15,7 +15,7 @@ from cohort.engine import CohortEngine
 from cohort.model import load_policy
 from cohort.serving import weights as W
 from cohort.serving.engine_server import EngineServer, Replica, _Push
-from cohort.setup_engine import eos_ids
+from cohort.setup.engine import eos_ids
 from cohort.types import SamplingParams
 
 GREEDY = SamplingParams(n=2, max_tokens=16, temperature=0.0)

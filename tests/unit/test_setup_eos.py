@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-from cohort.setup_engine import eos_ids
+from cohort.setup.engine import eos_ids
 
 
 def test_eos_ids_merge_tokenizer_and_generation_config():

@@ -173,7 +173,7 @@ def _devices(device: str, replicas: int) -> list[torch.device]:
 
 def _load(model: str, device: torch.device, dtype: str, load_format: str):
     from cohort.model import load_policy
-    from cohort.setup_policy import resolve_dtype
+    from cohort.setup.policy import resolve_dtype
 
     torch_dtype = resolve_dtype(dtype, device)
     if load_format == "dummy":  # random weights from the config: the trainer's first push replaces them
@@ -191,7 +191,7 @@ def _load(model: str, device: torch.device, dtype: str, load_format: str):
 def build_replicas(args) -> tuple[list[Replica], Any]:
     from cohort.engine import CohortEngine, engine_supports
     from cohort.engine.hf_backend import HFGenerateEngine
-    from cohort.setup_engine import eos_ids
+    from cohort.setup.engine import eos_ids
 
     replicas, tokenizer = [], None
     for device in _devices(args.device, args.replicas):

@@ -17,7 +17,7 @@ from cohort.rewards.reward_model import RewardModel
 def resolve_reward_funcs(funcs: list[Any], processing_classes: Any, cfg, state: Any = None) -> list[Any]:
     """Reward models become `RewardModel`s on the training device; a function that takes `trainer_state`
     receives `state` (transformers' TrainerState: global_step = optimiser steps done, as in TRL)."""
-    from cohort.setup_policy import resolve_device
+    from cohort.setup.policy import resolve_device
 
     device = resolve_device(cfg.train.device)
     if processing_classes is not None and not isinstance(processing_classes, list | tuple):

@@ -40,7 +40,7 @@ def _tool_schemas(cfg, tok) -> list | None:
         apply_chat_template_override(tok, cfg.model.chat_template)
     check_renders_tools(tok)
     if a.environment_factory is not None:
-        from cohort.setup_rewards import build_environments
+        from cohort.setup.rewards import build_environments
 
         return [t.schema for t in build_environments(cfg).all_tools]
     return [t.schema for t in build_tools(list(a.tools))]
@@ -96,7 +96,7 @@ class GRPOTrainer:
         if tools:  # functions (or "pkg.module:function" paths): multi-turn tool calling (cohort.agents)
             self.config.agent.tools = list(tools)
         if environment_factory is not None:  # a class, a factory, a path, or {name: one} routed by `environment`
-            from cohort.setup_rewards import build_environments
+            from cohort.setup.rewards import build_environments
 
             self.config.agent.environment_factory = environment_factory
             build_environments(self.config)  # an environment without reset (or a bad tool method) fails here

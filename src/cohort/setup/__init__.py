@@ -7,11 +7,11 @@ trainer create the run directory, so a bad input never leaves a half-written run
 This module is the assembly (`Components`, `build_components`, called by the trainer, the TRL facade and
 the CLI); the parts live beside it, one role each:
 
-- `setup_policy`: device and dtype, the policy loaded or handed in, LoRA, the reference copy, FSDP sharding;
-- `setup_lengths`: the context, the prompt cap beside the completion, the length the engine is sized for;
-- `setup_data`: the training and held-out prompts, encoded within that cap;
-- `setup_rewards`: reward functions, agent environments, the tool-calling turn loop;
-- `setup_engine`: which rollout engine samples and how it is built, EOS ids, sampling parameters;
+- `policy`: device and dtype, the policy loaded or handed in, LoRA, the reference copy, FSDP sharding;
+- `lengths`: the context, the prompt cap beside the completion, the length the engine is sized for;
+- `data`: the training and held-out prompts, encoded within that cap;
+- `rewards`: reward functions, agent environments, the tool-calling turn loop;
+- `engine`: which rollout engine samples and how it is built, EOS ids, sampling parameters;
 - `memory_plan`: the memory estimate and the engine's KV-cache share.
 
 Their public names stay importable from here.
@@ -29,16 +29,16 @@ from cohort.algorithms import build_policy_loss
 from cohort.config import CohortConfig
 from cohort.memory_plan import engine_memory, plan_memory
 from cohort.optim import build_optimizer, build_scheduler
-from cohort.setup_data import fit_to_context, load_run_data
-from cohort.setup_engine import build_engine, build_run_engine, sampling_params_for
-from cohort.setup_lengths import (
+from cohort.setup.data import fit_to_context, load_run_data
+from cohort.setup.engine import build_engine, build_run_engine, sampling_params_for
+from cohort.setup.lengths import (
     engine_model_len,
     longest_completion,
     longest_prompt,
     model_context,
     prompt_token_limit,
 )
-from cohort.setup_policy import (
+from cohort.setup.policy import (
     compile_layers,
     frozen_copy,
     prepare_policy,
@@ -46,7 +46,7 @@ from cohort.setup_policy import (
     resolve_dtype,
     shard_for_fsdp,
 )
-from cohort.setup_rewards import (
+from cohort.setup.rewards import (
     build_environments,
     build_reward_runner,
     build_turn_loop,

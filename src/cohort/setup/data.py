@@ -1,6 +1,6 @@
 """The prompts of a run: the training set and the held-out set (an eval source, a reasoning-gym generator past
 the training items, or a split), with overlap removed, encoded within the prompt limit of
-`cohort.setup_lengths`; data handed in (facade, tests) is fitted to that limit too. Too few prompts for a step
+`cohort.setup.lengths`; data handed in (facade, tests) is fitted to that limit too. Too few prompts for a step
 is a ConfigError.
 """
 
@@ -11,7 +11,7 @@ from typing import Any
 from cohort.config import CohortConfig
 from cohort.data import drop_overlap, load_prompt_dataset, reasoning_gym_eval_set, train_eval_split
 from cohort.errors import ConfigError
-from cohort.setup_lengths import longest_completion, model_context, prompt_token_limit
+from cohort.setup.lengths import longest_completion, model_context, prompt_token_limit
 
 
 def load_run_data(cfg: CohortConfig, tokenizer, echo, tools=None, policy=None, processor=None):

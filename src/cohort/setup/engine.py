@@ -9,7 +9,7 @@ import torch
 
 from cohort import distributed
 from cohort.config import CohortConfig
-from cohort.setup_lengths import engine_model_len
+from cohort.setup.lengths import engine_model_len
 from cohort.types import RolloutEngine, SamplingParams
 
 
