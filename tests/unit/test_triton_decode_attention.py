@@ -7,26 +7,9 @@ Skips without Triton (it is not a project dependency; `pip install triton` to ru
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-
-
-def _patch_interpreter_index() -> None:
-    """numpy >= 2.4 refuses int() of a one-element 1-D array, which Triton 3.6's interpreter does for loop
-    bounds loaded from memory; read the element instead."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
+from tests.helpers.triton_interpreter import patch_interpreter_index, run_interpreted
 
 
 def _check() -> None:
@@ -51,12 +34,7 @@ def _check() -> None:
 
 def test_split_kv_decode_attention_equals_the_gather_path():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "attention ok" in done.stdout
+    run_interpreted(__file__, "attention ok")
 
 
 def test_default_splits_grow_as_the_batch_shrinks():
@@ -72,6 +50,6 @@ def test_default_splits_grow_as_the_batch_shrinks():
 
 
 if __name__ == "__main__":
-    _patch_interpreter_index()
+    patch_interpreter_index()
     _check()
     print("attention ok")

@@ -6,12 +6,9 @@ in a child process (this file as a script). Skips without Triton (not a project 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from tests.helpers.triton_interpreter import run_interpreted
 
 
 def _check() -> None:
@@ -44,12 +41,7 @@ def _check() -> None:
 
 def test_one_pass_statistics_equal_the_eager_ones():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "stats ok" in done.stdout
+    run_interpreted(__file__, "stats ok")
 
 
 if __name__ == "__main__":

@@ -8,12 +8,9 @@ Skips without Triton (it is not a project dependency; `pip install triton` to ru
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from tests.helpers.triton_interpreter import run_interpreted
 
 
 def _reference(logits, inv_t, noise, seeds, positions):
@@ -53,12 +50,7 @@ def _check_ties(triton_ops) -> None:
 
 def test_sliced_sampler_draws_what_the_torch_sampler_draws_and_breaks_ties_low():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "sampler ok" in done.stdout
+    run_interpreted(__file__, "sampler ok")
 
 
 def test_default_slicing_fills_the_gpu_and_keeps_whole_blocks():
