@@ -220,6 +220,11 @@ class CohortEngine:
         """Called after each optimizer step. In-place weights: nothing to do; fused copies are re-copied."""
         self.runner.sync_weights()
 
+    def refresh_buffers(self) -> None:
+        """After the model's buffers were overwritten (a served engine's push: serving/weights.model_tensors):
+        rebuild what the engine derives from them, the RoPE tables. An optimizer step never changes them."""
+        self.runner.net.refresh_rope()
+
     def engine_name(self) -> str:
         fused = ", fused qkv/gate-up copies" if self.runner.net.fused else ""
         graphs = f"cuda graphs for {len(self.runner.graphs)} batch sizes" if self.runner.graphs else "eager"

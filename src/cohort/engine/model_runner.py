@@ -106,8 +106,8 @@ class ModelRunner:
         return [p.data_ptr() for p in self.net.hf.parameters()]
 
     def sync_weights(self) -> None:
-        """After an optimizer step or a push: refresh fused copies and RoPE tables; recapture graphs if
-        parameters moved in memory.
+        """After an optimizer step or a push: refresh fused copies; recapture graphs if parameters moved in
+        memory.
 
         Optimizers update parameters in place, so captured graphs stay valid; a trainer that swaps the
         storage (load_state_dict(assign=True), some sharding wrappers) would leave graphs reading stale
@@ -115,7 +115,6 @@ class ModelRunner:
         """
         if self.net.fused:
             self.net.refresh_fused()
-        self.net.refresh_rope()  # a push may bring other RoPE frequencies (serving/weights.model_tensors)
         pointers = self._parameter_pointers()
         if pointers != self._param_ptrs:
             self._param_ptrs = pointers

@@ -241,6 +241,9 @@ class EngineServer:
             if replica.device.type == "cuda":
                 torch.cuda.synchronize(replica.device)
             replica.engine.sync_weights()
+            refresh = getattr(replica.engine, "refresh_buffers", None)  # engines that cache RoPE tables
+            if refresh is not None:
+                refresh()
 
     def health(self) -> dict:
         return {"status": "ok", "server_id": self.server_id, "version": self.version, "pushed": self.pushed,
