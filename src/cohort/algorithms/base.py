@@ -209,16 +209,16 @@ class PolicyLoss:
         else:
             counted = ctx.mask.bool()
         out = {
-            "sampling/importance_sampling_ratio/min": _masked_extreme(w, counted, torch.amin),
+            "sampling/importance_sampling_ratio/min": masked_extreme(w, counted, torch.amin),
             "sampling/importance_sampling_ratio/mean": self._mean(w, ctx),
-            "sampling/importance_sampling_ratio/max": _masked_extreme(w, counted, torch.amax),
+            "sampling/importance_sampling_ratio/max": masked_extreme(w, counted, torch.amax),
         }
         sampling = ctx.inputs.sampling_logprobs
         if sampling is not None and sampling.shape == ctx.old_logprobs.shape == ctx.mask.shape:
             # TRL 1.16's mismatch gauge: |trainer's old logprob - sampler's logprob| over completion tokens
             delta = (ctx.old_logprobs.detach() - sampling).abs()
             out["sampling/sampling_logp_difference/mean"] = self._mean(delta, ctx)
-            out["sampling/sampling_logp_difference/max"] = _masked_extreme(delta, ctx.mask.bool(), torch.amax)
+            out["sampling/sampling_logp_difference/max"] = masked_extreme(delta, ctx.mask.bool(), torch.amax)
         return out
 
 
@@ -227,8 +227,9 @@ def _at_least_one(count):
     return count.clamp(min=1) if isinstance(count, torch.Tensor) else max(count, 1)
 
 
-def _masked_extreme(values: torch.Tensor, counted: torch.Tensor, op) -> torch.Tensor:
-    """op (torch.amin / torch.amax) over the entries where `counted`; NaN when none counts."""
+def masked_extreme(values: torch.Tensor, counted: torch.Tensor, op) -> torch.Tensor:
+    """op (torch.amin / torch.amax) over the entries where `counted`; NaN when none counts. A reduction with a
+    fill value, not boolean indexing, whose data-dependent size would make the host wait for the GPU."""
     if values.numel() == 0:
         return values.new_full((), torch.nan)
     fill = torch.inf if op is torch.amin else -torch.inf

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import PolicyLoss, RatioContext
+from .base import PolicyLoss, RatioContext, masked_extreme
 
 
 @dataclass
@@ -64,8 +64,8 @@ class ClippedLoss(PolicyLoss):
             "clip_ratio/low_mean": self._mean(low, ctx),
             "clip_ratio/high_mean": self._mean(high, ctx),
             "clip_ratio/region_mean": self._mean(torch.max(low, high), ctx),
-            "clip_ratio/low_min": _nan_extreme(self._seq_means(low, ctx), torch.min),
-            "clip_ratio/high_max": _nan_extreme(self._seq_means(high, ctx), torch.max),
+            "clip_ratio/low_min": _nan_extreme(self._seq_means(low, ctx), torch.amin),
+            "clip_ratio/high_max": _nan_extreme(self._seq_means(high, ctx), torch.amax),
         })
         return per_token, metrics
 
@@ -179,11 +179,5 @@ class VESPOLoss(PolicyLoss):
 
 
 def _nan_extreme(values: torch.Tensor, op) -> torch.Tensor:
-    """min/max over the finite entries (TRL's nanmin/nanmax); NaN when there are none."""
-    if values.numel() == 0:
-        return values.new_full((), torch.nan)  # same device/dtype, so reductions never mix devices
-    # without boolean indexing, whose data-dependent size makes the host wait for the GPU
-    nan = torch.isnan(values)
-    fill = torch.inf if op is torch.min else -torch.inf
-    extreme = op(torch.where(nan, fill, values))
-    return torch.where(nan.all(), torch.full_like(extreme, torch.nan), extreme)
+    """min/max (op: torch.amin / torch.amax) over the non-NaN entries (TRL's nanmin/nanmax); NaN when none."""
+    return masked_extreme(values, ~torch.isnan(values), op)
