@@ -47,7 +47,8 @@ so 8 accumulation steps, gradient checkpointing off, dynamic cache, no continuou
 bench/grpo_step_trl.py); `cohort` (fast: no checkpointing, fp32 master
 weights and AdamW, packed micro-batches of `--token-budget` tokens (32768 on 0.5B, 12288 on 1.5B, rounded up to whole completions per
 micro-batch: 33,024 and 12,288 on the bench workload, see even_budget), logprob
-chunks of 8192 tokens, KV pool sized to the workload, decoder layers compiled with
+chunks of 8192 tokens, train.keep_logits=true (the LM-head logits kept for the backward, not recomputed; this
+row only, not bench/scale.py's or bench/serve.py's), KV pool sized to the workload, decoder layers compiled with
 cohort.packing.compile_decoder_layers on CUDA, retried eager if that fails);
 `cohort-lowmem` (plain config fields: model.gradient_checkpointing, train.master_weights=false (bf16 AdamW
 moments as TRL, LM-head gradient summed in bf16), train.logprob_chunk_tokens=256, generation.fuse_projections=
@@ -305,6 +306,7 @@ def _train_cohort(args, lowmem: bool, model, tok, device) -> dict:
 
     kv_fraction, budget, info = _kv_plan(args, model, device, lowmem)
     cfg = _cohort_config(args, lowmem, kv_fraction, budget)
+    cfg.train.keep_logits = not lowmem  # the fast row spends memory on a backward without the LM-head recompute
     rows = prompt_rows(args.prompts * cfg.train.max_steps, args.prompt_len, model.config.vocab_size)
     data = PromptDataset(rows, "bench").encode(tok, args.prompt_len)
     rewards = TimedRewards(RewardRunner([length_reward]))
@@ -312,7 +314,8 @@ def _train_cohort(args, lowmem: bool, model, tok, device) -> dict:
                                            train_data=data, echo=lambda *a: None)
     info["engine"] = comp.engine.engine_name() if hasattr(comp.engine, "engine_name") else type(comp.engine).__name__
     info.update(optimizer=type(comp.optimizer).__name__, token_budget=cfg.train.token_budget,
-                logprob_chunk_tokens=cfg.train.logprob_chunk_tokens, gradient_checkpointing=lowmem,
+                logprob_chunk_tokens=cfg.train.logprob_chunk_tokens, keep_logits=cfg.train.keep_logits,
+                gradient_checkpointing=lowmem,
                 release_kv_during_update=cfg.generation.release_kv_during_update, compiled_layers=0)
     if args.compile_layers:  # cohort.packing.compile_decoder_layers (model.compile_layers): fused elementwise work
         from cohort.packing import compile_decoder_layers
@@ -486,10 +489,10 @@ def run_child(args, runner: str, size: str, mem_cap: int | None, timeout: float,
         result = json.load(fh)
     result["wall_s"] = wall
     result["summary"] = summarise(args, result)
-    notes = {k: result[k] for k in ("token_budget", "logprob_chunk_tokens", "kv_planned_gib", "update_estimate_gib",
-                                    "phase_peak_alloc_gib", "graph_recaptures", "compiled_layers", "micro_batch",
-                                    "gradient_accumulation_steps", "gradient_checkpointing", "model_gradient_checkpointing",
-                                    "cache_implementation",
+    notes = {k: result[k] for k in ("token_budget", "logprob_chunk_tokens", "keep_logits", "kv_planned_gib",
+                                    "update_estimate_gib", "phase_peak_alloc_gib", "graph_recaptures",
+                                    "compiled_layers", "micro_batch", "gradient_accumulation_steps",
+                                    "gradient_checkpointing", "model_gradient_checkpointing", "cache_implementation",
                                     "continuous_batching") if k in result}
     print(f"[{size} {runner}] {wall:.0f} s wall: " + json.dumps(result["summary"]) + " " + json.dumps(notes),
           flush=True)

@@ -7,6 +7,12 @@ vocabulary costs 5 GB in fp32, more than the whole 0.5B model. Here the tokens a
 recomputes each chunk's logits and turns them into gradients for the hidden states and the LM-head weight.
 Peak extra memory is about one chunk's logits, whatever the number of tokens.
 
+keep_logits=True (train.keep_logits) trades that memory for time: the forward keeps every chunk's raw logits
+(N x vocab in the weights' dtype) and the backward uses them instead of redoing the LM-head matmul (about
+25 ms of a 0.68 s Qwen2.5-0.5B update on an H100); each chunk is released as soon as its gradient is made.
+On CUDA, where torch offers bf16 matmuls with an fp32 output (torch.addmm(..., out_dtype=float32)), the
+LM-head weight gradient is accumulated straight into its fp32 buffer (no [vocab, hidden] bf16 temporary).
+
 Gradients, with z = logits / T, log p = z - lse and H = -sum(p log p) saved from the forward:
   d logp[label] / dz = onehot(label) - p
   d H / dz           = -p * (log p + H)
@@ -48,7 +54,8 @@ def _stats_eager(logits, labels, inv_t: float, compute_entropy: bool):
 
 
 def _grad_eager(logits, labels, lse, entropy, grad_lp, grad_ent, inv_t: float):
-    """d loss / d raw logits in the logits' dtype; in place on one fp32 buffer plus p."""
+    """d loss / d raw logits in the logits' dtype, written over `logits` (the caller's last use of them):
+    in place on one fp32 buffer plus p."""
     z = logits.float()
     if inv_t != 1.0:
         z.mul_(inv_t)
@@ -59,7 +66,8 @@ def _grad_eager(logits, labels, lse, entropy, grad_lp, grad_ent, inv_t: float):
     z.scatter_add_(-1, labels.unsqueeze(-1), grad_lp.unsqueeze(-1))
     if inv_t != 1.0:
         z.mul_(inv_t)
-    return z.to(logits.dtype)
+    # fp32 logits are z itself; otherwise round into the logits' buffer instead of allocating another
+    return z if z is logits else logits.copy_(z)
 
 
 def _stats_fused(logits, labels, inv_t: float, compute_entropy: bool):
@@ -94,48 +102,87 @@ def _kernels(device: torch.device):
     return _COMPILED["stats"], _COMPILED["grad"]
 
 
-def _call(which: int, device, *args):
+def _eager(which: int, args, keep_input: bool):
+    if keep_input and which == 0 and args[0].dtype == torch.float32:
+        # the eager statistics work in place on their fp32 copy, which for fp32 logits is the input itself
+        args = (args[0].clone(), *args[1:])
+    return (_stats_eager, _grad_eager)[which](*args)
+
+
+def _call(which: int, device, *args, keep_input: bool = False):
     """Run a kernel; if compilation fails once, warn and use the eager code from then on. The forward
-    statistics run as one Triton pass on CUDA (cohort.triton_logprobs) unless COHORT_TRITON_LOGPROBS=0."""
+    statistics run as one Triton pass on CUDA (cohort.triton_logprobs) unless COHORT_TRITON_LOGPROBS=0.
+    keep_input: the caller keeps the logits (args[0]) after the statistics, which must not change them."""
     if which == 0 and triton_logprobs.available(device) and os.environ.get("COHORT_TRITON_LOGPROBS", "1") != "0":
         return triton_logprobs.stats(*args)
     fn = _kernels(device)[which]
-    if fn not in (_stats_eager, _grad_eager):
-        # The vocabulary is the kernels' reduction / row width: static, so inductor sizes its blocks for it (a
-        # symbolic width gives generic looped kernels); the chunk's token count stays dynamic.
-        torch._dynamo.mark_static(args[0], args[0].dim() - 1)
+    if fn in (_stats_eager, _grad_eager):
+        return _eager(which, args, keep_input)
+    # The vocabulary is the kernels' reduction / row width: static, so inductor sizes its blocks for it (a
+    # symbolic width gives generic looped kernels); the chunk's token count stays dynamic.
+    torch._dynamo.mark_static(args[0], args[0].dim() - 1)
     try:
         return fn(*args)
     except Exception as exc:  # compile errors come in many types (backend, codegen, missing compiler)
-        if fn in (_stats_eager, _grad_eager):
-            raise
         warnings.warn(f"torch.compile of the logprob kernel failed ({exc!r}); using eager code", stacklevel=3)
         _COMPILED["failed"] = True
-        return (_stats_eager, _grad_eager)[which](*args)
+        return _eager(which, args, keep_input)
+
+
+_FP32_OUT_ADDMM: dict[torch.device, bool] = {}
+
+
+def _fp32_out_addmm(device: torch.device) -> bool:
+    """Whether torch.addmm(fp32 C, bf16 A, bf16 B, out_dtype=float32, out=C) works and is right on `device`:
+    tried once per device on small matrices against an fp32 reference. CUDA only (torch has no CPU kernel for
+    out_dtype); older torch releases reject an fp32 C or the keyword."""
+    if device.type != "cuda":
+        return False
+    if device not in _FP32_OUT_ADDMM:
+        ok = False
+        try:
+            gen = torch.Generator(device=device).manual_seed(0)
+            a = torch.randn(64, 48, device=device, generator=gen).bfloat16()
+            b = torch.randn(48, 32, device=device, generator=gen).bfloat16()
+            c = torch.randn(64, 32, device=device, generator=gen)
+            want = c + a.float() @ b.float()
+            torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+            ok = c.dtype == torch.float32 and torch.allclose(c, want, rtol=1e-3, atol=1e-3)
+        except (RuntimeError, TypeError, NotImplementedError):
+            ok = False
+        _FP32_OUT_ADDMM[device] = ok
+    return _FP32_OUT_ADDMM[device]
 
 
 # ---------------------------------------------------------------------------------------------------------
 
 
 class _SelectiveLogprobs(torch.autograd.Function):
-    """Chunked logprob + entropy whose backward recomputes logits chunk by chunk."""
+    """Chunked logprob + entropy whose backward recomputes logits chunk by chunk (or, keep_logits, uses the
+    chunks the forward kept)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, chunk_tokens, compute_entropy, grad_w_fp32):
+    def forward(ctx, hidden, weight, labels, temperature, chunk_tokens, compute_entropy, grad_w_fp32, keep_logits):
         n, device, inv_t = hidden.shape[0], hidden.device, 1.0 / temperature
         logprobs = torch.empty(n, dtype=torch.float32, device=device)
         lse = torch.empty(n, dtype=torch.float32, device=device)
         entropy = torch.zeros(n if compute_entropy else 0, dtype=torch.float32, device=device)
+        # A plain list on ctx, not save_for_backward: the backward drops each chunk as soon as it is used,
+        # which saved tensors (held until the whole backward ends) would not allow.
+        kept: list[torch.Tensor | None] | None = [] if keep_logits else None
         for start in range(0, n, chunk_tokens):
             end = min(start + chunk_tokens, n)
             logits = hidden[start:end] @ weight.t()
-            chosen, chunk_lse, chunk_ent = _call(0, device, logits, labels[start:end], inv_t, compute_entropy)
+            chosen, chunk_lse, chunk_ent = _call(0, device, logits, labels[start:end], inv_t, compute_entropy,
+                                                 keep_input=keep_logits)
+            if kept is not None:
+                kept.append(logits)
             del logits
             logprobs[start:end], lse[start:end] = chosen, chunk_lse
             if compute_entropy:
                 entropy[start:end] = chunk_ent
         ctx.save_for_backward(hidden, weight, labels, lse, entropy)
-        ctx.inv_t, ctx.chunk_tokens, ctx.grad_w_fp32 = inv_t, chunk_tokens, grad_w_fp32
+        ctx.inv_t, ctx.chunk_tokens, ctx.grad_w_fp32, ctx.kept_logits = inv_t, chunk_tokens, grad_w_fp32, kept
         if not compute_entropy:
             # autograd.Function outputs must be tensors: an empty placeholder that carries no gradient.
             ctx.mark_non_differentiable(entropy)
@@ -159,14 +206,27 @@ class _SelectiveLogprobs(torch.autograd.Function):
         grad_w = None
         if need_w:
             grad_w = torch.zeros(weight.shape, dtype=torch.float32 if fp32_sum else weight.dtype, device=device)
-        for start in range(0, n, chunk):
+        # bf16 products added straight into the fp32 sum by the matmul itself, where torch can (CUDA)
+        fp32_out = fp32_sum and weight.dtype == torch.bfloat16 and _fp32_out_addmm(device)
+        # The forward's logits, taken off ctx so they go with this backward (a second backward over a retained
+        # graph finds none and recomputes); each chunk leaves the list before its gradient is made, so it is
+        # freed as soon as the gradient kernel is done with it.
+        kept, ctx.kept_logits = ctx.kept_logits, None
+        for i, start in enumerate(range(0, n, chunk)):
             end = min(start + chunk, n)
             h = hidden[start:end]
-            g = _call(1, device, h @ weight.t(), labels[start:end], lse[start:end], ent[start:end],
+            if kept is not None:
+                logits, kept[i] = kept[i], None
+            else:
+                logits = h @ weight.t()
+            g = _call(1, device, logits, labels[start:end], lse[start:end], ent[start:end],
                       gl[start:end], ge[start:end], ctx.inv_t)
+            del logits
             if need_h:
                 grad_h[start:end] = (g @ weight).to(hidden.dtype)
-            if fp32_sum:
+            if fp32_out:
+                torch.addmm(grad_w, g.t(), h, out_dtype=torch.float32, out=grad_w)
+            elif fp32_sum:
                 # Matmul in the weights' dtype (bf16 tensor cores), sum over chunks in fp32.
                 grad_w.add_(g.t() @ h)
             elif need_w:
@@ -174,7 +234,7 @@ class _SelectiveLogprobs(torch.autograd.Function):
             del g
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def selective_logprobs_and_entropy(
@@ -186,6 +246,7 @@ def selective_logprobs_and_entropy(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     compute_entropy: bool = True,
     lm_head_grad_fp32: bool = True,
+    keep_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of each label under `log_softmax(hidden @ W^T / temperature)`, and the entropy.
 
@@ -193,7 +254,9 @@ def selective_logprobs_and_entropy(
     Returns (logprobs [N] fp32, entropy [N] fp32 or None when compute_entropy is False). Both are
     differentiable with respect to hidden_states and lm_head_weight; the backward recomputes the logits
     chunk by chunk instead of storing them. lm_head_grad_fp32=False sums the weight gradient over chunks in
-    the weight's dtype (no fp32 [vocab, hidden] buffer; the low-memory setting).
+    the weight's dtype (no fp32 [vocab, hidden] buffer; the low-memory setting). keep_logits=True keeps the
+    forward's logits (N x V in the weights' dtype) for the backward instead of recomputing them: faster, and
+    only when a backward can follow (grad mode on, an input that requires grad).
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0 (greedy rollouts use logprob temperature 1.0)")
@@ -204,9 +267,11 @@ def selective_logprobs_and_entropy(
     flat_labels = labels.reshape(-1).long()
     if hidden.shape[0] != flat_labels.shape[0]:
         raise ValueError(f"hidden_states has {hidden.shape[0]} tokens but labels has {flat_labels.shape[0]}")
+    # under no_grad (old / reference logprobs) no backward comes: nothing to keep
+    keep = bool(keep_logits) and torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad)
     logprobs, entropy = _SelectiveLogprobs.apply(
         hidden, lm_head_weight, flat_labels, float(temperature), int(chunk_tokens), compute_entropy,
-        bool(lm_head_grad_fp32)
+        bool(lm_head_grad_fp32), keep
     )
     if not compute_entropy:
         return logprobs.reshape(shape), None

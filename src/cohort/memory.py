@@ -23,7 +23,9 @@ Terms (P parameters, b bytes per weight element, T tokens per forward/backward):
 - logits chunk: one chunk of the chunked logprob kernel (at most the micro-batch's completion tokens, the
   kernel's only input), chunk_tokens x vocab elements: in the eager code the logits, an fp32 working copy
   (none for fp32 weights), exp() in fp32 and the gradient cast back (8 bytes per element in fp32, 12 in bf16:
-  measured); with the fused CUDA kernels (fused_logprob_kernels) two copies in the weight dtype;
+  measured); with the fused CUDA kernels (fused_logprob_kernels) two copies in the weight dtype. With
+  keep_logits (train.keep_logits) the kernel also keeps every completion token's logits for the backward:
+  completion tokens x vocab x b more, counted in the same term;
 - LM-head gradient: the same kernel's backward sums the LM-head weight gradient over chunks in an fp32
   [vocab, hidden] buffer next to one chunk's product in the weight dtype (4 + b bytes per element). It does
   not shrink with the token budget or chunk size: 0.76 GiB for Qwen2.5-0.5B in bf16, 1.30 GiB for 1.5B
@@ -61,7 +63,7 @@ _ADVICE = {
     "optimizer": "keep Adam moments in bf16 (train.master_weights=false) or on the host (train.optimizer_offload=true)",
     "master_weights": "drop fp32 master weights (train.master_weights=false)",
     "kv_cache": "give the rollout engine a smaller KV cache (generation.kv_cache_fraction)",
-    "logits_chunk": "lower train.logprob_chunk_tokens",
+    "logits_chunk": "lower train.logprob_chunk_tokens (and set train.keep_logits=false)",
     "lm_head_grad": "sum it in bf16 (train.master_weights=false) or use a smaller model (vocabulary x hidden size)",
     "reference": "set beta=0 (no reference model) or use a smaller model",
     "weights": "use a smaller model or bf16 weights",
@@ -220,6 +222,7 @@ def estimate_memory(
     kv_released_in_update: bool = False,
     compiled_layers: bool = False,
     lora_params: int = 0,
+    keep_logits: bool = False,
 ) -> MemoryEstimate:
     """Bytes needed to train (see the module docstring for every term). Pass an HF config (or a dict of its
     fields) for activations and logits; a bare parameter count gives weights and optimizer terms only.
@@ -228,7 +231,7 @@ def estimate_memory(
     engine keeps beside its KV pool (fused projection copies), added to engine_weights.
     shards=N: the per-rank figure of a run sharded with FSDP over N ranks (N=1 is FSDP on one process).
     lora_params: LoRA adapter parameters (count_lora_parameters gives them from the config); 0: every
-    parameter of the model trains."""
+    parameter of the model trains. keep_logits: the logprob kernel keeps all its logits for the backward."""
     if optimizer not in _OPTIMIZERS:
         raise ConfigError(f"memory estimate optimizer={optimizer!r} is not known; use one of {list(_OPTIMIZERS)}")
     b = _dtype_bytes(dtype)
@@ -254,6 +257,8 @@ def estimate_memory(
     per_element = 2 * b if fused_logprob_kernels else (8 if b == 4 else 2 * b + 8)
     chunk_rows = min(chunk_tokens, token_budget, token_budget if completion_tokens is None else completion_tokens)
     logits = chunk_rows * s["V"] * per_element if known else 0
+    if keep_logits and known:  # every completion row's logits, in the weight dtype, held from forward to backward
+        logits += min(token_budget, token_budget if completion_tokens is None else completion_tokens) * s["V"] * b
     # fp32 sum plus one chunk's product; or (lm_head_grad_fp32=False) one buffer in the weight dtype
     lm_head_grad = (s["V"] * s["H"] * ((4 + b) if lm_head_grad_fp32 or b == 4 else b)) if known else 0
     if lora:  # a frozen LM head: the logprob kernel computes no weight gradient

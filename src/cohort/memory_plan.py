@@ -34,7 +34,7 @@ def plan_memory(cfg: CohortConfig, policy, device: torch.device, with_reference:
                               master_weights_fp32=cfg.train.master_weights,
                               gradient_checkpointing=cfg.model.gradient_checkpointing, reference_model=with_reference,
                               chunk_tokens=cfg.train.logprob_chunk_tokens,
-                              lm_head_grad_fp32=cfg.train.master_weights,
+                              lm_head_grad_fp32=cfg.train.master_weights, keep_logits=cfg.train.keep_logits,
                               optimizer_offload=cfg.train.optimizer_offload,
                               fused_logprob_kernels=device.type == "cuda",
                               kv_released_in_update=cfg.generation.release_kv_during_update,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -136,6 +137,7 @@ def packed_forward_logprobs(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     attn: str = "varlen",
     lm_head_grad_fp32: bool = True,
+    keep_logits: bool = False,
 ) -> PackedLogprobs:
     """Logprobs (and entropy) of each completion token, all sequences in one padding-free row.
 
@@ -143,6 +145,7 @@ def packed_forward_logprobs(
     attn: "varlen" (cu_seqlens attention, see module docstring) or "native" (the model's own attention with
     a block-diagonal mask built by transformers from the position ids).
     Gradients flow into the model's parameters; call under torch.no_grad() for old/reference logprobs.
+    keep_logits: the logprob kernel keeps the LM-head logits for the backward (cohort.logprobs).
     """
     if attn not in ("varlen", "native"):
         raise ValueError(f"attn={attn!r} is not one of 'varlen', 'native'")
@@ -152,7 +155,8 @@ def packed_forward_logprobs(
         from cohort.vision.forward import vision_packed_logprobs
 
         return vision_packed_logprobs(model, sequences, temperature=temperature, compute_entropy=compute_entropy,
-                                      chunk_tokens=chunk_tokens, attn=attn, lm_head_grad_fp32=lm_head_grad_fp32)
+                                      chunk_tokens=chunk_tokens, attn=attn, lm_head_grad_fp32=lm_head_grad_fp32,
+                                      keep_logits=keep_logits)
     device = model.get_input_embeddings().weight.device
     input_ids, position_ids, cu, hidden_idx, labels, offsets = pack_layout(sequences, device)
     # a sharded (FSDP) policy registers the pass as a forward method on its root, so that calling it gathers
@@ -162,13 +166,13 @@ def packed_forward_logprobs(
     max_len = max(len(prompt) + len(completion) for prompt, completion in sequences)
     logprobs, entropy = run(input_ids, position_ids, cu, hidden_idx, labels, temperature=temperature,
                             compute_entropy=compute_entropy, chunk_tokens=chunk_tokens, attn=attn,
-                            lm_head_grad_fp32=lm_head_grad_fp32, max_len=max_len)
+                            lm_head_grad_fp32=lm_head_grad_fp32, keep_logits=keep_logits, max_len=max_len)
     return PackedLogprobs(logprobs, entropy, offsets)
 
 
 def packed_pass(model, input_ids, position_ids, cu, hidden_idx, labels, *, temperature: float,
                 compute_entropy: bool, chunk_tokens: int, attn: str, lm_head_grad_fp32: bool,
-                max_len: int | None = None):
+                max_len: int | None = None, keep_logits: bool = False):
     """The decoder body over one packed row, then the chunked logprobs of the labels (model is the root).
     max_len: the longest sequence of the row, when the caller knows it (else read from `cu`, a device sync)."""
     kwargs = {}
@@ -186,12 +190,16 @@ def packed_pass(model, input_ids, position_ids, cu, hidden_idx, labels, *, tempe
     weight = model.get_output_embeddings().weight
     softcap = getattr(model.config, "final_logit_softcapping", None)
     if softcap is not None:
+        if keep_logits:
+            warnings.warn("train.keep_logits has no effect on a model with final-logit soft-capping "
+                          f"({type(model).__name__}): its logprobs recompute each chunk's logits in the backward",
+                          stacklevel=2)
         logprobs, entropy = _softcapped_logprobs(hidden, weight, labels, temperature, float(softcap), chunk_tokens,
                                                  compute_entropy)
         return logprobs.clone(), None if entropy is None else entropy.clone()
     logprobs, entropy = selective_logprobs_and_entropy(
         hidden, weight, labels, temperature=temperature, chunk_tokens=chunk_tokens, compute_entropy=compute_entropy,
-        lm_head_grad_fp32=lm_head_grad_fp32,
+        lm_head_grad_fp32=lm_head_grad_fp32, keep_logits=keep_logits,
     )
     # fresh tensors, not views: FSDP hooks the outputs of a forward method for its backward pre-hook
     return logprobs.clone(), None if entropy is None else entropy.clone()

@@ -146,7 +146,7 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo, hooks: S
             temperature=cfg.generation.temperature or 1.0, max_grad_norm=t.max_grad_norm,
             max_completion_length=cfg.generation.max_completion_length,
             num_generations=cfg.generation.num_generations, chunk_tokens=t.logprob_chunk_tokens,
-            lm_head_grad_fp32=t.master_weights, sharded=t.sharding == "fsdp",
+            lm_head_grad_fp32=t.master_weights, keep_logits=t.keep_logits, sharded=t.sharding == "fsdp",
             reduce_every_micro_batch=t.fsdp_reduce_every_micro_batch,
             max_nonfinite_updates=t.max_nonfinite_updates),
         grad_reducer=_grad_reducer(cfg, comp))

@@ -46,6 +46,7 @@ class UpdateSettings:
     num_generations: int
     chunk_tokens: int = 4096  # logprob kernel chunk (train.logprob_chunk_tokens)
     lm_head_grad_fp32: bool = True  # False with train.master_weights=false: the low-memory setting
+    keep_logits: bool = False  # train.keep_logits: the logprob kernel keeps its logits for the backward
     sharded: bool = False  # FSDP: gradients are reduced by FSDP, every rank runs the same number of passes
     reduce_every_micro_batch: bool = True  # FSDP: reduce-scatter after each micro-batch, or after the last only
     max_nonfinite_updates: int = 3  # train.max_nonfinite_updates: skipped updates in a row before the run stops
@@ -124,7 +125,7 @@ class PolicyUpdater:
             packed = packed_forward_logprobs(
                 self.policy, [(batch.prompt_ids[r], batch.completion_ids[r]) for r in idx],
                 temperature=self.s.temperature, compute_entropy=True, chunk_tokens=self.s.chunk_tokens,
-                lm_head_grad_fp32=self.s.lm_head_grad_fp32)
+                lm_head_grad_fp32=self.s.lm_head_grad_fp32, keep_logits=self.s.keep_logits)
             inputs = LossInputs(
                 logprobs=packed.padded("logprobs"),
                 old_logprobs=None if old is None else pad_rows([old[r] for r in idx], width),

@@ -86,6 +86,7 @@ def test_cohort_child_runs_exact_lengths_on_cpu(bench, runner, no_reasoning_gym)
     assert result["optimizer"] == ("HostOffloadAdamW" if runner == "cohort-lowmem" else "AdamW")
     assert result["release_kv_during_update"] is (runner == "cohort-lowmem")
     assert result["logprob_chunk_tokens"] == (8 if runner == "cohort-lowmem" else 4096)
+    assert result["keep_logits"] is (runner == "cohort")
     import cohort.trainer
     # the bench's patches are scoped to the run
     assert cohort.trainer._save.__name__ == "_save"

@@ -96,3 +96,31 @@ def test_phases_when_the_kv_pool_is_released_and_the_moments_offloaded():
     }
     assert est.total == max(est.phases.values()) == 10**6 + 2 * P
     assert "generation" in est.table()
+
+
+@pytest.mark.parametrize("dtype, b", [("bf16", 2), ("fp32", 4)])
+@pytest.mark.parametrize("completion", [6, None])
+def test_keep_logits_counts_every_completion_rows_logits(dtype, b, completion):
+    """train.keep_logits: the logprob kernel holds completion tokens x vocab x b bytes from forward to backward."""
+    kw = dict(dtype=dtype, token_budget=10, completion_tokens=completion, chunk_tokens=4, fused_logprob_kernels=True)
+    base, kept = estimate_memory(CFG, **kw), estimate_memory(CFG, keep_logits=True, **kw)
+    extra = (completion or 10) * 100 * b
+    assert kept.logits_chunk - base.logits_chunk == extra
+    assert kept.phases["backward"] - base.phases["backward"] == extra
+    assert kept.total - base.total == extra  # the backward is the peak of this config
+    assert kept.phases["optimizer_step"] == base.phases["optimizer_step"]  # gone before the step
+
+
+def test_memory_plan_passes_train_keep_logits():
+    from tests.helpers.tiny_models import tiny_llama
+
+    from cohort.config import CohortConfig
+    from cohort.memory_plan import micro_batch_tokens, plan_memory
+
+    ests = []
+    for keep in (False, True):
+        cfg = CohortConfig()
+        cfg.train.keep_logits = keep
+        ests.append(plan_memory(cfg, tiny_llama(0), torch.device("cpu"), False, lambda *a: None)[1])
+    _, completion = micro_batch_tokens(CohortConfig())
+    assert ests[1].logits_chunk - ests[0].logits_chunk == completion * 64 * 4  # tiny_llama: vocab 64, fp32

@@ -117,7 +117,7 @@ def _pack(sequences, device):
 
 def vision_packed_logprobs(model, sequences, *, temperature: float = 1.0, compute_entropy: bool = True,
                            chunk_tokens: int = DEFAULT_CHUNK_TOKENS, attn: str = "varlen",
-                           lm_head_grad_fp32: bool = True):
+                           lm_head_grad_fp32: bool = True, keep_logits: bool = False):
     """`packed_forward_logprobs` for prompts with images (see the module docstring) -> PackedLogprobs."""
     from cohort.packed_attention import _PACKED_MASKS, enable_packed_attention
     from cohort.packing import PackedLogprobs
@@ -152,5 +152,5 @@ def vision_packed_logprobs(model, sequences, *, temperature: float = 1.0, comput
     hidden = out.last_hidden_state[0].index_select(0, hidden_idx)
     logprobs, entropy = selective_logprobs_and_entropy(
         hidden, base.get_output_embeddings().weight, labels, temperature=temperature, chunk_tokens=chunk_tokens,
-        compute_entropy=compute_entropy, lm_head_grad_fp32=lm_head_grad_fp32)
+        compute_entropy=compute_entropy, lm_head_grad_fp32=lm_head_grad_fp32, keep_logits=keep_logits)
     return PackedLogprobs(logprobs, entropy, offsets)
