@@ -22,6 +22,8 @@ from cohort.trainer import train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                 reason="needs 2 CUDA devices")
+# the toy task is reasoning-gym's chain_sum; the GPU machines lack it unless its wheels are carried (.gl/rg)
+pytest.importorskip("reasoning_gym", reason="needs reasoning-gym: pip install --no-deps .gl/rg/*.whl")
 
 
 def _run(rank: int, world: int, out: str, port: int, sharding: str) -> None:

@@ -10,6 +10,8 @@ from tests.integration.test_trainer_learns import toy_components, toy_config
 from cohort.trainer import train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# the toy task is reasoning-gym's chain_sum; the GPU machines lack it unless its wheels are carried (.gl/rg)
+pytest.importorskip("reasoning_gym", reason="needs reasoning-gym: pip install --no-deps .gl/rg/*.whl")
 
 
 def test_learns_on_cuda_with_the_engine(tmp_path):

@@ -112,6 +112,11 @@ class CohortEngine:
         self.blocks = BlockManager(self.runner.num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.blocks)
         self.sampler = Sampler(self.device)
+        head = getattr(self.runner.net.hf, "lm_head", None)
+        if self.device.type == "cuda" and getattr(head, "out_features", None):
+            # prefill steps sample eagerly at any row count: compile every sampler variant now, not mid-run
+            with torch.cuda.device(self.device):
+                self.sampler.warm(head.out_features, self.config.max_num_seqs, self.runner.net.dtype)
         self.stats = EngineStats()
         self._inflight: _Launch | None = None  # a queued multi-step launch (see _multi_step)
         self._ids = itertools.count()

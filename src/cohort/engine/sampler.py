@@ -117,6 +117,19 @@ def needs_processing(seqs: list[Sequence]) -> bool:
     )
 
 
+def aligned_rows(rows: list[np.ndarray], dtype) -> np.ndarray:
+    """Stack 1-D arrays as rows whose starts are 16-byte aligned (width padded to a multiple of 4).
+
+    Triton compiles a kernel once per pointer alignment class: a [2, n] stack puts its second row at n * 4
+    or n * 8 bytes, so every odd n (and n % 4 != 0 for float32) compiled a new sampler mid-generation, a
+    250-300 ms stall measured three times in one run of bench/rollout.py's mixed workload."""
+    n = len(rows[0])
+    out = np.zeros((len(rows), -(-max(n, 1) // 4) * 4), dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, :n] = row
+    return out
+
+
 class Sampler:
     """Turns one logits row per sequence into (token, logprob), using the fused kernel when it can."""
 
@@ -137,15 +150,15 @@ class Sampler:
         inv_temp_np, noise_np = temperature_rows(seqs)
         seeds = np.fromiter((s.seed for s in seqs), dtype=np.int64, count=n)
         positions = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
-        floats = torch.from_numpy(np.stack([inv_temp_np, noise_np])).to(self.device, non_blocking=True)
-        inv_temp, noise = floats[0], floats[1]
+        floats = torch.from_numpy(aligned_rows([inv_temp_np, noise_np], np.float32)).to(self.device, non_blocking=True)
+        inv_temp, noise = floats[0, :n], floats[1, :n]
         choice = self._processed(logits, seqs)
         if self.use_triton:
             from cohort.engine.triton_ops import fused_sample
 
-            ints = torch.from_numpy(np.stack([seeds, positions])).to(self.device, non_blocking=True)
+            ints = torch.from_numpy(aligned_rows([seeds, positions], np.int64)).to(self.device, non_blocking=True)
             choice_scaled_input = logits if choice is None else choice
-            return fused_sample(logits, choice_scaled_input.contiguous(), inv_temp, noise, ints[0], ints[1])
+            return fused_sample(logits, choice_scaled_input.contiguous(), inv_temp, noise, ints[0, :n], ints[1, :n])
         keys = torch.from_numpy(row_keys(seeds, positions)).to(self.device, non_blocking=True)
         scaled = logits.float() * inv_temp[:, None]
         chosen_scaled = scaled if choice is None else choice.float() * inv_temp[:, None]
@@ -153,6 +166,25 @@ class Sampler:
         tokens = score.argmax(-1)
         logprobs = scaled.gather(-1, tokens[:, None])[:, 0] - scaled.logsumexp(-1)
         return tokens, logprobs
+
+    @torch.inference_mode()
+    def warm(self, vocab: int, max_rows: int, dtype: torch.dtype) -> int:
+        """Compile the fused sampler for every slice count a step of 1..max_rows rows can use (each count is
+        its own Triton kernel), so no generation pays a compile; returns how many variants ran. No-op
+        without Triton."""
+        if not self.use_triton:
+            return 0
+        from cohort.engine.triton_ops import fused_sample, sample_splits
+
+        firsts: dict[int, int] = {}
+        for rows in range(1, max_rows + 1):
+            firsts.setdefault(sample_splits(rows, vocab), rows)
+        for rows in firsts.values():
+            logits = torch.zeros(rows, vocab, dtype=dtype, device=self.device)
+            floats = torch.ones(2, -(-rows // 4) * 4, device=self.device)
+            ints = torch.zeros(2, -(-rows // 4) * 4, dtype=torch.int64, device=self.device)
+            fused_sample(logits, logits, floats[0, :rows], floats[1, :rows], ints[0, :rows], ints[1, :rows])
+        return len(firsts)
 
     def _processed(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
         """Logits after penalties and filters, still at temperature 1 (None when nothing applies)."""
