@@ -5,7 +5,8 @@
 Times (median of repeats, CUDA events) at batch 256, Qwen2.5-0.5B architecture with random bf16 weights:
 the captured decode graph alone, the fused sampler alone, the paged-attention kernel alone, and the host
 side of the engine's step (scheduling, input preparation, appending tokens) measured on the real loop.
-Then the sampler's slicing variants and the decode matmuls (cuBLAS vs cuBLASLt) timed as CUDA graphs (no
+First the decode attention's loop tile, warps and stages on workload-A-like block tables (--attention-only
+stops there). Then the sampler's slicing variants and the decode matmuls (cuBLAS vs cuBLASLt) timed as CUDA graphs (no
 launch overhead), and workloads A and B through `engine.generate` under torch.profiler: the device timeline's
 busy time and idle gaps (trace_gaps.py; the Chrome traces saved under --trace-dir).
 """
@@ -88,6 +89,43 @@ def matmul_table(cfg, rows: int = 256) -> None:
             times.append(graph_ms(lambda x=x, w=w: x @ w.t()) * 1000)
         torch.backends.cuda.preferred_blas_library("cublas")
         print(f"| {name} | {k} x {n} | {times[0]:.1f} | {times[1]:.1f} |")
+
+
+def a_like_tables(rows: int, ctx: int, block: int, width: int, num_blocks: int, group: int = 8,
+                  prefix_blocks: int = 2) -> torch.Tensor:
+    """Block tables laid out as workload A's: each group of `group` rows shares its prompt's first
+    `prefix_blocks` blocks, every other block is the row's own, all distinct and scattered over the pool."""
+    need = -(-ctx // block)
+    perm = torch.randperm(num_blocks - 1, device="cuda")[: rows * need].view(rows, need).to(torch.int32) + 1
+    perm[:, :prefix_blocks] = perm[::group, :prefix_blocks].repeat_interleave(group, 0)[:rows]
+    tables = torch.zeros(rows, width, device="cuda", dtype=torch.int32)
+    tables[:, :need] = perm
+    return tables
+
+
+def attention_sweep(runner, heads: int = 14, head_dim: int = 64) -> None:
+    """Decode attention over separate K and V caches with A-like tables (shared prompt blocks, scattered own
+    blocks): the kernel's keys per iteration, warps and pipeline stages, each timed as a CUDA graph."""
+    from cohort.engine import triton_ops
+
+    kc, vc = runner.kv_cache[0, 0], runner.kv_cache[1, 0]
+    width, block, nb = runner.config.max_blocks_per_seq, runner.config.block_size, runner.num_blocks
+    tile, stages = triton_ops.decode_tile(head_dim)
+    default = (tile, triton_ops.DECODE_WARPS, stages)
+    variants = [(t, w, st) for t in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+    print("| decode attention, 1 layer | " + " | ".join(f"tile {t} w{w} s{st}" for t, w, st in variants) + " |")
+    print("| --- |" + " ---: |" * len(variants))
+    for rows, ctx in ((256, 260), (256, 384), (256, 1024), (128, 1024), (64, 1536), (16, 2000)):
+        q = torch.randn(rows, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        tables = a_like_tables(rows, ctx, block, width, nb)
+        lens = torch.full((rows,), ctx, device="cuda", dtype=torch.int32)
+        cells = []
+        for t, w, st in variants:
+            us = graph_ms(lambda t=t, w=w, st=st, q=q, tables=tables, lens=lens: triton_ops.paged_decode_attention(
+                q, kc, vc, tables, lens, 0.125, tile=t, num_warps=w, num_stages=st)) * 1000
+            cells.append(f"{us:.1f}" + ("*" if (t, w, st) == default else ""))
+        print(f"| {rows} seqs x ctx {ctx} | " + " | ".join(cells) + " |", flush=True)
+    print("(* the default)")
 
 
 def traced_generate(engine, prompts, trace_dir: str | None) -> None:
@@ -197,6 +235,7 @@ def loop_breakdown(engine, prompts) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--trace-dir", default=None, help="save the engine.generate Chrome trace (gzipped) here")
+    p.add_argument("--attention-only", action="store_true", help="only the decode-attention sweep")
     args = p.parse_args()
     from cohort.engine import CohortEngine
     from cohort.engine.triton_ops import fused_sample, paged_decode_attention
@@ -204,6 +243,10 @@ def main() -> None:
     model = build_model()
     engine = CohortEngine(model, eos_token_ids=None, max_model_len=2048, max_num_seqs=256)
     runner = engine.runner
+    attention_sweep(runner, model.config.num_attention_heads,
+                    model.config.hidden_size // model.config.num_attention_heads)
+    if args.attention_only:
+        return
     graph = runner.graphs[256][0]  # batch size -> (graph, logits, tokens, logprobs): only the graph is timed
     print(f"graph replay bs=256 (ctx 1, scratch rows): {gpu_ms(graph.replay):.3f} ms")
     if 256 in runner.multi_graphs:

@@ -5,8 +5,9 @@ sampler.py, which compute the same functions (tests compare them under TRITON_IN
 
 Decode attention: one program per (sequence, KV head, KV split). The GQA group's query heads are folded
 into the rows of one tile (padded to 16, the smallest tl.dot tile), so a ratio of 7 (Qwen2.5) costs nothing
-special and every K/V block is read once per KV head. The loop over the split's blocks uses an online
-softmax; the trip count comes from ctx_lens on the device, so the kernel can live inside a CUDA graph.
+special and every K/V block is read once per KV head. The loop over the split's keys, decode_tile(head_dim) at a time
+(a tile may span several cache blocks: each key's row is found through its block's table entry), uses an
+online softmax; the trip count comes from ctx_lens on the device, so the kernel can live inside a CUDA graph.
 A sliding-window layer passes window=W: the loop starts at the block holding position ctx_len - W and
 masks the keys before it (full attention passes 2**30, larger than any context). With several splits
 (flash-decoding: a small batch of long contexts would leave most SMs idle) each program writes its
@@ -49,7 +50,7 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, part_acc_ptr, part_ml_ptr, scale, window,
         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-        PRECISION: tl.constexpr, SPLITS: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+        PRECISION: tl.constexpr, SPLITS: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, TILE: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -57,7 +58,7 @@ if triton is not None:
         ctx_len = tl.load(ctx_ptr + seq)
         rows = tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, HEAD_DIM)
-        slots = tl.arange(0, BLOCK)
+        toks = tl.arange(0, TILE)
         row_ok = rows < GROUP
         heads = kvh * GROUP + rows
         q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
@@ -67,16 +68,18 @@ if triton is not None:
         denom = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         lo = tl.maximum(ctx_len - window, 0)
-        # this program's share of the sequence's blocks (all of them when SPLITS == 1)
-        first = tl.maximum(lo // BLOCK, split * BLOCKS_PER_SPLIT)
-        last = tl.minimum(tl.cdiv(ctx_len, BLOCK), (split + 1) * BLOCKS_PER_SPLIT)
+        # this program's share of the sequence's tiles of TILE tokens (all of them when SPLITS == 1); a tile
+        # spans TILE // BLOCK cache blocks, each token's row found through its block's table entry
+        first = tl.maximum(lo // TILE, split * TILES_PER_SPLIT)
+        last = tl.minimum(tl.cdiv(ctx_len, TILE), (split + 1) * TILES_PER_SPLIT)
         for i in range(first, last):
-            block = tl.load(tables_ptr + seq * stride_tb + i).to(tl.int64)
-            offs = block * stride_kb + slots[:, None] * stride_ks + kvh * stride_kh + dims[None, :]
-            k = tl.load(k_ptr + offs)
-            v = tl.load(v_ptr + offs)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [GROUP_PAD, BLOCK] fp32
-            valid = ((i * BLOCK + slots) < ctx_len) & ((i * BLOCK + slots) >= lo)
+            pos = i * TILE + toks
+            valid = (pos < ctx_len) & (pos >= lo)
+            block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK, mask=valid, other=0).to(tl.int64)
+            offs = block[:, None] * stride_kb + (pos % BLOCK)[:, None] * stride_ks + kvh * stride_kh + dims[None, :]
+            k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [GROUP_PAD, TILE] fp32
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             # a row with nothing seen yet (m_new = -inf) keeps zeros rather than exp(-inf - -inf) = NaN
@@ -212,11 +215,26 @@ def decode_splits(batch: int, kv_heads: int, max_blocks: int) -> int:
     return 1 << (want.bit_length() - 1)
 
 
+DECODE_WARPS = 4
+
+
+def decode_tile(head_dim: int) -> tuple[int, int]:
+    """(keys per loop iteration, pipeline stages) of the decode kernel for a head size. Measured on an H100
+    (bench/engine_profile.py's attention sweep, 14 query / 2 KV heads of 64): 128 keys in 4 stages against
+    64 in 3, 256 sequences at 384 tokens 15.0 -> 11.7 us a layer, 128 at 1,024 tokens 36.9 -> 32.7, 64 at
+    1,536 tokens 23.1 -> 20.4, equal at 260 tokens and on the 16-sequence tail. Wider heads keep 64 keys in
+    3 stages (128 keys of 128 dims in 4 stages would need 256 KB of shared memory)."""
+    return (128, 4) if head_dim <= 64 else (64, 3)
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
-                           window: int | None = None, splits: int | None = None) -> torch.Tensor:
+                           window: int | None = None, splits: int | None = None, tile: int | None = None,
+                           num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """q [B, H, D]; caches [num_blocks, block_size, Hkv, D]; returns [B, H, D]. window: sliding window or None.
-    splits: KV splits per sequence (default decode_splits; 1 = one program per (sequence, KV head))."""
+    splits: KV splits per sequence (default decode_splits; 1 = one program per (sequence, KV head)).
+    tile: keys per loop iteration, a power of two (default from decode_tile; it may span several cache blocks
+    or part of one); num_warps / num_stages: the launch's (defaults DECODE_WARPS and decode_tile's)."""
     batch, heads, head_dim = q.shape
     kv_heads, block = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
@@ -225,7 +243,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     splits = splits or decode_splits(batch, kv_heads, width)
     if splits & (splits - 1):
         raise ValueError(f"splits={splits} must be a power of two")
-    per_split = -(-width // splits)
+    default_tile, default_stages = decode_tile(head_dim)
+    tile = tile or default_tile
+    if tile & (tile - 1) or tile < 16:
+        raise ValueError(f"tile={tile} must be a power of two >= 16")
+    tiles = -(-width * block // tile)
+    per_split = -(-tiles // splits)  # tiles per split
     if splits > 1:
         part_acc = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=q.device)
@@ -237,8 +260,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK=block,
         # float32 models get exact float32 products (not tf32), so they match the PyTorch reference.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits, BLOCKS_PER_SPLIT=per_split,
-        num_warps=4,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits, TILES_PER_SPLIT=per_split,
+        TILE=tile, num_warps=num_warps or DECODE_WARPS, num_stages=num_stages or default_stages,
     )
     if splits > 1:
         _paged_decode_combine_kernel[(batch, heads)](part_acc, part_ml, out, out.stride(0), out.stride(1),
