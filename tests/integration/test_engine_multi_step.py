@@ -195,3 +195,23 @@ def test_decode_steps_must_be_a_positive_integer():
         with pytest.raises(ValueError, match="decode_steps"):
             make_engine(model, bad)
     assert make_engine(model, None).runner.decode_steps == 1  # default without CUDA graphs
+
+
+def test_launch_copies_tokens_to_the_host_as_whole_contiguous_buffers(monkeypatch):
+    # A copy into a column slice of a pinned buffer is not contiguous: torch stages it through pageable memory
+    # and the host waits for the launch, so chained launches of fewer rows than max_num_seqs ran serially.
+    import torch
+
+    engine = make_engine(tiny_model("llama"), steps=4, max_num_seqs=16)
+    outs = {t.data_ptr() for pair in engine.runner._multi_out for t in pair}
+    seen: list[bool] = []
+    copy = torch.Tensor.copy_
+
+    def spy(self, src, non_blocking=False):
+        if self.data_ptr() in outs:
+            seen.append(self.is_contiguous() and self.numel() == src.numel())
+        return copy(self, src, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    engine.generate(random_prompts([5, 7, 3]), SamplingParams(n=2, max_tokens=9, seed=1))  # 6 rows of 16
+    assert seen and all(seen)
