@@ -38,6 +38,11 @@ class EngineConfig:
         decode_steps - 1 tokens that are dropped; a row never computes past its max_tokens. Tokens do not
         depend on it. None = 8 where the decode graphs and the in-graph sampler exist (CUDA with Triton),
         1 elsewhere; a value > 1 without CUDA graphs runs the same device-side loop eagerly (tests).
+    prefill_graph_tokens: prefill steps of fresh prompts totalling up to this many tokens (padded to a
+        multiple of 512) replay a CUDA graph captured for their padded shape the first time it occurs
+        (engine/prefill_graphs.py): a small model's prefill is bound by host work otherwise. Each shape
+        captured costs one extra forward then; the graphs' activations stay reserved in the decode graphs'
+        memory pool. 0 = always eager. Only with CUDA graphs and varlen attention.
     """
 
     max_num_seqs: int = 256
@@ -50,6 +55,7 @@ class EngineConfig:
     fuse_projections: bool | None = None
     continuation_delay_steps: int = 8
     decode_steps: int | None = None
+    prefill_graph_tokens: int = 4096
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
@@ -67,6 +73,9 @@ class EngineConfig:
         if self.decode_steps is not None and (not isinstance(self.decode_steps, int) or self.decode_steps < 1):
             raise ValueError(f"decode_steps={self.decode_steps!r} must be an integer >= 1 (decode steps per host "
                              "iteration) or None (8 with CUDA graphs, else 1).")
+        if not isinstance(self.prefill_graph_tokens, int) or self.prefill_graph_tokens < 0:
+            raise ValueError(f"prefill_graph_tokens={self.prefill_graph_tokens!r} must be an integer >= 0 (largest "
+                             "prefill replayed as a CUDA graph; 0 = always eager).")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1 or None (size from memory).")
         if self.max_num_batched_tokens < self.max_model_len:

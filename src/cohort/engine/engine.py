@@ -78,6 +78,7 @@ class CohortEngine:
         fuse_projections: bool | None = None,
         continuation_delay_steps: int = 8,
         decode_steps: int | None = None,
+        prefill_graph_tokens: int = 4096,
         device: str | torch.device | None = None,
     ) -> None:
         ok, reason = engine_supports(model)
@@ -103,6 +104,7 @@ class CohortEngine:
             fuse_projections=fuse_projections,
             continuation_delay_steps=continuation_delay_steps,
             decode_steps=decode_steps,
+            prefill_graph_tokens=prefill_graph_tokens,
         )
         self.tokenizer = tokenizer
         if isinstance(eos_token_ids, int):
@@ -112,11 +114,11 @@ class CohortEngine:
         self.blocks = BlockManager(self.runner.num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.blocks)
         self.sampler = Sampler(self.device)
-        head = getattr(self.runner.net.hf, "lm_head", None)
-        if self.device.type == "cuda" and getattr(head, "out_features", None):
+        vocab = getattr(getattr(self.runner.net.hf, "lm_head", None), "out_features", None)
+        if self.device.type == "cuda" and vocab:
             # prefill steps sample eagerly at any row count: compile every sampler variant now, not mid-run
             with torch.cuda.device(self.device):
-                self.sampler.warm(head.out_features, self.config.max_num_seqs, self.runner.net.dtype)
+                self.sampler.warm(vocab, self.config.max_num_seqs, self.runner.net.dtype)
         self.stats = EngineStats()
         self._inflight: _Launch | None = None  # a queued multi-step launch (see _multi_step)
         self._ids = itertools.count()

@@ -28,6 +28,7 @@ from cohort.engine.attention import AttentionOps, AttnContext, prefix_batch
 from cohort.engine.config import EngineConfig
 from cohort.engine.models.decoder import HFModule
 from cohort.engine.models.registry import build_forward
+from cohort.engine.prefill_graphs import PrefillGraphs
 from cohort.engine.sampler import temperature_rows
 from cohort.engine.scheduler import PrefillUnit
 from cohort.engine.sequence import Sequence
@@ -74,6 +75,10 @@ class ModelRunner:
         self.decode_steps = steps if steps is not None else (8 if use_graphs and self.sample_in_graph else 1)
         self._alloc_static(pin)
         self._param_ptrs = self._parameter_pointers()
+        self._pool = None  # the decode graphs' memory pool, shared by the prefill graphs
+        self.prefill_graphs = (PrefillGraphs(self, config.prefill_graph_tokens)
+                               if use_graphs and config.prefill_graph_tokens and self.attention.use_varlen
+                               and getattr(self.net, "prefill_inputs", None) is None else None)
         # graph_safe is False for a forward that reads values on the host (the MoE's per-expert loop).
         if use_graphs:
             with torch.cuda.device(device):
@@ -205,12 +210,17 @@ class ModelRunner:
             cu.append(cu[-1] + n - cached)
             prefix_lens.append(cached)
         dev = self.device
+        longest = max(b - a for a, b in itertools.pairwise(cu))
+        if self.prefill_graphs is not None and not any(prefix_lens):
+            key = self.prefill_graphs.shape(len(ids), len(units), longest)
+            if key is not None:
+                return self.prefill_graphs.run(key, ids, np.concatenate(positions), np.concatenate(slots), cu)
         ctx = AttnContext(
             is_prefill=True,
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
             cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev),
             cu_seqlens_host=cu,
-            max_seqlen=max(b - a for a, b in itertools.pairwise(cu)),
+            max_seqlen=longest,
         )
         if any(prefix_lens):
             # continued turns attend to their cached prefix, all of the step's in one padded batch per layer
@@ -306,16 +316,24 @@ class ModelRunner:
         sizes = [b for b in (1, 2, 4, 8) if b < top] + list(range(16, top, 16)) + [top]
         return sorted(set(sizes))
 
+    def graph_pool(self):
+        """The memory pool of this runner's CUDA graphs (a new one before the first capture)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
         start = time.perf_counter()
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.clear()  # they read the same KV pool and weights by address
         top = self.config.max_num_seqs
         # One logits buffer for every batch size: a graph's outputs stay allocated for as long as the graph
         # lives, so separate outputs would hold sum(batch sizes) x vocab logits (0.6 GB on Qwen2.5-0.5B).
         vocab = self.net.hf.lm_head.out_features if hasattr(self.net.hf.lm_head, "out_features") else None
         self._graph_logits = (torch.empty((top, vocab), dtype=self.net.dtype, device=self.device)
                               if vocab else None)
-        pool = None
+        pool = self.graph_pool()
         for bs in reversed(self.graph_batch_sizes()):
             ctx = AttnContext(is_prefill=False, slot_mapping=self._static_rows[2, :bs],
                               block_tables=self._static_tables[:bs], ctx_lens=self._static_ctx_lens[:bs])
@@ -335,7 +353,6 @@ class ModelRunner:
                                               rows[3, :bs]))
 
             graph, outputs = self._capture(run, pool, bs)
-            pool = graph.pool()
             self.graphs[bs] = (graph, *outputs)
         if self.decode_steps > 1:
             for bs in reversed(self.graph_batch_sizes()):
