@@ -1,0 +1,68 @@
+"""A/B of engine settings on workload A and B in one process (one GPU): prefill graphs on/off, the decode
+attention's loop tile. Each row: median wall of 3 runs of engine.generate after a warm-up, and the engine
+loop's prefill time (engine.step of the prefill, synchronised).
+
+    PYTHONPATH=src:. python3 bench/engine_ab.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from rollout import build_model, run_engine_mixed, workload_a  # bench/ is the script's folder, so on sys.path
+
+from cohort.engine import CohortEngine, triton_ops
+from cohort.types import SamplingParams
+
+
+def wall(engine, prompts, params, repeats: int = 3) -> float:
+    engine.generate(prompts, params)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.generate(prompts, params)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def prefill_ms(engine, prompts, params) -> float:
+    for i, p in enumerate(prompts):
+        engine._add(i, p, params)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.step()
+    torch.cuda.synchronize()
+    ms = 1000 * (time.perf_counter() - t0)
+    while engine.scheduler.has_work():
+        engine.step()
+    return ms
+
+
+def main() -> None:
+    model = build_model()
+    prompts = workload_a(model.config.vocab_size)
+    params = SamplingParams(n=8, max_tokens=256, temperature=1.0, ignore_eos=True, seed=0)
+    original = triton_ops.decode_tile
+    print("| setting | A tok/s | A prefill ms | B tok/s |\n| --- | ---: | ---: | ---: |")
+    for name, graph_tokens, tile in (("prefill graphs, tile 128/4", 4096, None), ("eager prefill, tile 128/4", 0, None),
+                                     ("prefill graphs, tile 64/3", 4096, (64, 3)),
+                                     ("eager prefill, tile 64/3", 0, (64, 3))):
+        triton_ops.decode_tile = original if tile is None else (lambda head_dim, t=tile: t)
+        engine = CohortEngine(model, eos_token_ids=None, max_model_len=2048, max_num_seqs=256,
+                              prefill_graph_tokens=graph_tokens)
+        seconds = wall(engine, prompts, params)
+        pre = statistics.median(prefill_ms(engine, prompts, params) for _ in range(3))
+        run_engine_mixed(engine, model.config.vocab_size)
+        b_tok_s = run_engine_mixed(engine, model.config.vocab_size)[0]
+        print(f"| {name} | {256 * 256 / seconds:,.0f} | {pre:.1f} | {b_tok_s:,.0f} |", flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    triton_ops.decode_tile = original
+
+
+if __name__ == "__main__":
+    main()
