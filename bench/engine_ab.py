@@ -1,5 +1,5 @@
-"""A/B of engine settings on workload A and B in one process (one GPU): prefill graphs on/off, RoPE and the
-KV write inside the decode attention kernel or before it, the decode attention's loop tile. Each row: median wall of 3 runs of engine.generate after a warm-up, and the engine
+"""A/B of engine settings on workload A and B in one process (one GPU): prefill graphs on/off, the decode
+attention's loop tile. Each row: median wall of 3 runs of engine.generate after a warm-up, and the engine
 loop's prefill time (engine.step of the prefill, synchronised).
 
     PYTHONPATH=src:. python3 bench/engine_ab.py
@@ -7,7 +7,6 @@ loop's prefill time (engine.step of the prefill, synchronised).
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
@@ -48,14 +47,11 @@ def main() -> None:
     prompts = workload_a(model.config.vocab_size)
     params = SamplingParams(n=8, max_tokens=256, temperature=1.0, ignore_eos=True, seed=0)
     original = triton_ops.decode_tile
-    rows = (("default: prefill graphs, RoPE in decode attention, tile 128/4", 4096, None, "1"),
-            ("RoPE + KV write as their own kernel", 4096, None, "0"),
-            ("eager prefill", 0, None, "1"),
-            ("decode tile 64/3", 4096, (64, 3), "1"))
     print("| setting | A tok/s | A prefill ms | B tok/s |\n| --- | ---: | ---: | ---: |")
-    for name, graph_tokens, tile, rope_in_attention in rows:
+    for name, graph_tokens, tile in (("prefill graphs, tile 128/4", 4096, None), ("eager prefill, tile 128/4", 0, None),
+                                     ("prefill graphs, tile 64/3", 4096, (64, 3)),
+                                     ("eager prefill, tile 64/3", 0, (64, 3))):
         triton_ops.decode_tile = original if tile is None else (lambda head_dim, t=tile: t)
-        os.environ["COHORT_DECODE_ROPE_IN_ATTENTION"] = rope_in_attention  # read when the engine is built
         engine = CohortEngine(model, eos_token_ids=None, max_model_len=2048, max_num_seqs=256,
                               prefill_graph_tokens=graph_tokens)
         seconds = wall(engine, prompts, params)
@@ -65,7 +61,6 @@ def main() -> None:
         print(f"| {name} | {256 * 256 / seconds:,.0f} | {pre:.1f} | {b_tok_s:,.0f} |", flush=True)
         del engine
         torch.cuda.empty_cache()
-    os.environ.pop("COHORT_DECODE_ROPE_IN_ATTENTION")
     triton_ops.decode_tile = original
 
 

@@ -1,10 +1,8 @@
 """triton_ops.paged_decode_attention against attention.decode_gather (the PyTorch decode path) on the CPU
 under TRITON_INTERPRET=1: one program per (sequence, KV head) and flash-decoding splits of the KV blocks
 (combined by a second kernel), full and sliding-window attention, GQA ratios 2 and 7, contexts of one token,
-a partial last block and every block of the table, loop tiles of one block, several blocks and half a block;
-and RoPE plus the cache write of the new token inside the kernel (new_token) against rope_store_kv first.
-The interpreter must be on when triton_ops is first imported, so the kernels run in a child process (this
-file as a script).
+a partial last block and every block of the table, loop tiles of one block, several blocks and half a block. The interpreter must be on when triton_ops is first
+imported, so the kernels run in a child process (this file as a script).
 Skips without Triton (it is not a project dependency; `pip install triton` to run these)."""
 
 from __future__ import annotations
@@ -42,37 +40,6 @@ def _check() -> None:
         torch.testing.assert_close(out32, ref32, atol=1e-5, rtol=1e-5)
 
 
-def _check_new_token() -> None:
-    """RoPE + the cache write inside the kernel (new_token) = rope_store_kv, then the kernel without it."""
-    from cohort.engine import triton_ops
-    from cohort.engine.triton_rope import rope_store_kv
-
-    torch.manual_seed(1)
-    for heads, kv_heads, window in ((4, 2, None), (7, 1, 20)):
-        batch, dim, block, width, blocks = 3, 16, 16, 8, 40
-        q = torch.randn(batch, heads, dim)
-        k_new, v_new = torch.randn(batch, kv_heads, dim), torch.randn(batch, kv_heads, dim)
-        cos, sin = torch.randn(batch, dim), torch.randn(batch, dim)
-        k_cache = torch.randn(blocks, block, kv_heads, dim)
-        v_cache = torch.randn_like(k_cache)
-        tables = torch.randperm(blocks)[: batch * width].view(batch, width).to(torch.int32)
-        ctx_lens = torch.tensor([1, width * block, 37], dtype=torch.int32)
-        pos = (ctx_lens - 1).long()
-        slots = tables.long().gather(1, (pos // block)[:, None])[:, 0] * block + pos % block
-        for splits in (1, 2, 4):
-            for tile in (16, 64):
-                kc, vc = k_cache.clone(), v_cache.clone()
-                out = triton_ops.paged_decode_attention(q.clone(), kc, vc, tables, ctx_lens, 0.125, window,
-                                                        splits=splits, tile=tile,
-                                                        new_token=(k_new, v_new, cos, sin, slots))
-                kr, vr = k_cache.clone(), v_cache.clone()
-                q_rot, _ = rope_store_kv(q.clone(), k_new.clone(), v_new.clone(), cos, sin, kr, vr, slots)
-                ref = triton_ops.paged_decode_attention(q_rot, kr, vr, tables, ctx_lens, 0.125, window,
-                                                        splits=splits, tile=tile)
-                torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-                assert torch.equal(kc, kr) and torch.equal(vc, vr)
-
-
 def test_split_kv_decode_attention_equals_the_gather_path():
     pytest.importorskip("triton")
     run_interpreted(__file__, "attention ok")
@@ -93,5 +60,4 @@ def test_default_splits_grow_as_the_batch_shrinks():
 if __name__ == "__main__":
     patch_interpreter_index()
     _check()
-    _check_new_token()
     print("attention ok")

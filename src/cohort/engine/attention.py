@@ -290,16 +290,10 @@ class AttentionOps:
                 self.name = self.name.replace("prefill=varlen", "prefill=sdpa")
         return prefill_sdpa(q, k, v, ctx, scale, window)
 
-    def decode(self, q, k_cache, v_cache, ctx: AttnContext, scale: float, window: int | None = None,
-               new_token: tuple | None = None) -> torch.Tensor:
-        """new_token: (k, v, cos, sin, slot_mapping) when q and the new k arrive before RoPE and uncached (only
-        with the Triton kernel: see triton_ops.paged_decode_attention)."""
+    def decode(self, q, k_cache, v_cache, ctx: AttnContext, scale: float, window: int | None = None) -> torch.Tensor:
         if self.use_triton:
             from cohort.engine.triton_ops import paged_decode_attention
 
             assert ctx.block_tables is not None and ctx.ctx_lens is not None  # set on every decode context
-            return paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.ctx_lens, scale, window,
-                                          new_token=new_token)
-        if new_token is not None:
-            raise ValueError("new_token (RoPE and the cache write inside decode attention) needs the Triton kernel")
+            return paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.ctx_lens, scale, window)
         return decode_gather(q, k_cache, v_cache, ctx, scale, window)

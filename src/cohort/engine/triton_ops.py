@@ -49,11 +49,8 @@ if triton is not None:
     def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, part_acc_ptr, part_ml_ptr, scale, window,
         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
-        kn_ptr, vn_ptr, cos_ptr, sin_ptr, slot_ptr, stride_knb, stride_knh, stride_vnb, stride_vnh,
-        stride_cos, stride_sin,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
         PRECISION: tl.constexpr, SPLITS: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, TILE: tl.constexpr,
-        NEW_TOKEN: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -64,31 +61,9 @@ if triton is not None:
         toks = tl.arange(0, TILE)
         row_ok = rows < GROUP
         heads = kvh * GROUP + rows
-        dt = k_ptr.dtype.element_ty
-        q_rows = q_ptr + seq * stride_qb + heads[:, None] * stride_qh
-        if NEW_TOKEN:
-            # q and the new token's k arrive before RoPE, and the new k / v are not in the cache yet: rotate
-            # them here (the same roundings as triton_rope.rope_store_kv), attend over the cached positions
-            # below, add the new token to the online softmax, and write its k / v to the cache
-            other = (dims + HEAD_DIM // 2) % HEAD_DIM  # rotate_half's partner of each dim, negated in the first half
-            sign = tl.where(dims < HEAD_DIM // 2, -1.0, 1.0)
-            cos = tl.load(cos_ptr + seq * stride_cos + dims).to(tl.float32)
-            sin = tl.load(sin_ptr + seq * stride_sin + dims).to(tl.float32)
-            qa = tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0)
-            qb = tl.load(q_rows + other[None, :], mask=row_ok[:, None], other=0.0)
-            q = ((qa.to(tl.float32) * cos[None, :]).to(dt).to(tl.float32)
-                 + (sign[None, :] * qb.to(tl.float32) * sin[None, :]).to(dt).to(tl.float32)).to(dt)
-            k_new_row = kn_ptr + seq * stride_knb + kvh * stride_knh
-            ka = tl.load(k_new_row + dims)
-            kb = tl.load(k_new_row + other)
-            k_new = ((ka.to(tl.float32) * cos).to(dt).to(tl.float32)
-                     + (sign * kb.to(tl.float32) * sin).to(dt).to(tl.float32)).to(dt)
-            v_new = tl.load(vn_ptr + seq * stride_vnb + kvh * stride_vnh + dims)
-            cached = ctx_len - 1
-        else:
-            q = tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0)
-            cached = ctx_len
-        q = (q.to(tl.float32) * scale).to(dt)
+        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        q = (q.to(tl.float32) * scale).to(k_ptr.dtype.element_ty)
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         denom = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -96,10 +71,10 @@ if triton is not None:
         # this program's share of the sequence's tiles of TILE tokens (all of them when SPLITS == 1); a tile
         # spans TILE // BLOCK cache blocks, each token's row found through its block's table entry
         first = tl.maximum(lo // TILE, split * TILES_PER_SPLIT)
-        last = tl.minimum(tl.cdiv(cached, TILE), (split + 1) * TILES_PER_SPLIT)
+        last = tl.minimum(tl.cdiv(ctx_len, TILE), (split + 1) * TILES_PER_SPLIT)
         for i in range(first, last):
             pos = i * TILE + toks
-            valid = (pos < cached) & (pos >= lo)
+            valid = (pos < ctx_len) & (pos >= lo)
             block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK, mask=valid, other=0).to(tl.int64)
             offs = block[:, None] * stride_kb + (pos % BLOCK)[:, None] * stride_ks + kvh * stride_kh + dims[None, :]
             k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
@@ -114,21 +89,6 @@ if triton is not None:
             denom = denom * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
-        if NEW_TOKEN:  # noqa: SIM102 (a compile-time branch: k_new exists only in it)
-            # the split whose range holds the new token's position takes it (exactly one program per KV head)
-            if ((ctx_len - 1) // TILE) // TILES_PER_SPLIT == split:
-                s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1)
-                m_top = tl.maximum(m, s_new)  # finite: s_new is
-                alpha_new = tl.exp(m - m_top)
-                p_new = tl.exp(s_new - m_top)
-                denom = denom * alpha_new + p_new
-                # p goes through the model dtype, as in the loop's p @ v
-                acc = acc * alpha_new[:, None] + p_new.to(dt).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
-                m = m_top
-                slot = tl.load(slot_ptr + seq).to(tl.int64)
-                dst = (slot // BLOCK) * stride_kb + (slot % BLOCK) * stride_ks + kvh * stride_kh + dims
-                tl.store(k_ptr + dst, k_new)
-                tl.store(v_ptr + dst, v_new)
         if SPLITS == 1:
             out = acc / denom[:, None]
             tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
@@ -270,17 +230,11 @@ def decode_tile(head_dim: int) -> tuple[int, int]:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
                            window: int | None = None, splits: int | None = None, tile: int | None = None,
-                           num_warps: int | None = None, num_stages: int | None = None,
-                           new_token: tuple | None = None) -> torch.Tensor:
+                           num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """q [B, H, D]; caches [num_blocks, block_size, Hkv, D]; returns [B, H, D]. window: sliding window or None.
     splits: KV splits per sequence (default decode_splits; 1 = one program per (sequence, KV head)).
     tile: keys per loop iteration, a power of two (default from decode_tile; it may span several cache blocks
-    or part of one); num_warps / num_stages: the launch's (defaults DECODE_WARPS and decode_tile's).
-
-    new_token = (k [B, Hkv, D], v [B, Hkv, D], cos [B, D], sin [B, D], slot_mapping [B]): q and k come before
-    RoPE and the new token's K/V are not cached yet; the kernel rotates q and k (the roundings of
-    triton_rope.rope_store_kv), writes k and v at the slot, and attends over the cache plus the new token.
-    The same result as rope_store_kv followed by this function without new_token, in one launch per layer."""
+    or part of one); num_warps / num_stages: the launch's (defaults DECODE_WARPS and decode_tile's)."""
     batch, heads, head_dim = q.shape
     kv_heads, block = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
@@ -300,22 +254,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
-    if new_token is not None:
-        k_new, v_new, cos, sin, slots = new_token
-        if head_dim % 2 or k_new.shape != (batch, kv_heads, head_dim) or v_new.shape != k_new.shape \
-                or k_new.stride(-1) != 1 or v_new.stride(-1) != 1 or q.stride(-1) != 1:
-            raise ValueError(f"new_token: k {tuple(k_new.shape)}, v {tuple(v_new.shape)} must be [{batch}, "
-                             f"{kv_heads}, {head_dim}] with a contiguous last dim (and an even head_dim)")
-        if cos.stride(-1) != 1 or sin.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
-            raise ValueError("new_token: cos / sin need a contiguous last dim and the caches equal strides")
-        extra = (k_new, v_new, cos, sin, slots, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-                 cos.stride(0), sin.stride(0))
-    else:
-        extra = (q, q, q, q, ctx_lens, 0, 0, 0, 0, 0, 0)  # unused
     _paged_decode_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, block_tables, ctx_lens, out, part_acc, part_ml, scale, int(window or 1 << 30),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), *extra, NEW_TOKEN=new_token is not None,
+        block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK=block,
         # float32 models get exact float32 products (not tf32), so they match the PyTorch reference.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits, TILES_PER_SPLIT=per_split,

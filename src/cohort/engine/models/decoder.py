@@ -14,14 +14,11 @@ window from `layer_windows` and pass it to the attention.
 On CUDA with Triton, RoPE and the K/V cache write of each layer are one kernel (triton_rope.rope_store_kv,
 same numerics as `layers.rope` run eagerly); `fused_rope_kv` says which path an instance takes, and
 COHORT_FUSED_ROPE_KV=0 in the environment turns it off for the models built after (A/B against the compiled
-RoPE + index_copy_ path). Decode steps go further on that path: the decode attention kernel rotates q and the
-new k itself and writes the new K/V (`rope_in_decode_attention`; COHORT_DECODE_ROPE_IN_ATTENTION=0 for
-rope_store_kv + attention), one launch per layer fewer.
+RoPE + index_copy_ path).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -34,7 +31,6 @@ from cohort.engine.models.layers import fused_ops
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _UNSUPPORTED_ROPE = ("dynamic", "longrope")
 _MISSING = object()
-ROPE_IN_ATTENTION_SWITCH = "COHORT_DECODE_ROPE_IN_ATTENTION"  # =0: decode steps use rope_store_kv + attention
 
 
 # A Hugging Face module the engine reaches into by attribute name (layer.self_attn.q_proj, norm.weight): torch types
@@ -108,7 +104,6 @@ class DecoderForward:
     # RoPE + cache write in one Triton kernel (set per instance in __init__; subclasses that build
     # themselves without it, like the VLM decoder, keep the unfused path).
     fused_rope_kv = False
-    rope_in_decode_attention = False
 
     @classmethod
     def unsupported(cls, model: HFModule) -> str | None:
@@ -142,9 +137,6 @@ class DecoderForward:
         from cohort.engine.triton_rope import fused_rope_kv_supported  # imports Triton, when installed
 
         self.fused_rope_kv = fused_rope_kv_supported(self.device, self.head_dim)
-        # decode steps go one further: RoPE and the cache write inside the decode attention kernel
-        self.rope_in_decode_attention = self.fused_rope_kv and attention.use_triton and os.environ.get(
-            ROPE_IN_ATTENTION_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
         self.fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
         if fuse_projections is None:
             fuse_projections = self._plain_linears() and self._fused_copies_fit()
@@ -255,12 +247,6 @@ class DecoderForward:
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self._head_norm(q, attn.q_norm), self._head_norm(k, attn.k_norm)
-        window = self.windows[i]
-        if self.rope_in_decode_attention and not ctx.is_prefill:
-            # RoPE, the cache write and attention in one kernel (triton_ops.paged_decode_attention new_token)
-            o = self.attention.decode(q, kv_cache[0, i], kv_cache[1, i], ctx, self.scale, window=window,
-                                      new_token=(k, v, cos, sin, ctx.slot_mapping))
-            return attn.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
         if self.fused_rope_kv:
             # One kernel: q and k rotated in place (views of the QKV output), k and v written to the cache.
             from cohort.engine.triton_rope import rope_store_kv
@@ -271,6 +257,7 @@ class DecoderForward:
             # Not fused into the compiled RoPE: inductor functionalises an index_copy_ into a view of the cache
             # as a copy of the whole cache (measured: 700 tok/s instead of ~100k on the 0.5B benchmark).
             store_kv(kv_cache[0, i], kv_cache[1, i], k, v, ctx.slot_mapping)
+        window = self.windows[i]
         if ctx.is_prefill:
             o = self.attention.prefill(q, k, v, ctx, self.scale, kv_cache[0, i], kv_cache[1, i], window=window)
         else:
