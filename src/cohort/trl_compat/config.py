@@ -5,6 +5,10 @@ steps_per_generation) are sampled per generation, i.e. generation_batch_size / n
 cohort step); each optimiser step sees per_device_train_batch_size x ranks x gradient_accumulation_steps
 completions, so a cohort step makes steps_per_generation / gradient_accumulation_steps x num_iterations
 optimiser steps. `max_steps`, `logging_steps`, `save_steps`, `eval_steps` count optimiser steps, as in TRL.
+
+This module is the config object itself: its fields and their command-line types, the checks made when it is
+built (rejected and announced values, the batch arithmetic) and `to_cohort`, which copies the mapped fields
+and hands each "derived" field to its conversion in `derived.py`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from cohort.config import CohortConfig
 from cohort.config.overrides import _set
 from cohort.errors import ConfigError
+from cohort.trl_compat.derived import DERIVED
 from cohort.trl_compat.fields import TABLE, kind
 
 log = logging.getLogger("cohort.trl_compat")
@@ -145,7 +150,7 @@ class _GRPOConfigBase:
         t.prompts_per_step = gen // self.num_generations
         t.mini_batches = spg // self.gradient_accumulation_steps
         t.max_steps = max(1, math.ceil(total / per_gen))
-        for name, convert in _DERIVED.items():
+        for name, convert in DERIVED.items():
             convert(self, cfg, getattr(self, name), per_gen=per_gen, total=total)
         r.output_dir = self.output_dir or "trainer_output"
         _set_extra(cfg, self.extra)
@@ -182,181 +187,6 @@ def _loss(args, cfg: CohortConfig) -> None:
 def _set_extra(cfg: CohortConfig, extra: dict[str, Any]) -> None:
     for key, value in (extra or {}).items():
         _set(cfg, key, value)
-
-
-# ------------------------------------------------------------------------------------- derived fields
-def _in_steps(count: float, per_gen: int) -> int:
-    return max(1, math.ceil(count / per_gen))
-
-
-def _scheduler(a, cfg, value, **_):
-    cfg.train.lr_scheduler_type = {"constant": "hf:constant", "cosine": "hf:cosine"}.get(value, value)
-    cfg.train.lr_scheduler_kwargs = dict(a.lr_scheduler_kwargs or {})
-
-
-def _warmup(a, cfg, value, *, total, **_):
-    ratio = a.warmup_ratio if a.warmup_ratio is not None else (value if 0 < value < 1 else None)
-    cfg.train.warmup_steps = math.ceil(total * ratio) if ratio is not None else int(value)
-
-
-def _optim(a, cfg, value, **_):
-    if str(value) not in ("adamw_torch", "adamw_torch_fused"):
-        raise ConfigError(f"GRPOConfig(optim={value!r}) is not supported by cohort: its optimiser is AdamW "
-                          "(optim='adamw_torch' or 'adamw_torch_fused').")
-
-
-def _bf16(a, cfg, value, **_):
-    cfg.model.dtype = {None: "auto", True: "bfloat16", False: "float32"}[value]
-
-
-def _activation_checkpointing(a, cfg, value, **_):
-    if value is not None:
-        cfg.model.gradient_checkpointing = bool(value)
-
-
-def _strategy(field_name: str, allowed: tuple[str, ...], hint: str):
-    def check(a, cfg, value, **_):
-        if str(getattr(value, "value", value)) not in allowed:
-            raise ConfigError(f"GRPOConfig({field_name}={value!r}) is not supported by cohort: use "
-                              f"{' or '.join(map(repr, allowed))}; {hint}.")
-    return check
-
-
-def _logging_steps(a, cfg, value, *, per_gen, total, **_):
-    if str(getattr(a.logging_strategy, "value", a.logging_strategy)) == "no":
-        cfg.run.logging_steps = 0  # no on_log rows but the closing one, as TRL
-        return
-    steps = math.ceil(total * value) if 0 < value < 1 else value
-    cfg.run.logging_steps = _in_steps(steps, per_gen)
-
-
-def _report_to(a, cfg, value, **_):
-    names = [value] if isinstance(value, str) else list(value or [])
-    names = [n.strip() for item in names for n in str(item).split(",") if n.strip()]
-    if str(getattr(a.logging_strategy, "value", a.logging_strategy)) == "no":
-        cfg.run.report_to = ["console"]  # logging_strategy="no": cohort's step lines only
-        return
-    if names == ["all"]:
-        cfg.run.report_to = ["all"]
-        return
-    cfg.run.report_to = list(dict.fromkeys(["console", "jsonl"] + [n for n in names if n != "none"]))
-
-
-def _eval_steps(a, cfg, value, *, per_gen, total, **_):
-    strategy = str(getattr(a.eval_strategy, "value", a.eval_strategy))
-    if strategy != "steps":
-        cfg.run.eval_steps = 0
-        return
-    steps = value if value is not None else a.logging_steps
-    steps = math.ceil(total * steps) if 0 < steps < 1 else steps
-    cfg.run.eval_steps = _in_steps(steps, per_gen)
-
-
-def _save_steps(a, cfg, value, *, per_gen, total, **_):
-    strategy = str(getattr(a.save_strategy, "value", a.save_strategy))
-    steps = math.ceil(total * value) if 0 < value < 1 else value
-    cfg.run.save_steps = 0 if strategy == "no" else _in_steps(steps, per_gen)
-    cfg.run.save_at_end = strategy != "no"  # TRL: no checkpoint at all, only an explicit save_model()
-
-
-def _use_cpu(a, cfg, value, **_):
-    if value:
-        cfg.train.device = "cpu"
-
-
-def _fsdp(a, cfg, value, **_):
-    if value:
-        cfg.train.sharding = "fsdp"
-
-
-def _eval_samples(a, cfg, value, **_):
-    if value is not None:
-        cfg.run.eval_num_samples = int(value)
-
-
-def _min_p(a, cfg, value, **_):
-    cfg.generation.min_p = float(value or 0.0)
-
-
-_GENERATION_KWARGS = {"stop_strings": "stop_strings", "max_new_tokens": "max_completion_length",
-                      "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                      "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos"}
-
-
-def _generation_kwargs(a, cfg, value, **_):
-    for key, v in (value or {}).items():
-        if key not in _GENERATION_KWARGS:
-            raise ConfigError(f"GRPOConfig(generation_kwargs={{{key!r}: ...}}) is not supported by cohort: its "
-                              f"engine takes {', '.join(sorted(_GENERATION_KWARGS))}.")
-        if key == "stop_strings" and isinstance(v, str):
-            v = [v]
-        setattr(cfg.generation, _GENERATION_KWARGS[key], v)
-
-
-def _scale(a, cfg, value, **_):
-    cfg.advantage.scale_rewards = {True: "group", False: "none"}.get(value, value)
-
-
-def _is_mode(a, cfg, value, **_):
-    if a.loss_type == "vespo" and not str(value).startswith("token"):
-        return  # TRL requires a token-level mode with vespo; cohort's vespo defaults to token_truncate
-    from cohort.algorithms import policy_loss_parameters
-
-    try:
-        default = policy_loss_parameters(a.loss_type).get("sampler_is_mode")
-    except Exception:  # a user loss by import path
-        default = None
-    if a.vllm_importance_sampling_correction and value != default:
-        _set(cfg, "loss.sampler_is_mode", value)
-
-
-def _is_cap(a, cfg, value, **_):
-    if value is not None:
-        _set(cfg, "loss.sampler_is_clip_max", value)
-
-
-def _vllm(a, cfg, value, **_):
-    """TRL's server mode (use_vllm=True, vllm_mode='server') -> generation.placement=server at the same address."""
-    mode = str(a.vllm_mode)
-    if mode not in ("colocate", "server"):
-        raise ConfigError(f"GRPOConfig(vllm_mode={mode!r}) is not supported: use 'colocate' or 'server'.")
-    if not (value and mode == "server"):
-        return
-    if a.vllm_server_base_url:
-        from cohort.serving.client import parse_address
-
-        host, port = parse_address(a.vllm_server_base_url)
-    else:
-        host = "127.0.0.1" if a.vllm_server_host in ("0.0.0.0", "") else a.vllm_server_host
-        port = int(a.vllm_server_port)
-    cfg.generation.placement, cfg.generation.server_address = "server", f"{host}:{port}"
-
-
-def _max_prompt_length(a, cfg, value, **_):
-    cfg.data.max_prompt_length = int(value) if value is not None else 10**9
-
-
-def _noop(*_, **__):  # fields whose effect is computed elsewhere in to_cohort (batch arithmetic, steps)
-    pass
-
-
-_DERIVED = {
-    "output_dir": _noop, "per_device_train_batch_size": _noop, "num_train_epochs": _noop, "max_steps": _noop,
-    "gradient_accumulation_steps": _noop, "generation_batch_size": _noop, "steps_per_generation": _noop,
-    "extra": _noop,
-    "lr_scheduler_type": _scheduler, "lr_scheduler_kwargs": _noop, "warmup_steps": _warmup, "warmup_ratio": _noop, "optim": _optim,
-    "bf16": _bf16, "activation_checkpointing": _activation_checkpointing,
-    "logging_strategy": _strategy("logging_strategy", ("steps", "no"), "set logging_steps"),
-    "logging_steps": _logging_steps, "report_to": _report_to,
-    "eval_strategy": _strategy("eval_strategy", ("steps", "no"), "set eval_steps"),
-    "eval_steps": _eval_steps,
-    "save_strategy": _strategy("save_strategy", ("steps", "no"), "set save_steps"),
-    "save_steps": _save_steps, "use_cpu": _use_cpu, "fsdp": _fsdp, "num_generations_eval": _eval_samples,
-    "min_p": _min_p, "generation_kwargs": _generation_kwargs, "scale_rewards": _scale,
-    "vllm_importance_sampling_mode": _is_mode, "vllm_importance_sampling_cap": _is_cap,
-    "max_prompt_length": _max_prompt_length, "use_vllm": _vllm, "vllm_mode": _noop,
-    "vllm_server_base_url": _noop, "vllm_server_host": _noop, "vllm_server_port": _noop,
-}
 
 
 # TRL's annotations where the default's type does not say it (None defaults, unions), so transformers'
@@ -408,6 +238,3 @@ GRPOConfig: type[_GRPOConfigBase] = dataclasses.make_dataclass(
 GRPOConfig.__module__ = __name__
 GRPOConfig.__doc__ = ("TRL 1.16's GRPOConfig, field by field with TRL's defaults; see "
                       "cohort.trl_compat.fields.TABLE (and docs/trl_compat.md) for what each one does here.")
-
-_missing = {name for name, (_, status) in TABLE.items() if kind(status) == "derived"} - set(_DERIVED)
-assert not _missing, f"derived fields without a conversion: {_missing}"

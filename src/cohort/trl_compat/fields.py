@@ -5,7 +5,7 @@ applies it, docs/trl_compat.md is generated from it (`python -m cohort.trl_compa
 A status is one of
     "<section.field>"        mapped: the value is copied into cohort's config (loss.* only where the chosen loss
                              has that parameter, as TRL's losses read only their own)
-    "derived: <how>"         mapped through a conversion in `config.py` (`_DERIVED`): batch arithmetic,
+    "derived: <how>"         mapped through a conversion in `derived.py` (`DERIVED`): batch arithmetic,
                              unit changes, values that select among cohort settings
     "trainer: <how>"         used by `GRPOTrainer` itself (callbacks, push_to_hub, evaluation, model loading)
     "announce: <what>"       accepted; when set to anything but TRL's default, one log line says what cohort

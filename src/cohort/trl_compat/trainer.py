@@ -2,6 +2,9 @@
 
 What it adds to the loop is only translation: TRL's arguments into one `CohortConfig`, datasets into prompt
 rows, and the loop's hook events into transformers `TrainerCallback` calls with a TRL-like `state`/`control`.
+This module is the trainer object and its TRL/Trainer methods; the pieces it delegates live beside it: `rows`
+(datasets into prompt rows), `model_setup` (model_init_kwargs, dropout, tool schemas), `callbacks` (the
+callback bridge and `state`) and `rewards` (reward functions and models).
 """
 
 from __future__ import annotations
@@ -15,36 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 from cohort.errors import ConfigError
 from cohort.trl_compat.config import GRPOConfig
+from cohort.trl_compat.model_setup import apply_model_init_kwargs, disable_dropout, tool_schemas
+from cohort.trl_compat.rows import first_split, is_row, prompt_rows
 
 if TYPE_CHECKING:
     from cohort.setup import Components
     from cohort.trainer import TrainResult
 
 log = logging.getLogger("cohort.trl_compat")
-
-_MODEL_INIT_KEYS = {"dtype": "dtype", "torch_dtype": "dtype", "attn_implementation": "attn_implementation",
-                    "trust_remote_code": "trust_remote_code"}
-
-
-def _tool_schemas(cfg, tok) -> list | None:
-    """tools= / environment_factory=: the tools' schemas the prompts are rendered with, after the chat template
-    (GRPOConfig(extra={'model.chat_template': 'chatml_tools'}), else the tokenizer's own) is checked to render
-    tools (a ConfigError naming model.chat_template=chatml_tools when it cannot)."""
-    a = cfg.agent
-    if not a.tools and a.environment_factory is None:
-        return None
-    from cohort.agents.templates import apply_chat_template_override, check_renders_tools
-    from cohort.agents.tools import build_tools
-
-    if cfg.model.chat_template:
-        apply_chat_template_override(tok, cfg.model.chat_template)
-    check_renders_tools(tok)
-    if a.environment_factory is not None:
-        from cohort.setup.rewards import build_environments
-
-        return [t.schema for t in build_environments(cfg).all_tools]
-    return [t.schema for t in build_tools(list(a.tools))]
-
 
 class GRPOTrainer:
     """TRL's `GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class, ...)`."""
@@ -79,13 +60,13 @@ class GRPOTrainer:
         self.tools, self.environment_factory = tools, environment_factory  # read by cohort.agents
         self.optimizer, self.lr_scheduler = optimizers
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        self._train_rows = _rows(train_dataset, self.args, "train_dataset")
+        self._train_rows = prompt_rows(train_dataset, self.args, "train_dataset")
         self.config = self.args.to_cohort(num_rows=None if self._train_rows is None else len(self._train_rows))
         if self._train_rows is None:  # streaming: take the prompts the run will draw, as TRL's stream would
             needed = self.config.train.max_steps * self.config.train.prompts_per_step
             self._train_rows = [dict(r) for r in itertools.islice(iter(train_dataset), needed)]
         self.config.reward.funcs = self.reward_funcs
-        _model_init(self.args.model_init_kwargs, self.config)
+        apply_model_init_kwargs(self.args.model_init_kwargs, self.config)
         _join_process_group(self.config)
         from cohort.trl_compat.callbacks import CallbackBridge
 
@@ -136,18 +117,18 @@ class GRPOTrainer:
 
             policy = get_peft_model(policy, self.peft_config)
         if self.args.disable_dropout:
-            _disable_dropout(policy)
+            disable_dropout(policy)
         if self.args.tf32 is not None:
             import torch
 
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(self.args.tf32)
         self.processing_class = tok
         self.model = policy  # _encode reads it: image rows go through a VLM's processor
-        self._tool_schemas = _tool_schemas(cfg, tok)
+        self._tool_schemas = tool_schemas(cfg, tok)
         train = self._encode(self._train_rows, tok)
         evald = None
         if str(getattr(self.args.eval_strategy, "value", self.args.eval_strategy)) != "no" and self.eval_dataset:
-            evald = self._encode(_rows(_first_split(self.eval_dataset), self.args, "eval_dataset"), tok)
+            evald = self._encode(prompt_rows(first_split(self.eval_dataset), self.args, "eval_dataset"), tok)
         from cohort.trl_compat.rewards import resolve_reward_funcs
 
         cfg.reward.funcs = resolve_reward_funcs(self.reward_funcs, self.reward_processing_classes, cfg,
@@ -228,7 +209,7 @@ class GRPOTrainer:
         data = eval_dataset if eval_dataset is not None else self.eval_dataset
         if data is None:
             raise ConfigError("evaluate() needs an eval_dataset (GRPOTrainer(eval_dataset=...) or evaluate(rows)).")
-        if isinstance(data, dict) and not _is_row(data):  # DatasetDict / dict of splits: one prefix each
+        if isinstance(data, dict) and not is_row(data):  # DatasetDict / dict of splits: one prefix each
             out: dict[str, float] = {}
             for name, split in data.items():
                 out.update(self.evaluate(split, ignore_keys, f"{metric_key_prefix}_{name}"))
@@ -237,7 +218,7 @@ class GRPOTrainer:
             self._comp = self._components()
         comp = self._comp
         saved = comp.eval_data
-        comp.eval_data = self._encode(_rows(data, self.args, "eval_dataset"), self.processing_class)
+        comp.eval_data = self._encode(prompt_rows(data, self.args, "eval_dataset"), self.processing_class)
         try:
             metrics = evaluate(comp, self.config)
         finally:
@@ -358,64 +339,3 @@ def _join_process_group(cfg) -> None:
 
 def _is_trl_config(args) -> bool:
     return type(args).__module__.split(".")[0] == "trl" and type(args).__name__ == "GRPOConfig"
-
-
-# ------------------------------------------------------------------------------------------------ data
-def _is_row(obj) -> bool:
-    return isinstance(obj, dict) and "prompt" in obj
-
-
-def _first_split(data):
-    if isinstance(data, dict) and not _is_row(data):
-        return next(iter(data.values()))
-    return data
-
-
-def _rows(data: Any, args, what: str) -> list[dict] | None:
-    """Prompt rows of a `datasets` Dataset, a list of dicts, or a column dict; None for a streaming dataset
-    (IterableDataset), which needs max_steps as in TRL."""
-    try:
-        from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
-    except ImportError:  # pragma: no cover - datasets is a dependency
-        Dataset = DatasetDict = IterableDataset = IterableDatasetDict = ()
-    if isinstance(data, DatasetDict | IterableDatasetDict):
-        if what == "train_dataset":
-            raise ConfigError(f"{what} is a DatasetDict with splits {list(data)}; pass one split, e.g. "
-                              f"{what}=dataset['train'].")
-        data = next(iter(data.values()))
-    if isinstance(data, IterableDataset):
-        if what == "train_dataset":
-            if args.max_steps <= 0:
-                raise ConfigError("train_dataset is an IterableDataset (streaming), which has no length: set "
-                                  "GRPOConfig(max_steps=...), as TRL requires.")
-            return None
-        return [dict(r) for r in data]
-    if isinstance(data, Dataset):
-        return data.to_list()
-    if isinstance(data, dict) and not _is_row(data):  # columns
-        keys = list(data)
-        return [dict(zip(keys, values)) for values in zip(*data.values())]
-    return [dict(r) for r in data]
-
-
-def _model_init(kwargs: dict | None, cfg) -> None:
-    for key, value in (kwargs or {}).items():
-        if value is None or (key == "revision" and value == "main"):  # TRL's scripts pass their defaults
-            continue
-        if key == "revision":
-            raise ConfigError(f"GRPOConfig(model_init_kwargs={{'revision': {value!r}}}) is not supported by cohort: "
-                              "download that revision (huggingface-cli download --revision) and pass its folder.")
-        if key not in _MODEL_INIT_KEYS:
-            raise ConfigError(f"GRPOConfig(model_init_kwargs={{{key!r}: ...}}) is not supported by cohort: it takes "
-                              f"{', '.join(sorted(_MODEL_INIT_KEYS))}.")
-        if _MODEL_INIT_KEYS[key] == "dtype":
-            value = str(value).removeprefix("torch.")
-        setattr(cfg.model, _MODEL_INIT_KEYS[key], value)
-
-
-def _disable_dropout(model) -> None:
-    import torch
-
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
