@@ -211,7 +211,8 @@ class ModelRunner:
             prefix_lens.append(cached)
         dev = self.device
         longest = max(b - a for a, b in itertools.pairwise(cu))
-        if self.prefill_graphs is not None and not any(prefix_lens):
+        # (use_varlen turns False for good if varlen_attn ever fails: the graphs capture it)
+        if self.prefill_graphs is not None and self.attention.use_varlen and not any(prefix_lens):
             key = self.prefill_graphs.shape(len(ids), len(units), longest)
             if key is not None:
                 return self.prefill_graphs.run(key, ids, np.concatenate(positions), np.concatenate(slots), cu)
