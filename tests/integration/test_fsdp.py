@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,12 @@ def _run(rank: int, world: int, out: str, init_file: str, sharding: str, variant
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Every result is written and the group is gone; gloo's C++ threads have aborted the interpreter's own
+    # teardown after that ("terminate called without an active exception", SIGABRT: once in ~20 runs on the
+    # 2-core CI machine), which mp.spawn reports as a failed rank. Leave without the teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.mark.parametrize("variant", ["full", "lora", "kl", "one_reduce"])
