@@ -114,7 +114,7 @@ class CohortEngine:
         self.blocks = BlockManager(self.runner.num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.blocks)
         self.sampler = Sampler(self.device)
-        vocab = getattr(getattr(self.runner.net.hf, "lm_head", None), "out_features", None)
+        vocab = self.runner.vocab_size
         if self.device.type == "cuda" and vocab:
             # prefill steps sample eagerly at any row count: compile every sampler variant now, not mid-run
             with torch.cuda.device(self.device):

@@ -331,7 +331,7 @@ class ModelRunner:
         top = self.config.max_num_seqs
         # One logits buffer for every batch size: a graph's outputs stay allocated for as long as the graph
         # lives, so separate outputs would hold sum(batch sizes) x vocab logits (0.6 GB on Qwen2.5-0.5B).
-        vocab = self.net.hf.lm_head.out_features if hasattr(self.net.hf.lm_head, "out_features") else None
+        vocab = self.vocab_size
         self._graph_logits = (torch.empty((top, vocab), dtype=self.net.dtype, device=self.device)
                               if vocab else None)
         pool = self.graph_pool()
@@ -372,9 +372,19 @@ class ModelRunner:
 
     def _capture(self, run, pool, bs: int):
         self._reset_static_rows(bs)
-        run()  # warm-up: compiles kernels, initialises cuBLAS handles outside the capture
+        return self.capture_graph(run, pool)
+
+    def capture_graph(self, run, pool):
+        """(graph, outputs) of `run` captured into `pool`, after one warm-up call outside the capture (it
+        compiles kernels and initialises cuBLAS handles); the prefill graphs capture through it too."""
+        run()
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             outputs = run()
         return graph, outputs
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The LM head's output width (None for a head that is not a plain projection)."""
+        return getattr(getattr(self.net.hf, "lm_head", None), "out_features", None)

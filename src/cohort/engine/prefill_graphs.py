@@ -121,15 +121,7 @@ class PrefillGraphs:
             hidden = runner.net.forward(captured.ids, captured.positions, ctx, runner._cache())
             return runner.net.logits(hidden[captured.last])
 
-        # warm-up outside the capture on a side stream (allocator and cuBLAS state), as torch.cuda.graphs does
-        stream = torch.cuda.Stream(runner.device)
-        stream.wait_stream(torch.cuda.current_stream(runner.device))
-        with torch.cuda.stream(stream):
-            forward()
-        torch.cuda.current_stream(runner.device).wait_stream(stream)
-        torch.cuda.synchronize(runner.device)
-        with torch.cuda.graph(captured.graph, pool=runner.graph_pool()):
-            captured.logits = forward()
+        captured.graph, captured.logits = runner.capture_graph(forward, runner.graph_pool())
         self.graphs[key] = captured
         self.captures += 1
         while len(self.graphs) > MAX_GRAPHS:
