@@ -219,7 +219,7 @@ def _cohort_config(args, lowmem: bool, kv_fraction: float, token_budget: int):
     t = cfg.train
     t.prompts_per_step, t.mini_batches, t.num_iterations = args.prompts, 1, 1
     # --profile-update: one extra step, profiled and left out of the means
-    t.max_steps, t.seed = args.warmup + args.steps + int(bool(args.profile_update)), 0
+    t.max_steps, t.seed = args.warmup + args.steps + int(_profiling(args)), 0
     t.token_budget = token_budget
     if lowmem:
         t.master_weights, t.logprob_chunk_tokens = False, args.lowmem_chunk_tokens
@@ -328,10 +328,13 @@ def _train_cohort(args, lowmem: bool, model, tok, device) -> dict:
     with ExitStack() as stack:
         stack.enter_context(phase_peaks.watching(comp))
         if args.profile_update:
-            stack.enter_context(_profile_last_update(cfg.train.max_steps))
+            stack.enter_context(_profile_last_call(cohort.trainer.PolicyUpdater, "update", cfg.train.max_steps,
+                                                   "update"))
+        if args.profile_generate:  # after the peak watcher, so the profile wraps its wrapper
+            stack.enter_context(_profile_last_call(comp.engine, "generate", cfg.train.max_steps, "generate"))
         result = cohort.trainer.train(cfg, comp, echo=lambda *a: None)
     info["phase_peak_alloc_gib"] = phase_peaks.peaks
-    info["profiled_last"] = bool(args.profile_update)
+    info["profiled_last"] = _profiling(args)
     info["graph_recaptures"] = getattr(getattr(comp.engine, "runner", None), "graph_recaptures", None)
     steps = []
     for m, score in zip(result.history, rewards.seconds):
@@ -344,47 +347,56 @@ def _train_cohort(args, lowmem: bool, model, tok, device) -> dict:
             **phase_peaks.overall()}
 
 
-def _profile_last_update(last_step: int):
-    """torch.profiler over the last step's update; prints the top kernels (where the update's time goes)."""
+def _profiling(args) -> bool:
+    return bool(args.profile_update or getattr(args, "profile_generate", False))
+
+
+def _profile_last_call(owner, method: str, last_step: int, label: str):
+    """torch.profiler over the last step's call of `owner.method` (the updater's update or the engine's
+    generate); prints the top kernels, the device timeline's idle gaps and every host-device synchronisation
+    (where the phase's time goes). `owner` is a class (patched for every instance) or one object."""
     import contextlib
 
-    import cohort.trainer
+    original, calls = getattr(owner, method), {"n": 0}
+    bound = not isinstance(owner, type)  # an instance's bound method: no self argument to pass on
 
-    original, calls = cohort.trainer.PolicyUpdater.update, {"n": 0}
-
-    def update(updater, *a, **k):
+    def wrapper(*a, **k):
         calls["n"] += 1
         if calls["n"] < last_step:
-            return original(updater, *a, **k)
+            return original(*a, **k)
         import warnings
         from collections import Counter
 
         import trace_gaps
         from torch.profiler import ProfilerActivity, profile
 
-        device = next(updater.policy.parameters()).device
-        cuda = device.type == "cuda"
+        cuda = torch.cuda.is_available()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, \
                 warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            if cuda:  # every host-device synchronisation of the update, by the line that caused it
+            if cuda:  # every host-device synchronisation of the phase, by the line that caused it
                 torch.cuda.set_sync_debug_mode("warn")
             try:
-                out = original(updater, *a, **k)
+                out = original(*a, **k)
             finally:
                 if cuda:
                     torch.cuda.set_sync_debug_mode("default")
-            sync(device)
+                    torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
         syncs = Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
         lines = [f"  {n} x {where}" for where, n in syncs.most_common(20)]
-        print("PROFILE-BEGIN\n" + table + "\n" + trace_gaps.summary(prof, "update timeline")
-              + "\nsynchronising calls in the update:\n" + ("\n".join(lines) or "  none") + "\nPROFILE-END", flush=True)
+        print(f"PROFILE-BEGIN {label}\n" + table + "\n" + trace_gaps.summary(prof, f"{label} timeline")
+              + f"\nsynchronising calls in the {label}:\n" + ("\n".join(lines) or "  none") + "\nPROFILE-END",
+              flush=True)
         if os.environ.get("COHORT_BENCH_TRACE_DIR"):
-            trace_gaps.save(prof, os.path.join(os.environ["COHORT_BENCH_TRACE_DIR"], "update-trace.json.gz"))
+            trace_gaps.save(prof, os.path.join(os.environ["COHORT_BENCH_TRACE_DIR"], f"{label}-trace.json.gz"))
         return out
 
-    return mock.patch.object(cohort.trainer.PolicyUpdater, "update", update) if last_step else contextlib.nullcontext()
+    if not last_step:
+        return contextlib.nullcontext()
+    if bound:
+        return mock.patch.object(owner, method, wrapper)
+    return mock.patch.object(owner, method, lambda self, *a, **k: wrapper(self, *a, **k))
 
 
 class _PhasePeaks:
@@ -468,6 +480,8 @@ def run_child(args, runner: str, size: str, mem_cap: int | None, timeout: float,
     cmd += ["--compile-layers" if compile_layers else "--no-compile-layers"]
     if args.profile_update:
         cmd += ["--profile-update"]
+    if args.profile_generate:
+        cmd += ["--profile-generate"]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -478,9 +492,9 @@ def run_child(args, runner: str, size: str, mem_cap: int | None, timeout: float,
     if args.log:
         with open(args.log, "a") as fh:
             fh.write(f"\n===== {size} {runner} ({wall:.0f} s) =====\n{log}")
-    if "PROFILE-BEGIN" in log:
-        print(f"[{size} {runner}] update profile:\n" + log.split("PROFILE-BEGIN", 1)[1].split("PROFILE-END")[0],
-              flush=True)
+    for chunk in log.split("PROFILE-BEGIN ")[1:]:
+        label, _, body = chunk.partition("\n")
+        print(f"[{size} {runner}] {label} profile:\n" + body.split("PROFILE-END")[0], flush=True)
     if not ok:
         tail = "\n".join(log.strip().splitlines()[-15:])
         print(f"[{size} {runner}] FAILED after {wall:.0f} s:\n{tail}", flush=True)
@@ -616,6 +630,8 @@ def main(argv=None) -> None:
     p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction,
                    default=torch.cuda.is_available(), help="cohort rows: torch.compile each decoder layer")
     p.add_argument("--profile-update", action="store_true", help="cohort rows: print the last update's top kernels")
+    p.add_argument("--profile-generate", action="store_true",
+                   help="cohort rows: print the last step's engine.generate top kernels and idle gaps")
     p.add_argument("--child-timeout-s", type=float, default=240.0, help="kill a run after this long")
     p.add_argument("--out", default=None, help="JSON with every step of every run")
     p.add_argument("--log", default=None, help="append every child's output here")

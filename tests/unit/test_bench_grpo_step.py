@@ -75,7 +75,7 @@ def test_cohort_child_runs_exact_lengths_on_cpu(bench, runner, no_reasoning_gym)
     args = argparse.Namespace(size="tiny", device="cpu", warmup=1, steps=1, prompts=2, generations=2,
                               prompt_len=8, completion_len=12, token_budget=None, mem_cap=None,
                               compile_layers=False, lowmem_token_budget=64, lowmem_chunk_tokens=8,
-                              lowmem_release_kv=True, chunk_tokens=None, profile_update=False,
+                              lowmem_release_kv=True, chunk_tokens=None, profile_update=False, profile_generate=False,
                               lowmem_offload=True)
     result = bench.run_cohort(args, lowmem=runner == "cohort-lowmem")
     assert len(result["steps"]) == 2
@@ -197,3 +197,18 @@ def test_trl_tuned_child_runs_exact_lengths_on_cpu(bench_trl):
     assert (result["micro_batch"], result["gradient_accumulation_steps"], result["steps_per_generation"]) == (4, 1, 1)
     assert result["gradient_checkpointing"] is False and result["continuous_batching"] is False
     assert result["cache_implementation"] is None and result["model_gradient_checkpointing"] is False
+
+
+def test_cohort_child_profiles_last_generate_and_update_on_cpu(bench, no_reasoning_gym, capsys, monkeypatch):
+    """--profile-update / --profile-generate: one extra step, profiled, printed, and left out of the means."""
+    monkeypatch.syspath_prepend(str(Path(bench.__file__).parent))  # trace_gaps sits beside the script
+    args = argparse.Namespace(size="tiny", device="cpu", warmup=1, steps=1, prompts=2, generations=2,
+                              prompt_len=8, completion_len=12, token_budget=None, mem_cap=None,
+                              compile_layers=False, lowmem_token_budget=64, lowmem_chunk_tokens=8,
+                              lowmem_release_kv=True, chunk_tokens=None, profile_update=True, profile_generate=True,
+                              lowmem_offload=True)
+    result = bench.run_cohort(args, lowmem=False)
+    assert len(result["steps"]) == 3 and result["profiled_last"]
+    out = capsys.readouterr().out
+    assert out.count("PROFILE-BEGIN generate") == 1 and out.count("PROFILE-BEGIN update") == 1
+    assert "generate timeline" in out and "update timeline" in out
