@@ -329,9 +329,10 @@ def _train_cohort(args, lowmem: bool, model, tok, device) -> dict:
         stack.enter_context(phase_peaks.watching(comp))
         if args.profile_update:
             stack.enter_context(_profile_last_call(cohort.trainer.PolicyUpdater, "update", cfg.train.max_steps,
-                                                   "update"))
+                                                   "update", args.size))
         if args.profile_generate:  # after the peak watcher, so the profile wraps its wrapper
-            stack.enter_context(_profile_last_call(comp.engine, "generate", cfg.train.max_steps, "generate"))
+            stack.enter_context(_profile_last_call(comp.engine, "generate", cfg.train.max_steps, "generate",
+                                                   args.size))
         result = cohort.trainer.train(cfg, comp, echo=lambda *a: None)
     info["phase_peak_alloc_gib"] = phase_peaks.peaks
     info["profiled_last"] = _profiling(args)
@@ -351,10 +352,12 @@ def _profiling(args) -> bool:
     return bool(args.profile_update or getattr(args, "profile_generate", False))
 
 
-def _profile_last_call(owner, method: str, last_step: int, label: str):
+def _profile_last_call(owner, method: str, last_step: int, label: str, size: str = ""):
     """torch.profiler over the last step's call of `owner.method` (the updater's update or the engine's
     generate); prints the top kernels, the device timeline's idle gaps and every host-device synchronisation
-    (where the phase's time goes). `owner` is a class (patched for every instance) or one object."""
+    (where the phase's time goes). `owner` is a class (patched for every instance) or one object. With
+    COHORT_BENCH_TRACE_DIR set, the Chrome trace goes there as `{label}-{size}-trace.json.gz` (read the host's
+    work in each idle gap with `python bench/trace_gaps.py FILE`)."""
     import contextlib
 
     original, calls = getattr(owner, method), {"n": 0}
@@ -385,11 +388,14 @@ def _profile_last_call(owner, method: str, last_step: int, label: str):
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
         syncs = Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
         lines = [f"  {n} x {where}" for where, n in syncs.most_common(20)]
-        print(f"PROFILE-BEGIN {label}\n" + table + "\n" + trace_gaps.summary(prof, f"{label} timeline")
-              + f"\nsynchronising calls in the {label}:\n" + ("\n".join(lines) or "  none") + "\nPROFILE-END",
-              flush=True)
+        gaps = ""
         if os.environ.get("COHORT_BENCH_TRACE_DIR"):
-            trace_gaps.save(prof, os.path.join(os.environ["COHORT_BENCH_TRACE_DIR"], f"{label}-trace.json.gz"))
+            trace = os.path.join(os.environ["COHORT_BENCH_TRACE_DIR"], f"{label}-{size}-trace.json.gz")
+            trace_gaps.save(prof, trace)
+            gaps = "\nthe host's work in the idle gaps of >= 0.5 ms:\n" + trace_gaps.host_ops_in_gaps(trace, 500.0)
+        print(f"PROFILE-BEGIN {label}\n" + table + "\n" + trace_gaps.summary(prof, f"{label} timeline")
+              + f"\nsynchronising calls in the {label}:\n" + ("\n".join(lines) or "  none") + gaps
+              + "\nPROFILE-END", flush=True)
         return out
 
     if not last_step:

@@ -60,3 +60,40 @@ def save(prof, path: str) -> None:
         prof.export_chrome_trace(raw)
         with open(raw, "rb") as src, gzip.open(path, "wb", compresslevel=6) as dst:
             shutil.copyfileobj(src, dst)
+
+
+def host_ops_in_gaps(trace_path: str, min_gap_us: float = 1000.0, top_ops: int = 8) -> str:
+    """From a saved Chrome trace: each device idle gap of at least `min_gap_us`, with the host's operators
+    (torch ops and CUDA runtime calls, by total time overlapping the gap) that ran while the device waited.
+
+        python bench/trace_gaps.py TRACE.json.gz [MIN_GAP_US]
+    """
+    import json
+    from collections import Counter
+
+    with gzip.open(trace_path, "rt") if trace_path.endswith(".gz") else open(trace_path) as fh:
+        events = json.load(fh)["traceEvents"]
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    device = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans
+                    if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    host = [e for e in spans if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation",
+                                                 "python_function")]
+    lines = [f"{trace_path}: {len(device)} device events, {len(host)} host events"]
+    end = device[0][1] if device else 0
+    for start, stop in device[1:]:
+        if start - end >= min_gap_us:
+            overlap: Counter = Counter()
+            for e in host:
+                lo, hi = max(e["ts"], end), min(e["ts"] + e["dur"], start)
+                if hi > lo:
+                    overlap[e["name"][:80]] += hi - lo
+            ops = ", ".join(f"{name} {us / 1000:.2f} ms" for name, us in overlap.most_common(top_ops))
+            lines.append(f"gap {(start - end) / 1000:.2f} ms at +{(end - device[0][0]) / 1000:.1f} ms: {ops}")
+        end = max(end, stop)
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(host_ops_in_gaps(sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 1000.0))

@@ -12,7 +12,10 @@ VARLEN_IMPL:
 Sliding-window layers (Mistral, Gemma 3's local layers, Qwen with use_sliding_window) hand their window to
 the attention function as `sliding_window`; both packed paths honour it inside each sequence (flash
 window_size=(W - 1, 0), a windowed causal mask in the SDPA fallback), as transformers' own masks do.
-While a packed forward runs (`_PACKED_MASKS` set), the registered mask function builds no mask at all.
+While a packed forward runs (`_PACKED_MASKS` set), the registered mask function builds no mask at all, and
+transformers' search for packed sequences in the position ids (`find_packed_sequence_indices`, whose result
+only feeds that mask) is skipped: its `.all()` made the host wait for the GPU once per micro-batch, leaving
+the device idle while the host then launched the forward's first kernels.
 Flash-attention-2/3 models already understand the same `cu_seq_lens_*` kwargs and are left as they are.
 """
 
@@ -118,6 +121,22 @@ def _varlen_mask(*args, config=None, **kwargs):
     return ALL_MASK_ATTENTION_FUNCTIONS[_fallback_name(config)](*args, config=config, **kwargs)
 
 
+def _skip_packed_search_in_packed_forwards() -> None:
+    """Wrap transformers' `find_packed_sequence_indices` (once) so that it answers None inside a packed forward:
+    there the mask it would feed is never built (`_varlen_mask`), and its `.all()` is a host-device sync."""
+    from transformers import masking_utils
+
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None or getattr(original, "_cohort_wrapped", False):
+        return
+
+    def find_packed_sequence_indices(position_ids):
+        return None if _PACKED_MASKS.get() else original(position_ids)
+
+    find_packed_sequence_indices._cohort_wrapped = True  # type: ignore[attr-defined]
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+
+
 def enable_packed_attention(model) -> None:
     """Route the model's attention through VARLEN_IMPL (idempotent).
 
@@ -135,6 +154,7 @@ def enable_packed_attention(model) -> None:
         return
     AttentionInterface.register(VARLEN_IMPL, varlen_attention_forward)
     AttentionMaskInterface.register(VARLEN_IMPL, _varlen_mask)
+    _skip_packed_search_in_packed_forwards()
     _FALLBACK[id(config)] = current
     config._attn_implementation = VARLEN_IMPL
 

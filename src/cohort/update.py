@@ -56,6 +56,16 @@ class NonFiniteUpdateError(CohortError):
     """train.max_nonfinite_updates optimiser updates in a row had a non-finite loss or gradient norm."""
 
 
+def fused_adam_of(optimizer) -> torch.optim.Optimizer | None:
+    """The fused torch Adam/AdamW that runs `optimizer`'s update (itself, or MasterWeightAdamW's inner one), or
+    None. A fused Adam skips its update on the device when `found_inf` is set (the AMP GradScaler contract),
+    which lets the update decide a non-finite skip without a host-device synchronisation."""
+    inner = getattr(optimizer, "inner", optimizer)
+    if isinstance(inner, torch.optim.Adam | torch.optim.AdamW) and inner.defaults.get("fused"):
+        return inner
+    return None
+
+
 def pad_rows(rows: Sequence[torch.Tensor], width: int, value: float = 0.0) -> torch.Tensor:
     out = rows[0].new_full((len(rows), width), value)
     for i, r in enumerate(rows):
@@ -147,26 +157,45 @@ class PolicyUpdater:
             if micro:
                 parts.append(out.metrics)
                 finite &= torch.isfinite(out.loss.detach()).to(finite.device)
+        grad_norm = self._reduce_and_clip()
+        # FSDP keeps the device-side skip out: its DTensor parameters would meet a plain found_inf tensor
+        fused = None if self.s.sharded else fused_adam_of(self.optimizer)
+        if fused is not None:
+            # The skip decision stays on the device: the fused AdamW kernel reads it (found_inf) and leaves
+            # weights, moments and step count as they are when it is set. The host reads the norm and the flag
+            # once the optimizer's kernels are queued, so the GPU never idles while the host launches them.
+            norm_t = torch.as_tensor(grad_norm, device=finite.device).detach().float().reshape(())
+            bad = ~(finite & torch.isfinite(norm_t))
+            bad = distributed.any_rank_tensor(bad.to(torch.float32))
+            self.on_update("pre_optimizer_step")
+            fused.found_inf = bad  # type: ignore[attr-defined]  # read by torch's Adam.step (GradScaler's hook)
+            try:
+                self.optimizer.step()
+            finally:
+                del fused.found_inf  # type: ignore[attr-defined]
+            self.on_update("optimizer_step")
+            self._end_update()
+            norm, flag = torch.stack([norm_t.to(bad.device), bad]).tolist()
+            skip = flag > 0
+        else:
+            norm = float(grad_norm)  # a host read: the last backward must finish first
+            # every rank takes the same decision: a NaN on one rank's loss skips the update everywhere
+            skip = distributed.any_rank(not (bool(finite) and math.isfinite(norm)))
+            self.on_update("pre_optimizer_step")
+            if not skip:  # no optimizer.step() otherwise: weights and Adam's state stay as they are
+                self.optimizer.step()
+            self.on_update("optimizer_step")
+            self._end_update()
+        # the metrics are read after the optimizer's kernels are queued (reading them is a host-device sync)
         local = reduce_metrics(parts)  # partial sums of this rank -> summed over ranks (min/max by min/max)
         for k, v in distributed.reduce_metrics(local, summed=tuple(local)).items():
             sums[k] += float(v)
-        grad_norm = self._reduce_and_clip()
-        sums["grad_norm"] += grad_norm
-        # every rank takes the same decision: a NaN on one rank's loss skips the update everywhere
-        skip = distributed.any_rank(not (bool(finite) and math.isfinite(grad_norm)))
-        self.on_update("pre_optimizer_step")
-        if skip:  # no optimizer.step(): weights and Adam's state stay as they are; the gradients go below
+        sums["grad_norm"] += norm
+        if skip:
             sums["skipped_updates"] += 1
             self.nonfinite_streak += 1
         else:
-            self.optimizer.step()
             self.nonfinite_streak = 0
-        self.on_update("optimizer_step")
-        with warnings.catch_warnings():  # a skipped first update: torch warns of a scheduler step before any
-            warnings.simplefilter("ignore", UserWarning)  # optimizer step, on purpose here
-            self.scheduler.step()  # the schedule counts updates, taken or skipped (as with AMP's skipped steps)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.on_update("update_end")
         if self.nonfinite_streak >= self.s.max_nonfinite_updates:
             raise NonFiniteUpdateError(
                 f"step {self.step}: the loss or gradient norm was non-finite (NaN or inf) in "
@@ -176,8 +205,18 @@ class PolicyUpdater:
                 "train.max_grad_norm set, or raise train.max_nonfinite_updates; --resume continues from the last "
                 "checkpoint")
 
-    def _reduce_and_clip(self) -> float:
-        """Gradients summed over ranks (FSDP has reduce-scattered them already), then clipped; the norm."""
+    def _end_update(self) -> None:
+        """After the optimizer step (taken or skipped): the schedule, the gradients, the hooks' event."""
+        with warnings.catch_warnings():  # a skipped first update: torch warns of a scheduler step before any
+            warnings.simplefilter("ignore", UserWarning)  # optimizer step, on purpose here
+            self.scheduler.step()  # the schedule counts updates, taken or skipped (as with AMP's skipped steps)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.on_update("update_end")
+
+    def _reduce_and_clip(self) -> torch.Tensor | float:
+        """Gradients summed over ranks (FSDP has reduce-scattered them already), then clipped; the norm before
+        clipping, as a device scalar (reading it here would make the host wait for the last backward; FSDP's
+        clip returns a float)."""
         if self.s.sharded:
             from cohort.distributed.fsdp import clip_grad_norm
 
@@ -186,7 +225,7 @@ class PolicyUpdater:
             self.grad_reducer.finish()
         else:
             distributed.sum_gradients(self.params)
-        return float(torch.nn.utils.clip_grad_norm_(self.params, self.s.max_grad_norm))
+        return torch.nn.utils.clip_grad_norm_(self.params, self.s.max_grad_norm)
 
     def _host_tensors(self, batch: RolloutBatch, idx: list[int],
                       width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

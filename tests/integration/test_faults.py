@@ -65,7 +65,22 @@ def _params(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_nan_loss_skips_the_update_and_counts_it(tmp_path):
+@pytest.fixture(params=["adamw", "fused-adamw"])
+def adam_kind(request, monkeypatch):
+    """Both skip paths: the host decides (torch's AdamW, as on the CPU) or the fused AdamW skips on the device
+    through found_inf (the GPU's optimiser; torch has a fused CPU AdamW too)."""
+    if request.param == "fused-adamw":
+        class FusedAdamW(torch.optim.AdamW):
+            def __init__(self, params, **kwargs):
+                super().__init__(params, **{**kwargs, "fused": True})
+
+        monkeypatch.setattr(torch.optim, "AdamW", FusedAdamW)
+    return request.param
+
+
+def test_nan_loss_skips_the_update_and_counts_it(tmp_path, adam_kind):
+    from cohort.update import fused_adam_of
+
     cfg = toy_config(tmp_path, steps=3)
     comp = toy_components(cfg)
     _poison_loss(comp, {2})  # one micro-batch per update: call 2 is step 2's only update
@@ -75,6 +90,7 @@ def test_nan_loss_skips_the_update_and_counts_it(tmp_path):
         if event == "log":
             snapshots.append(_params(comp.policy))
 
+    assert (fused_adam_of(comp.optimizer) is not None) == (adam_kind == "fused-adamw")
     result = train(cfg, comp, hooks=[hook])
     assert [m["skipped_updates"] for m in result.history] == [0.0, 1.0, 0.0]
     w1, w2, _ = snapshots
@@ -86,7 +102,7 @@ def test_nan_loss_skips_the_update_and_counts_it(tmp_path):
     assert all(p.grad is None for p in comp.policy.parameters())  # gradients zeroed
 
 
-def test_adam_state_is_untouched_by_a_skipped_update(tmp_path):
+def test_adam_state_is_untouched_by_a_skipped_update(tmp_path, adam_kind):
     cfg = toy_config(tmp_path, steps=2)
     comp = toy_components(cfg)
     _poison_loss(comp, {2})
@@ -99,7 +115,7 @@ def test_adam_state_is_untouched_by_a_skipped_update(tmp_path):
     assert all(torch.equal(torch.as_tensor(first[k]), torch.as_tensor(second[k])) for k in first)
 
 
-def test_nonfinite_updates_in_a_row_stop_the_run(tmp_path):
+def test_nonfinite_updates_in_a_row_stop_the_run(tmp_path, adam_kind):
     cfg = toy_config(tmp_path, steps=6)
     cfg.train.max_nonfinite_updates = 2
     cfg.run.save_steps = 1

@@ -125,3 +125,26 @@ def test_compile_decoder_layers_is_idempotent(monkeypatch):
     assert compile_decoder_layers(model) == 2
     assert compile_decoder_layers(model) == 0
     assert compiled == [("Qwen2DecoderLayer", {"dynamic": True})] * 2
+
+
+def test_packed_forward_skips_transformers_packed_sequence_search():
+    """Inside a varlen packed forward transformers' search for packed sequences in the position ids answers
+    None (its `.all()` is a host-device sync, and the mask it feeds is never built); elsewhere it is unchanged,
+    so the 'native' packed path (a block-diagonal mask from the position ids) still gets its sequence ids."""
+    from transformers import masking_utils
+
+    from cohort.packed_attention import _PACKED_MASKS
+
+    model = _tiny("qwen2")
+    packed_forward_logprobs(model, _sequences(), attn="varlen")  # installs the wrapper
+    search = masking_utils.find_packed_sequence_indices
+    assert getattr(search, "_cohort_wrapped", False)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    assert search(positions).tolist() == [[0, 0, 0, 1, 1, 2]]
+    token = _PACKED_MASKS.set(True)
+    try:
+        assert search(positions) is None
+    finally:
+        _PACKED_MASKS.reset(token)
+    packed_forward_logprobs(model, _sequences(), attn="varlen")  # idempotent: wrapped once
+    assert masking_utils.find_packed_sequence_indices is search

@@ -197,6 +197,15 @@ def all_max(value: int) -> int:
     return int(t.item())
 
 
+def any_rank_tensor(flag: torch.Tensor) -> torch.Tensor:
+    """A float flag tensor (1.0 = true), maxed over ranks on the device: no host read (see any_rank)."""
+    if not current().enabled:
+        return flag
+    t = flag.reshape(1).to(_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.reshape(()).to(flag.device)
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank when it is true on one (ranks must agree on when to stop)."""
     if not current().enabled:
