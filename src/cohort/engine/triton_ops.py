@@ -222,9 +222,11 @@ def decode_tile(head_dim: int) -> tuple[int, int]:
     """(keys per loop iteration, pipeline stages) of the decode kernel for a head size. Measured on an H100
     (bench/engine_profile.py's attention sweep, 14 query / 2 KV heads of 64): 128 keys in 4 stages against
     64 in 3, 256 sequences at 384 tokens 15.0 -> 11.7 us a layer, 128 at 1,024 tokens 36.9 -> 32.7, 64 at
-    1,536 tokens 23.1 -> 20.4, equal at 260 tokens and on the 16-sequence tail. Wider heads keep 64 keys in
-    3 stages (128 keys of 128 dims in 4 stages would need 256 KB of shared memory)."""
-    return (128, 4) if head_dim <= 64 else (64, 3)
+    1,536 tokens 23.1 -> 20.4, equal at 260 tokens and on the 16-sequence tail. Heads of 128 (12 query / 2 KV,
+    Qwen2.5-1.5B): 64 keys in 2 stages against 3, 256 sequences at 260 tokens 26.3 -> 17.9 us, at 384 39.0 ->
+    34.3, at 1,024 103.9 -> 89.6, within 3% on smaller batches (128 keys of 128 dims in 4 stages would need
+    256 KB of shared memory)."""
+    return (128, 4) if head_dim <= 64 else (64, 2)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
