@@ -24,9 +24,10 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("splits", [1, 4, None])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_paged_decode_kernel_matches_gather(dtype, splits):
+@pytest.mark.parametrize("shape", [(14, 64), (12, 128)])  # Qwen2.5-0.5B's and 1.5B's (heads, head size)
+def test_paged_decode_kernel_matches_gather(dtype, splits, shape):
     torch.manual_seed(0)
-    batch, heads, kv_heads, dim, block, blocks = 9, 14, 2, 64, 64, 40
+    (heads, dim), kv_heads, batch, block, blocks = shape, 2, 9, 64, 40
     q = torch.randn(batch, heads, dim, device="cuda", dtype=dtype)
     kc = torch.randn(blocks, block, kv_heads, dim, device="cuda", dtype=dtype)
     vc = torch.randn_like(kc)
