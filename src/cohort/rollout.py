@@ -23,6 +23,7 @@ import torch
 
 from cohort.algorithms import compute_advantages
 from cohort.data import PromptBatch
+from cohort.detokenize import batch_decode
 from cohort.types import Completion, RolloutEngine, SamplingParams
 
 
@@ -62,7 +63,7 @@ class RolloutBatch:
 
 
 def decode_completions(tokenizer, completions: Sequence[Completion], conversational: bool) -> list[Any]:
-    texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+    texts = batch_decode(tokenizer, [c.token_ids for c in completions])  # batch_decode's text, in one Rust call
     if conversational:  # TRL's contract: conversational prompts get message-list completions
         # multi-turn (tools): the turns and tool results as messages, so rewards read the final answer
         return [c.messages if c.messages is not None else [{"role": "assistant", "content": t}]
