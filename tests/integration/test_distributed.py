@@ -51,3 +51,51 @@ def test_two_ranks_equal_one_rank(tmp_path):
                                                                                         b[step][key])
     w0, w1 = torch.load(two / "weights-0.pt"), torch.load(two / "weights-1.pt")
     assert all(torch.equal(w0[n], w1[n]) for n in w0)  # the ranks stay in lockstep
+
+
+def _run_nan_on_one_rank(rank: int, world: int, out: str, init_file: str) -> None:
+    """Rank 1's loss is NaN in step 2 (its gradients are not); the fused AdamW's device-side skip must skip that
+    update on both ranks."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+
+    class FusedAdamW(torch.optim.AdamW):  # the GPU's optimiser, whose skip is decided without a host read
+        def __init__(self, params, **kwargs):
+            super().__init__(params, **{**kwargs, "fused": True})
+
+    torch.optim.AdamW = FusedAdamW  # this spawned process only
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        from pathlib import Path
+
+        from cohort.update import fused_adam_of
+
+        cfg = toy_config(Path(out) / f"rank{rank}", steps=3)
+        cfg.train.device = "cpu"
+        comp = toy_components(cfg)
+        assert fused_adam_of(comp.optimizer) is not None
+        real, calls = comp.loss_fn, []
+
+        def loss_fn(inputs):
+            result = real(inputs)
+            calls.append(1)
+            if rank == 1 and len(calls) == 2:  # one micro-batch per update: step 2's only one
+                # a NaN loss with finite gradients: only rank 1 sees it, so the ranks must agree through
+                # distributed.any_rank_tensor (a NaN gradient would reach rank 0 in the gradient sum anyway)
+                result.loss = result.loss + torch.tensor(float("nan"))
+            return result
+
+        comp.loss_fn = loss_fn
+        result = train(cfg, comp)
+        torch.save({"skipped": [m["skipped_updates"] for m in result.history],
+                    "weights": {n: p.detach() for n, p in comp.policy.named_parameters()}},
+                   f"{out}/result-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_nan_on_one_rank_skips_the_fused_update_on_every_rank(tmp_path):
+    mp.spawn(_run_nan_on_one_rank, args=(2, str(tmp_path), str(tmp_path / "init")), nprocs=2, join=True)
+    r0, r1 = torch.load(tmp_path / "result-0.pt"), torch.load(tmp_path / "result-1.pt")
+    assert r0["skipped"] == r1["skipped"] == [0.0, 1.0, 0.0]
+    assert all(torch.equal(r0["weights"][n], r1["weights"][n]) for n in r0["weights"])  # still in lockstep
