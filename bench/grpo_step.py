@@ -545,6 +545,8 @@ def fmt_row(size: str, runner: str, res: dict, trl: dict | None, best: tuple[str
     if runner == "cohort-lowmem" and trl and trl.get("peak_alloc_gib") == trl.get("peak_alloc_gib"):  # not NaN
         within = (" (within TRL defaults' peak)" if res["peak_alloc_gib"] <= trl["peak_alloc_gib"]
                   else " (over TRL defaults' peak)")
+    elif runner == "cohort-lowmem" and "cap_gib" not in res:
+        within = " (no memory cap)"
     return (f"| {size} | {runner} | {s['step']:.2f} | {ph} | {s['gen_tok_s'] / 1e3:.1f}k | "
             f"{res['peak_alloc_gib']:.2f}{within} | {res['peak_reserved_gib']:.2f} | {100 * s['mfu']:.1f}% | "
             f"{_speedup(res, trl)} | {vs_best} |")
@@ -589,6 +591,11 @@ def parent(args) -> None:
             peak = trl.get("peak_alloc_gib", float("nan"))
             peak = peak if peak == peak else args.mem_cap_gib  # NaN on the CPU or without a TRL row
             cap = int(peak * 2**30) if runner == "cohort-lowmem" and peak else None
+            if runner == "cohort-lowmem" and cap is None:
+                print(f"[{size} {runner}] no memory cap: no TRL defaults row ran in this call and no --mem-cap-gib, "
+                      "so the row plans 2,048-token micro-batches (--lowmem-token-budget) instead of the largest "
+                      "that fits under TRL's peak; add the `trl` runner or --mem-cap-gib for the capped row",
+                      flush=True)
             # compiled layers under gradient checkpointing still cost ~2.7 ms of host time per layer backward,
             # but eager ones cost more (measured: low-memory 0.5B update 1.43 s compiled vs 2.15 s eager)
             compiled = args.compile_layers and (runner == "cohort" or (runner == "cohort-lowmem" and args.lowmem_compile))
