@@ -41,11 +41,16 @@ def batch_decode(tokenizer, ids: Sequence[Sequence[int]]) -> list[str]:
     """`tokenizer.batch_decode(ids, skip_special_tokens=True)`; through the Rust backend when that is the same."""
     ids = [list(seq) for seq in ids]
     backend = _backend(tokenizer) if ids else None
-    if backend is None or _CHECKED.get(tokenizer) is False:
+    checked = None
+    try:
+        checked = _CHECKED.get(tokenizer)
+    except TypeError:  # a tokenizer class that is not hashable: nowhere to remember the check
+        backend = None
+    if backend is None or checked is False:
         return tokenizer.batch_decode(ids, skip_special_tokens=True)
     texts = backend.decode_batch(ids, skip_special_tokens=True)
-    if tokenizer not in _CHECKED:
-        _CHECKED[tokenizer] = texts[0] == tokenizer.decode(ids[0], skip_special_tokens=True)
-        if not _CHECKED[tokenizer]:
+    if checked is None:
+        _CHECKED[tokenizer] = same = texts[0] == tokenizer.decode(ids[0], skip_special_tokens=True)
+        if not same:
             return tokenizer.batch_decode(ids, skip_special_tokens=True)
     return texts
