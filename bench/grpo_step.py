@@ -488,6 +488,8 @@ def run_child(args, runner: str, size: str, mem_cap: int | None, timeout: float,
         cmd += ["--profile-update"]
     if args.profile_generate:
         cmd += ["--profile-generate"]
+    if args.flash_attention_impl:
+        cmd += ["--flash-attention-impl", args.flash_attention_impl]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -648,6 +650,10 @@ def main(argv=None) -> None:
     p.add_argument("--child-timeout-s", type=float, default=240.0, help="kill a run after this long")
     p.add_argument("--out", default=None, help="JSON with every step of every run")
     p.add_argument("--log", default=None, help="append every child's output here")
+    p.add_argument("--flash-attention-impl", default=None, choices=("FA3", "FA4"),
+                   help="every row: torch.nn.attention.activate_flash_attention_impl(this) in the child before the "
+                        "model loads (torch's flash-attention ops, so cohort's packed attention and TRL's SDPA, then "
+                        "run it); FA4 needs the flash-attn-4 package and the CUTLASS DSL")
     p.add_argument("--child", choices=RUNNERS, help=argparse.SUPPRESS)
     p.add_argument("--size", help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
@@ -659,6 +665,11 @@ def main(argv=None) -> None:
         except ValueError as exc:
             p.error(str(exc))
         return parent(args)
+    if args.flash_attention_impl:  # before any model: torch's flash-attention ops then run this implementation
+        import torch.nn.attention as tna
+
+        tna.activate_flash_attention_impl(args.flash_attention_impl)
+        print(f"flash attention implementation: {tna.current_flash_attention_impl()}", flush=True)
     if args.child in TRL_RUNNERS:
         from grpo_step_trl import run_trl  # bench/ is the script's folder, so on sys.path
 

@@ -1,0 +1,111 @@
+"""The update's packed attention, forward + backward, under torch's flash-attention implementations (one GPU).
+
+    PYTHONPATH=src:. python3 bench/attn_train.py [--impl FA4]
+
+The training forward's attention (`cohort.packed_attention._flash_varlen`: torch's `varlen_attn`, KV heads
+expanded where this torch lacks `enable_gqa`) on the bench workload's micro-batches: Qwen2.5-0.5B (14 query /
+2 KV heads of 64, 86 sequences of 128 + 256 tokens = the fast row's 33,024-token micro-batch) and 1.5B (12 / 2
+of 128, 32 sequences = 12,288 tokens), each also with completions of 1-256 tokens. First with torch's built-in
+FlashAttention-2, then, with --impl, after `torch.nn.attention.activate_flash_attention_impl(impl)` (FA4 needs
+the flash-attn-4 package and the CUTLASS DSL), which routes the same aten flash ops to that implementation.
+
+Each row: the device time of one forward + backward (the sum of its kernels under torch.profiler, so the host's
+launch time does not count), TFLOP/s on the causal FLOPs (forward 4 x sum(L^2 / 2) x heads x head size,
+backward 2.5x that), and the largest difference of the output and of dQ, dK, dV from the FlashAttention-2 run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+
+SHAPES = {"0.5b": (14, 2, 64, 86), "1.5b": (12, 2, 128, 32)}  # query heads, KV heads, head size, sequences
+
+
+def lengths(kind: str, seqs: int, prompt: int = 128, completion: int = 256) -> list[int]:
+    if kind == "equal":
+        return [prompt + completion] * seqs
+    rng = random.Random(0)
+    return [prompt + rng.randint(1, completion) for _ in range(seqs)]
+
+
+def device_ms(fn, repeats: int) -> float:
+    """Mean device time of fn() in ms: the kernels' own durations under the profiler (host launch excluded)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    return total_us / 1000 / repeats
+
+
+def run(impl: str, results: dict, repeats: int) -> None:
+    from cohort.packed_attention import _flash_varlen
+
+    dev = torch.device("cuda")
+    for size, (hq, hk, d, seqs) in SHAPES.items():
+        for kind in ("equal", "mixed"):
+            lens = lengths(kind, seqs)
+            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+            gen = torch.Generator(device=dev).manual_seed(0)
+            total = sum(lens)
+
+            def rand(h, gen=gen, total=total, d=d):
+                return torch.randn(total, h, d, device=dev, dtype=torch.bfloat16, generator=gen)
+
+            q, k, v, grad = rand(hq).requires_grad_(), rand(hk).requires_grad_(), rand(hk).requires_grad_(), rand(hq)
+
+            def once(q=q, k=k, v=v, grad=grad, cu=cu, lens=lens, d=d):
+                for t in (q, k, v):
+                    t.grad = None
+                out = _flash_varlen(q, k, v, cu, max(lens), d ** -0.5)
+                out.backward(grad)
+                return out
+
+            try:
+                ms = device_ms(once, repeats)
+                out = once().detach()
+            except Exception as exc:  # one implementation failing on a shape must not hide the others
+                print(f"| {size} | {kind} | {impl} | failed: {exc!r:.200} | | |", flush=True)
+                continue
+            grads = [t.grad.detach().clone() for t in (q, k, v)]
+            ref = results.setdefault((size, kind), (out, grads))
+            d_out = (out.float() - ref[0].float()).abs().max().item()
+            d_grad = max((g.float() - r.float()).abs().max().item() for g, r in zip(grads, ref[1]))
+            flops = 3.5 * sum(4 * n * n / 2 * hq * d for n in lens)
+            print(f"| {size} | {kind} ({total} tokens) | {impl} | {ms:.3f} | {flops / ms / 1e9:.0f} | "
+                  f"{d_out:.1e} / {d_grad:.1e} |", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--impl", default=None, help="also after activate_flash_attention_impl(IMPL), e.g. FA4")
+    p.add_argument("--repeats", type=int, default=10)
+    args = p.parse_args()
+    import torch.nn.attention as tna
+
+    listed = tna.list_flash_attention_impls() if hasattr(tna, "list_flash_attention_impls") else []
+    print(f"torch {torch.__version__}; flash-attention implementations this torch can activate: {listed}")
+    print("| model | micro-batch | flash attention | fwd + bwd device ms | TFLOP/s | max diff out / grads vs FA2 |")
+    print("| --- | --- | --- | ---: | ---: | --- |")
+    results: dict = {}
+    run("FA2 (torch built-in)", results, args.repeats)
+    if args.impl:
+        try:
+            tna.activate_flash_attention_impl(args.impl)
+        except Exception as exc:  # missing package: say which, keep the FA2 rows
+            print(f"activate_flash_attention_impl({args.impl!r}) failed: {exc!r:.300}")
+            return
+        run(args.impl, results, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
