@@ -40,7 +40,8 @@ def test_paged_decode_kernel_matches_gather(dtype, splits, shape):
     assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
-def test_fused_sampler_matches_torch():
+@pytest.mark.parametrize("race", [False, True])  # the two-log Gumbel pass and the one-log exponential race
+def test_fused_sampler_matches_torch(race):
     torch.manual_seed(0)
     logits = (torch.randn(64, 151936, device="cuda") * 4).to(torch.bfloat16)
     seeds = torch.randint(0, 2**62, (64,))
@@ -48,7 +49,8 @@ def test_fused_sampler_matches_torch():
     keys = torch.from_numpy(row_keys(seeds.numpy(), positions.numpy())).cuda()
     inv_t = torch.rand(64, device="cuda") + 0.5
     noise = (torch.rand(64, device="cuda") > 0.3).float()
-    tokens, logprobs = triton_ops.fused_sample(logits, logits, inv_t, noise, seeds.cuda(), positions.cuda())
+    tokens, logprobs = triton_ops.fused_sample(logits, logits, inv_t, noise, seeds.cuda(), positions.cuda(),
+                                               race=race)
     scaled = logits.float() * inv_t[:, None]
     ref_tokens = (scaled + noise[:, None] * gumbel_noise(keys, logits.shape[1])).argmax(-1)
     ref_lp = scaled.gather(-1, ref_tokens[:, None])[:, 0] - scaled.logsumexp(-1)

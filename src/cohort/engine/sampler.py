@@ -174,17 +174,21 @@ class Sampler:
         without Triton."""
         if not self.use_triton:
             return 0
-        from cohort.engine.triton_ops import fused_sample, sample_splits
+        from cohort.engine import triton_ops
 
         firsts: dict[int, int] = {}
         for rows in range(1, max_rows + 1):
-            firsts.setdefault(sample_splits(rows, vocab), rows)
+            firsts.setdefault(triton_ops.sample_splits(rows, vocab), rows)
+        # rows with filters sample their processed logits: the two-log pass even when the race is on
+        races = sorted({False, triton_ops.SAMPLER_RACE})
         for rows in firsts.values():
             logits = torch.zeros(rows, vocab, dtype=dtype, device=self.device)
             floats = torch.ones(2, -(-rows // 4) * 4, device=self.device)
             ints = torch.zeros(2, -(-rows // 4) * 4, dtype=torch.int64, device=self.device)
-            fused_sample(logits, logits, floats[0, :rows], floats[1, :rows], ints[0, :rows], ints[1, :rows])
-        return len(firsts)
+            for race in races:
+                triton_ops.fused_sample(logits, logits, floats[0, :rows], floats[1, :rows], ints[0, :rows],
+                                        ints[1, :rows], race=race)
+        return len(firsts) * len(races)
 
     def _processed(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
         """Logits after penalties and filters, still at temperature 1 (None when nothing applies)."""
