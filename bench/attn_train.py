@@ -1,13 +1,14 @@
 """The update's packed attention, forward + backward, under torch's flash-attention implementations (one GPU).
 
-    PYTHONPATH=src:. python3 bench/attn_train.py [--impl FA4]
+    PYTHONPATH=src:. python3 bench/attn_train.py [--direct] [--impl FA4]
 
 The training forward's attention (`cohort.packed_attention._flash_varlen`: torch's `varlen_attn`, KV heads
 expanded where this torch lacks `enable_gqa`) on the bench workload's micro-batches: Qwen2.5-0.5B (14 query /
 2 KV heads of 64, 86 sequences of 128 + 256 tokens = the fast row's 33,024-token micro-batch) and 1.5B (12 / 2
 of 128, 32 sequences = 12,288 tokens), each also with completions of 1-256 tokens. First with torch's built-in
 FlashAttention-2, then, with --impl, after `torch.nn.attention.activate_flash_attention_impl(impl)` (FA4 needs
-the flash-attn-4 package and the CUTLASS DSL), which routes the same aten flash ops to that implementation.
+the flash-attn-4 package and the CUTLASS DSL), which routes the same aten flash ops to that implementation,
+and with --direct FA4 through its own varlen function (grouped query heads in the kernel, no KV expansion).
 
 Each row: the device time of one forward + backward (the sum of its kernels under torch.profiler, so the host's
 launch time does not count), TFLOP/s on the causal FLOPs (forward 4 x sum(L^2 / 2) x heads x head size,
@@ -47,8 +48,20 @@ def device_ms(fn, repeats: int) -> float:
     return total_us / 1000 / repeats
 
 
-def run(impl: str, results: dict, repeats: int) -> None:
+def fa4_direct(q, k, v, cu, max_len, scale):
+    """FlashAttention-4's own varlen entry point (flash_attn.cute): query heads grouped over the KV heads in the
+    kernel, where torch's flash ops need the KV heads expanded first."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
+                                 max_seqlen_k=max_len, softmax_scale=scale, causal=True)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def run(impl: str, results: dict, repeats: int, attend=None) -> None:
     from cohort.packed_attention import _flash_varlen
+
+    attend = attend or _flash_varlen
 
     dev = torch.device("cuda")
     for size, (hq, hk, d, seqs) in SHAPES.items():
@@ -66,7 +79,7 @@ def run(impl: str, results: dict, repeats: int) -> None:
             def once(q=q, k=k, v=v, grad=grad, cu=cu, lens=lens, d=d):
                 for t in (q, k, v):
                     t.grad = None
-                out = _flash_varlen(q, k, v, cu, max(lens), d ** -0.5)
+                out = attend(q, k, v, cu, max(lens), d ** -0.5)
                 out.backward(grad)
                 return out
 
@@ -89,6 +102,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--impl", default=None, help="also after activate_flash_attention_impl(IMPL), e.g. FA4")
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--direct", action="store_true",
+                   help="also FA4 through flash_attn.cute.flash_attn_varlen_func (needs flash-attn-4)")
     args = p.parse_args()
     import torch.nn.attention as tna
 
@@ -98,6 +113,8 @@ def main() -> None:
     print("| --- | --- | --- | ---: | ---: | --- |")
     results: dict = {}
     run("FA2 (torch built-in)", results, args.repeats)
+    if args.direct:
+        run("FA4 (flash_attn.cute, GQA in the kernel)", results, args.repeats, fa4_direct)
     if args.impl:
         try:
             tna.activate_flash_attention_impl(args.impl)
