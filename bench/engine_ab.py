@@ -1,10 +1,10 @@
 """A/B of engine settings on workload A and B in one process (one GPU): prefill graphs on/off, the decode
-attention's loop tile; with --sampler-race instead, the sampler's one-log exponential race against the
-two-log Gumbel pass (triton_ops.SAMPLER_RACE), alternated twice to show the run-to-run spread. Each row: median
+attention's loop tile; with --sampler-cdf instead, the sampler's inverse-CDF pass against the Gumbel pass
+(triton_ops.SAMPLER_PASS), alternated twice to show the run-to-run spread. Each row: median
 wall of 3 runs of engine.generate after a warm-up, and the engine loop's prefill time (engine.step of the
 prefill, synchronised).
 
-    PYTHONPATH=src:. python3 bench/engine_ab.py [--sampler-race]
+    PYTHONPATH=src:. python3 bench/engine_ab.py [--sampler-cdf]
 """
 
 from __future__ import annotations
@@ -47,21 +47,21 @@ def prefill_ms(engine, prompts, params) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sampler-race", action="store_true", help="A/B the sampler's exponential race instead")
+    p.add_argument("--sampler-cdf", action="store_true", help="A/B the sampler's inverse-CDF pass instead")
     args = p.parse_args()
     model = build_model()
     prompts = workload_a(model.config.vocab_size)
     params = SamplingParams(n=8, max_tokens=256, temperature=1.0, ignore_eos=True, seed=0)
-    original, original_race = triton_ops.decode_tile, triton_ops.SAMPLER_RACE
-    rows = (("prefill graphs, tile 128/4", 4096, None, False), ("eager prefill, tile 128/4", 0, None, False),
-            ("prefill graphs, tile 64/3", 4096, (64, 3), False), ("eager prefill, tile 64/3", 0, (64, 3), False))
-    if args.sampler_race:
-        rows = tuple((f"{name}{' again' if i >= 2 else ''}", 4096, None, race)
-                     for i, (name, race) in enumerate((("Gumbel pass", False), ("exponential race", True)) * 2))
+    original, original_pass = triton_ops.decode_tile, triton_ops.SAMPLER_PASS
+    rows = (("prefill graphs, tile 128/4", 4096, None, "gumbel"), ("eager prefill, tile 128/4", 0, None, "gumbel"),
+            ("prefill graphs, tile 64/3", 4096, (64, 3), "gumbel"), ("eager prefill, tile 64/3", 0, (64, 3), "gumbel"))
+    if args.sampler_cdf:
+        rows = tuple((f"{method} sampler pass{' again' if i >= 2 else ''}", 4096, None, method)
+                     for i, method in enumerate(("gumbel", "cdf") * 2))
     print("| setting | A tok/s | A prefill ms | B tok/s |\n| --- | ---: | ---: | ---: |")
-    for name, graph_tokens, tile, race in rows:
+    for name, graph_tokens, tile, method in rows:
         triton_ops.decode_tile = original if tile is None else (lambda head_dim, t=tile: t)
-        triton_ops.SAMPLER_RACE = race
+        triton_ops.SAMPLER_PASS = method
         engine = CohortEngine(model, eos_token_ids=None, max_model_len=2048, max_num_seqs=256,
                               prefill_graph_tokens=graph_tokens)
         seconds = wall(engine, prompts, params)
@@ -71,7 +71,7 @@ def main() -> None:
         print(f"| {name} | {256 * 256 / seconds:,.0f} | {pre:.1f} | {b_tok_s:,.0f} |", flush=True)
         del engine
         torch.cuda.empty_cache()
-    triton_ops.decode_tile, triton_ops.SAMPLER_RACE = original, original_race
+    triton_ops.decode_tile, triton_ops.SAMPLER_PASS = original, original_pass
 
 
 if __name__ == "__main__":

@@ -179,16 +179,16 @@ class Sampler:
         firsts: dict[int, int] = {}
         for rows in range(1, max_rows + 1):
             firsts.setdefault(triton_ops.sample_splits(rows, vocab), rows)
-        # rows with filters sample their processed logits: the two-log pass even when the race is on
-        races = sorted({False, triton_ops.SAMPLER_RACE})
+        # rows with filters sample their processed logits with the Gumbel pass whatever SAMPLER_PASS says
+        methods = sorted({"gumbel", triton_ops.SAMPLER_PASS})
         for rows in firsts.values():
             logits = torch.zeros(rows, vocab, dtype=dtype, device=self.device)
             floats = torch.ones(2, -(-rows // 4) * 4, device=self.device)
             ints = torch.zeros(2, -(-rows // 4) * 4, dtype=torch.int64, device=self.device)
-            for race in races:
+            for method in methods:
                 triton_ops.fused_sample(logits, logits, floats[0, :rows], floats[1, :rows], ints[0, :rows],
-                                        ints[1, :rows], race=race)
-        return len(firsts) * len(races)
+                                        ints[1, :rows], method=method)
+        return len(firsts) * len(methods)
 
     def _processed(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
         """Logits after penalties and filters, still at temperature 1 (None when nothing applies)."""

@@ -132,7 +132,7 @@ if triton is not None:
         logits_ptr, choice_ptr, inv_temp_ptr, noise_ptr, seeds_ptr, pos_ptr,
         part_m_ptr, part_s_ptr, part_best_ptr, part_idx_ptr,
         vocab, stride_l, stride_c, SPAN: tl.constexpr, SPLITS: tl.constexpr, BLOCK_V: tl.constexpr,
-        FAST_LOG: tl.constexpr, RACE: tl.constexpr,
+        FAST_LOG: tl.constexpr,
     ):
         row = tl.program_id(0)
         part = tl.program_id(1)
@@ -148,9 +148,6 @@ if triton is not None:
         s = tl.zeros([BLOCK_V], tl.float32)
         best = tl.full([BLOCK_V], float("-inf"), tl.float32)
         best_idx = tl.zeros([BLOCK_V], tl.int32)
-        # RACE: the best candidate as (weight exp(x - m), its exponential draw E), compared without logs
-        best_w = tl.zeros([BLOCK_V], tl.float32)
-        best_e = tl.full([BLOCK_V], 1.0, tl.float32)
         cols = tl.arange(0, BLOCK_V)
         lo = part * SPAN
         hi = tl.minimum(lo + SPAN, vocab)
@@ -158,42 +155,25 @@ if triton is not None:
             idx = lo + start + cols
             ok = idx < hi
             x = tl.load(logits_ptr + row * stride_l + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+            c = tl.load(choice_ptr + row * stride_c + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
             h = _mix32(key + idx.to(tl.uint32) * 0x61C88647)
             u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # < 1 in float32: sampler.uniform_from_hash
+            if FAST_LOG:  # the hardware's approximate log2 (the accurate log is ~20 instructions, twice here)
+                score = c - noise * (fast_log2f(-fast_log2f(u) * LN2) * LN2)
+            else:
+                score = c - noise * tl.log(-tl.log(u))
             # Lane-wise running max / logsumexp / argmax; lanes are combined after the loop. One exp per
             # element: exp(-|x - m|) rescales whichever of the running sum and the new term is smaller.
             bigger = x > m
             e = tl.exp(tl.where(bigger, m - x, x - m))
             e = tl.where(x == float("-inf"), 0.0, e)  # masked lanes (and -inf logits) add nothing
             s = tl.where(bigger, s * e + 1.0, s + e)
-            if RACE:
-                # Exponential race (choice is the logits): argmax exp(x) / E with E = -log u is the argmax of
-                # x - log(-log u), the Gumbel-max draw, with one log per element instead of two. exp(x - m)
-                # of the new running max is 1 or the `e` above; the best weight is rescaled with it.
-                if FAST_LOG:  # noqa: SIM108 - a constexpr branch: the interpreter must not see fast_log2f
-                    draw = -fast_log2f(u) * LN2
-                else:
-                    draw = -tl.log(u)
-                draw = tl.where(noise > 0.0, draw, 1.0)  # greedy rows: the plain argmax
-                w = tl.where(bigger, 1.0, e)
-                best_w = tl.where(bigger, best_w * e, best_w)
-                better = w * best_e > best_w * draw
-                best_w = tl.where(better, w, best_w)
-                best_e = tl.where(better, draw, best_e)
-            else:
-                c = tl.load(choice_ptr + row * stride_c + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
-                if FAST_LOG:  # the hardware's approximate log2 (the accurate log is ~20 instructions, twice here)
-                    score = c - noise * (fast_log2f(-fast_log2f(u) * LN2) * LN2)
-                else:
-                    score = c - noise * tl.log(-tl.log(u))
-                better = score > best
-                best = tl.where(better, score, best)
             m = tl.maximum(m, x)
+            better = score > best
+            best = tl.where(better, score, best)
             best_idx = tl.where(better, idx, best_idx)
         part_max = tl.max(m, 0)
         safe_max = tl.where(part_max == float("-inf"), 0.0, part_max)
-        if RACE:  # back to the Gumbel score x - log E that the combine kernel compares across slices
-            best = tl.where(best_w > 0.0, tl.log(best_w) + m - tl.log(best_e), float("-inf"))
         top = tl.max(best, 0)
         out = row * SPLITS + part
         tl.store(part_m_ptr + out, part_max)
@@ -299,29 +279,33 @@ def sample_splits(rows: int, vocab: int, block_v: int = 1024) -> int:
     return 1 << max(0, want.bit_length() - 1)
 
 
-# fused_sample's exponential race (one log per element) where choice is the logits: off until an A/B on a GPU
-# shows it faster (`bench/engine_ab.py --sampler-race`); the engine's CUDA graphs capture whichever is set
-SAMPLER_RACE = False
+# The pass fused_sample uses where the sampled row is the logits themselves (no filters): "gumbel" (the
+# Gumbel-max pass above) or "cdf" (triton_cdf: one uniform per row and the inverse CDF, about half the
+# instructions per token in SASS compiled for sm_90; other draws than Gumbel's). "gumbel" until an A/B on a GPU
+# (`bench/engine_ab.py --sampler-cdf`) shows "cdf" faster; the engine's CUDA graphs capture the one set.
+SAMPLER_PASS = "gumbel"
+SAMPLER_PASSES = ("gumbel", "cdf")
 
 
 def fused_sample(logits: torch.Tensor, choice: torch.Tensor, inv_temp: torch.Tensor, noise: torch.Tensor,
                  seeds: torch.Tensor, positions: torch.Tensor, *, splits: int | None = None,
                  block_v: int = 1024, num_warps: int = 4,
-                 fast_log: bool | None = None, race: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 fast_log: bool | None = None, method: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gumbel-max sample of `choice`/T and log_softmax(logits/T)[token], one pass. Rows: [B, V].
 
     seeds, positions: int64 [B]; the noise key of a row is sampler.row_key(seed, position). splits: vocabulary
     slices per row (default sample_splits); block_v / num_warps: the slice kernel's tile (bench knobs).
     fast_log: the Gumbel noise through the hardware's approximate log2 (default on a GPU; the interpreter
     has no such instruction): draws differ from the accurate log's only on near-exact ties of two scores.
-    race: when `choice` is `logits` (no filters), the same draw as an exponential race, argmax exp(x) / E with
-    E = -log u: one log per element instead of two, and one read of the row instead of two (the same draws
-    up to float rounding on near-ties). None: SAMPLER_RACE where choice is logits.
+    method: "gumbel", or "cdf" (only for choice=logits, no filters: the inverse-CDF draw of triton_cdf, one
+    uniform per row; other draws than Gumbel's). None: SAMPLER_PASS where choice is logits, else "gumbel".
     """
-    if race is None:
-        race = SAMPLER_RACE and choice is logits
-    if race and choice is not logits:
-        raise ValueError("fused_sample(race=True) samples the logits themselves: pass choice=logits")
+    if method is None:
+        method = SAMPLER_PASS if choice is logits else "gumbel"
+    if method not in SAMPLER_PASSES:
+        raise ValueError(f"fused_sample(method={method!r}): choose one of {', '.join(SAMPLER_PASSES)}")
+    if method != "gumbel" and choice is not logits:
+        raise ValueError(f"fused_sample(method={method!r}) samples the logits themselves: pass choice=logits")
     if fast_log is None:
         fast_log = logits.device.type == "cuda"
     rows, vocab = logits.shape
@@ -329,6 +313,11 @@ def fused_sample(logits: torch.Tensor, choice: torch.Tensor, inv_temp: torch.Ten
     # each slice a whole number of blocks, so only a slice's last block is masked
     span = -(-vocab // (splits * block_v)) * block_v
     splits = -(-vocab // span)
+    if method == "cdf":
+        from cohort.engine.triton_cdf import cdf_sample
+
+        return cdf_sample(logits, inv_temp, noise, seeds, positions, splits=splits, span=span, block_v=block_v,
+                          num_warps=num_warps)
     dev = logits.device
     part_m = torch.empty(rows, splits, dtype=torch.float32, device=dev)
     part_s = torch.empty(rows, splits, dtype=torch.float32, device=dev)
@@ -339,7 +328,7 @@ def fused_sample(logits: torch.Tensor, choice: torch.Tensor, inv_temp: torch.Ten
     _sample_partial_kernel[(rows, splits)](
         logits, choice, inv_temp, noise, seeds, positions, part_m, part_s, part_best, part_idx,
         vocab, logits.stride(0), choice.stride(0), SPAN=span, SPLITS=splits, BLOCK_V=block_v,
-        FAST_LOG=fast_log, RACE=race, num_warps=num_warps,
+        FAST_LOG=fast_log, num_warps=num_warps,
     )
     _sample_combine_kernel[(rows,)](
         logits, inv_temp, part_m, part_s, part_best, part_idx, tokens, logprobs, vocab, logits.stride(0),
