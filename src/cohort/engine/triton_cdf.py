@@ -16,8 +16,8 @@ u comes from the row key (sampler.row_key(seed, position)) through the same hash
 and do not depend on the batch. u has 23 bits, so a token's chance is resolved to about 1.2e-7 of the row's
 mass (a token rarer than that is drawn with probability 0 or ~1.2e-7, depending on where its interval falls),
 the same order as the float32 rounding of the Gumbel pass's scores. The draws are not the Gumbel pass's (a
-different function of u), so the
-engine uses this pass only where `triton_ops.SAMPLER_PASS` says so, and only for rows without filters.
+different function of u), so the engine uses this pass only where `triton_ops.SAMPLER_PASS` says so, and only
+for rows without filters.
 `cdf_sample_reference` is the same draw in float64 PyTorch (tests).
 """
 
