@@ -6,7 +6,8 @@ Times (median of repeats, CUDA events) at batch 256, Qwen2.5-0.5B architecture w
 the captured decode graph alone, the fused sampler alone, the paged-attention kernel alone, and the host
 side of the engine's step (scheduling, input preparation, appending tokens) measured on the real loop.
 First the decode attention's loop tile, warps and stages on workload-A-like block tables (--attention-only
-stops there). Then the sampler's slicing variants and the decode matmuls (cuBLAS vs cuBLASLt) timed as CUDA graphs (no
+stops there; --sampler-passes times only the Gumbel and inverse-CDF sampler passes). Then the sampler's
+slicing variants and the decode matmuls (cuBLAS vs cuBLASLt) timed as CUDA graphs (no
 launch overhead), and workloads A and B through `engine.generate` under torch.profiler: the device timeline's
 busy time and idle gaps (trace_gaps.py; the Chrome traces saved under --trace-dir).
 """
@@ -69,6 +70,22 @@ def sampler_table(vocab: int) -> None:
         tag = " (default)" if (splits, block, warps, fast) == (default, 1024, 4, True) else ""
         print(f"sampler {rows} x {vocab}, splits {splits}, block {block}, {warps} warps, "
               f"{'fast' if fast else 'accurate'} log: {ms * 1000:.1f} us{tag}")
+
+
+def sampler_pass_table(vocab: int = 151936) -> None:
+    """The Gumbel pass against the inverse-CDF pass (triton_cdf), default slicing, as CUDA graphs, at the row
+    counts of a decode batch and its tail."""
+    from cohort.engine.triton_ops import fused_sample
+
+    print("| rows | gumbel us | cdf us |\n| ---: | ---: | ---: |")
+    for rows in (256, 128, 64, 16, 1):
+        seeds = torch.randint(0, 2**62, (rows,), device="cuda")
+        positions = torch.randint(0, 2048, (rows,), device="cuda")
+        inv_t, noise = torch.ones(rows, device="cuda"), torch.ones(rows, device="cuda")
+        fake = torch.randn(rows, vocab, device="cuda").to(torch.bfloat16)
+        args = (fake, fake, inv_t, noise, seeds, positions)
+        us = [graph_ms(lambda m=m, a=args: fused_sample(*a, method=m)) * 1000 for m in ("gumbel", "cdf")]
+        print(f"| {rows} | {us[0]:.1f} | {us[1]:.1f} |", flush=True)
 
 
 def matmul_table(cfg, rows: int = 256) -> None:
@@ -250,10 +267,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--trace-dir", default=None, help="save the engine.generate Chrome trace (gzipped) here")
     p.add_argument("--attention-only", action="store_true", help="only the decode-attention sweep")
+    p.add_argument("--sampler-passes", action="store_true", help="only the Gumbel vs inverse-CDF sampler table")
     p.add_argument("--heads", type=int, default=None,
                    help="--attention-only on standalone caches: query heads (1.5B: 12), with --head-dim")
     p.add_argument("--head-dim", type=int, default=None, help="--attention-only: head size (1.5B: 128)")
     args = p.parse_args()
+    if args.sampler_passes:
+        sampler_pass_table()
+        return
     if args.heads or args.head_dim:  # another architecture's decode attention (2 KV heads), no model built
         heads, head_dim = args.heads or 12, args.head_dim or 128
         attention_sweep(standalone_caches(2, head_dim), heads, head_dim)
