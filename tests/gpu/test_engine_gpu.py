@@ -40,7 +40,9 @@ def test_paged_decode_kernel_matches_gather(dtype, splits, shape):
     assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
-def test_fused_sampler_matches_torch():
+def _sampler_rows(method: str):
+    """64 rows of Qwen's vocabulary, mixed temperatures, a third greedy, sampled by `method`: (logits, 1/T,
+    noise, row keys, tokens, logprobs)."""
     torch.manual_seed(0)
     logits = (torch.randn(64, 151936, device="cuda") * 4).to(torch.bfloat16)
     seeds = torch.randint(0, 2**62, (64,))
@@ -49,7 +51,12 @@ def test_fused_sampler_matches_torch():
     inv_t = torch.rand(64, device="cuda") + 0.5
     noise = (torch.rand(64, device="cuda") > 0.3).float()
     tokens, logprobs = triton_ops.fused_sample(logits, logits, inv_t, noise, seeds.cuda(), positions.cuda(),
-                                               method="gumbel")
+                                               method=method)
+    return logits, inv_t, noise, keys, tokens, logprobs
+
+
+def test_fused_sampler_matches_torch():
+    logits, inv_t, noise, keys, tokens, logprobs = _sampler_rows("gumbel")
     scaled = logits.float() * inv_t[:, None]
     ref_tokens = (scaled + noise[:, None] * gumbel_noise(keys, logits.shape[1])).argmax(-1)
     ref_lp = scaled.gather(-1, ref_tokens[:, None])[:, 0] - scaled.logsumexp(-1)
@@ -62,15 +69,7 @@ def test_cdf_sampler_matches_its_reference():
     """The inverse-CDF pass (triton_cdf) on the GPU against its float64 reference, Qwen's vocabulary."""
     from cohort.engine.triton_cdf import cdf_sample_reference
 
-    torch.manual_seed(0)
-    logits = (torch.randn(64, 151936, device="cuda") * 4).to(torch.bfloat16)
-    seeds = torch.randint(0, 2**62, (64,))
-    positions = torch.randint(0, 5000, (64,))
-    keys = torch.from_numpy(row_keys(seeds.numpy(), positions.numpy())).cuda()
-    inv_t = torch.rand(64, device="cuda") + 0.5
-    noise = (torch.rand(64, device="cuda") > 0.3).float()
-    tokens, logprobs = triton_ops.fused_sample(logits, logits, inv_t, noise, seeds.cuda(), positions.cuda(),
-                                               method="cdf")
+    logits, inv_t, noise, keys, tokens, logprobs = _sampler_rows("cdf")
     ref_tokens, ref_lp = cdf_sample_reference(logits, inv_t, noise, keys)
     same = tokens == ref_tokens
     assert same.float().mean() > 0.95 and same[noise == 0].all()  # float rounding at a CDF boundary aside

@@ -52,7 +52,7 @@ def cdf_sample_reference(logits: torch.Tensor, inv_temp: torch.Tensor, noise: to
 
 
 if triton is not None:
-    from cohort.engine.triton_ops import _mix32
+    from cohort.engine.triton_ops import _lse_step, _mix32, _row_key, _uniform
 
     @triton.jit
     def _cdf_stats_kernel(logits_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_idx_ptr, vocab, stride_l,
@@ -69,13 +69,8 @@ if triton is not None:
         for start in range(0, SPAN, BLOCK_V):
             idx = lo + start + cols
             x = tl.load(logits_ptr + row * stride_l + idx, mask=idx < hi, other=float("-inf")).to(tl.float32) * inv_t
-            # lane-wise running max and sum of exp(x - max): exp(-|x - m|) rescales the smaller side
-            bigger = x > m
-            e = tl.exp(tl.where(bigger, m - x, x - m))
-            e = tl.where(x == float("-inf"), 0.0, e)
-            s = tl.where(bigger, s * e + 1.0, s + e)
+            m, s, bigger = _lse_step(x, m, s)
             arg = tl.where(bigger, idx, arg)  # strict: a lane keeps its first maximum
-            m = tl.maximum(m, x)
         part_max = tl.max(m, 0)
         safe_max = tl.where(part_max == float("-inf"), 0.0, part_max)
         out = row * SPLITS + part
@@ -100,13 +95,7 @@ if triton is not None:
         total = tl.sum(mass, 0)
         greedy = tl.min(tl.where(m == top, arg, vocab), 0)
         # the row's uniform: sampler.row_key(seed, position) hashed once more with the salt
-        seed = tl.load(seeds_ptr + row)
-        pos = tl.load(pos_ptr + row)
-        key = _mix32(((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
-        key = _mix32(key ^ (seed & 0xFFFFFFFF).to(tl.uint32))
-        key = _mix32(key ^ (pos & 0xFFFFFFFF).to(tl.uint32))
-        h = _mix32(key ^ SALT)
-        u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # sampler.uniform_from_hash
+        u = _uniform(_mix32(_row_key(tl.load(seeds_ptr + row), tl.load(pos_ptr + row)) ^ SALT))
         target = u * total
         cum = tl.cumsum(mass, 0)
         # the first slice whose cumulative mass passes the target (the last one should rounding say none does)

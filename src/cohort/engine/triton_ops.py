@@ -128,6 +128,28 @@ if triton is not None:
         return x
 
     @triton.jit
+    def _row_key(seed, pos):
+        """sampler.row_key(seed, position) of int64 scalars, on the device (so a sampler sits in a CUDA graph)."""
+        key = _mix32(((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
+        key = _mix32(key ^ (seed & 0xFFFFFFFF).to(tl.uint32))
+        return _mix32(key ^ (pos & 0xFFFFFFFF).to(tl.uint32))
+
+    @triton.jit
+    def _uniform(h):
+        """sampler.uniform_from_hash: the top 23 bits of a uint32 hash, centred, strictly inside (0, 1)."""
+        return ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+
+    @triton.jit
+    def _lse_step(x, m, s):
+        """One step of the lane-wise running max `m` and sum `s` of exp(x - m): one exp per element,
+        exp(-|x - m|) rescaling whichever of the running sum and the new term is smaller; -inf (masked lanes,
+        -inf logits) adds nothing. Returns (new max, new sum, whether x is a new max)."""
+        bigger = x > m
+        e = tl.exp(tl.where(bigger, m - x, x - m))
+        e = tl.where(x == float("-inf"), 0.0, e)
+        return tl.maximum(m, x), tl.where(bigger, s * e + 1.0, s + e), bigger
+
+    @triton.jit
     def _sample_partial_kernel(
         logits_ptr, choice_ptr, inv_temp_ptr, noise_ptr, seeds_ptr, pos_ptr,
         part_m_ptr, part_s_ptr, part_best_ptr, part_idx_ptr,
@@ -138,12 +160,7 @@ if triton is not None:
         part = tl.program_id(1)
         inv_t = tl.load(inv_temp_ptr + row)
         noise = tl.load(noise_ptr + row)
-        # Row key = sampler.row_key(seed, position), computed here so the kernel can sit in a CUDA graph.
-        seed = tl.load(seeds_ptr + row)
-        pos = tl.load(pos_ptr + row)
-        key = _mix32(((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
-        key = _mix32(key ^ (seed & 0xFFFFFFFF).to(tl.uint32))
-        key = _mix32(key ^ (pos & 0xFFFFFFFF).to(tl.uint32))
+        key = _row_key(tl.load(seeds_ptr + row), tl.load(pos_ptr + row))
         m = tl.full([BLOCK_V], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK_V], tl.float32)
         best = tl.full([BLOCK_V], float("-inf"), tl.float32)
@@ -157,18 +174,13 @@ if triton is not None:
             x = tl.load(logits_ptr + row * stride_l + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
             c = tl.load(choice_ptr + row * stride_c + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
             h = _mix32(key + idx.to(tl.uint32) * 0x61C88647)
-            u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # < 1 in float32: sampler.uniform_from_hash
+            u = _uniform(h)
             if FAST_LOG:  # the hardware's approximate log2 (the accurate log is ~20 instructions, twice here)
                 score = c - noise * (fast_log2f(-fast_log2f(u) * LN2) * LN2)
             else:
                 score = c - noise * tl.log(-tl.log(u))
-            # Lane-wise running max / logsumexp / argmax; lanes are combined after the loop. One exp per
-            # element: exp(-|x - m|) rescales whichever of the running sum and the new term is smaller.
-            bigger = x > m
-            e = tl.exp(tl.where(bigger, m - x, x - m))
-            e = tl.where(x == float("-inf"), 0.0, e)  # masked lanes (and -inf logits) add nothing
-            s = tl.where(bigger, s * e + 1.0, s + e)
-            m = tl.maximum(m, x)
+            # lane-wise running max / logsumexp / argmax; lanes are combined after the loop
+            m, s, _ = _lse_step(x, m, s)
             better = score > best
             best = tl.where(better, score, best)
             best_idx = tl.where(better, idx, best_idx)
