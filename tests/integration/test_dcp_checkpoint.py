@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
+from tests.helpers.gloo_ranks import enter_rank, leave_rank
 
 from cohort.checkpointing import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from cohort.distributed.dcp import canonical_name, is_sharded
@@ -126,6 +127,7 @@ def _init(rank: int, world: int, init_file: str) -> None:
 
 def _save_worker(rank: int, world: int, out: str, init_file: str) -> None:
 
+    enter_rank()
     _init(rank, world, init_file)
     try:
         for kind in KINDS:
@@ -146,6 +148,7 @@ def _save_worker(rank: int, world: int, out: str, init_file: str) -> None:
                 _failing_saves(run, rank, model, opt, sched)
     finally:
         dist.destroy_process_group()
+    leave_rank()
 
 
 def _failing_saves(run: Path, rank: int, model, opt, sched) -> None:
@@ -175,6 +178,7 @@ def _failing_saves(run: Path, rank: int, model, opt, sched) -> None:
 
 def _load_worker(rank: int, world: int, out: str, init_file: str) -> None:
     _init(rank, world, init_file)
+    enter_rank()
     try:
         for kind in KINDS:
             run = Path(out) / kind
@@ -195,6 +199,7 @@ def _load_worker(rank: int, world: int, out: str, init_file: str) -> None:
             _bf16_model_with_fp32_master_weights(Path(out))
     finally:
         dist.destroy_process_group()
+    leave_rank()
 
 
 def _load_unsharded_into_sharded(out: Path) -> None:
@@ -248,6 +253,7 @@ def _bf16_model_with_fp32_master_weights(out: Path) -> None:
 
 def _train_worker(rank: int, world: int, out: str, init_file: str, steps: int, resume: bool) -> None:
     """The trainer with train.sharding=fsdp on the toy task, saving every step, resuming when asked."""
+    enter_rank()
     from tests.integration.test_trainer_learns import toy_components, toy_config
 
     from cohort.trainer import train
@@ -260,6 +266,7 @@ def _train_worker(rank: int, world: int, out: str, init_file: str, steps: int, r
         train(cfg, toy_components(cfg))
     finally:
         dist.destroy_process_group()
+    leave_rank()
 
 
 def spawn(worker, world: int, out: Path, *args) -> None:

@@ -8,6 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tests.helpers.gloo_ranks import enter_rank, leave_rank
 from tests.integration.test_trainer_learns import toy_components, toy_config
 
 from cohort.logging import read_jsonl
@@ -19,6 +20,7 @@ COMPARED = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_le
 
 def _run(rank: int, world: int, out: str, init_file: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    enter_rank()
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -34,6 +36,7 @@ def _run(rank: int, world: int, out: str, init_file: str) -> None:
     finally:
         if world > 1:
             dist.destroy_process_group()
+    leave_rank()
 
 
 def test_two_ranks_equal_one_rank(tmp_path):
@@ -56,6 +59,7 @@ def test_two_ranks_equal_one_rank(tmp_path):
 def _run_nan_on_one_rank(rank: int, world: int, out: str, init_file: str) -> None:
     """Rank 1's loss is NaN in step 2 (its gradients are not); the fused AdamW's device-side skip must skip that
     update on both ranks."""
+    enter_rank()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
 
@@ -92,6 +96,7 @@ def _run_nan_on_one_rank(rank: int, world: int, out: str, init_file: str) -> Non
                    f"{out}/result-{rank}.pt")
     finally:
         dist.destroy_process_group()
+    leave_rank()
 
 
 def test_a_nan_on_one_rank_skips_the_fused_update_on_every_rank(tmp_path):

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tests.helpers.gloo_ranks import enter_rank, leave_rank
 from tests.integration.test_trainer_learns import toy_components, toy_config
 
 from cohort.logging import read_jsonl
@@ -38,6 +38,7 @@ def _full_params(model) -> dict[str, torch.Tensor]:
 
 
 def _run(rank: int, world: int, out: str, init_file: str, sharding: str, variant: str) -> None:
+    enter_rank()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     if world > 1:
@@ -68,12 +69,7 @@ def _run(rank: int, world: int, out: str, init_file: str, sharding: str, variant
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    # Every result is written and the group is gone; gloo's C++ threads have aborted the interpreter's own
-    # teardown after that ("terminate called without an active exception", SIGABRT: once in ~20 runs on the
-    # 2-core CI machine), which mp.spawn reports as a failed rank. Leave without the teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_rank()  # every result is written and the group is gone: no interpreter teardown
 
 
 @pytest.mark.parametrize("variant", ["full", "lora", "kl", "one_reduce"])

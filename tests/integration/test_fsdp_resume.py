@@ -34,6 +34,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tests.helpers.gloo_ranks import enter_rank, leave_rank
 
 from cohort.logging import read_jsonl
 
@@ -60,6 +61,7 @@ def _full_params(model) -> dict[str, torch.Tensor]:
 
 def _worker(rank: int, world: int, out: str, init_file: str, steps: int, resume: bool) -> None:
     """The trainer with train.sharding=fsdp on `world` ranks; rank 0 saves the gathered final weights."""
+    enter_rank()
     from tests.integration.test_trainer_learns import toy_components, toy_config
 
     from cohort.trainer import train
@@ -82,6 +84,7 @@ def _worker(rank: int, world: int, out: str, init_file: str, steps: int, resume:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    leave_rank()
 
 
 def _spawn(world: int, out: Path, steps: int, resume: bool = False) -> None:

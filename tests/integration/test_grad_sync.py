@@ -7,6 +7,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tests.helpers.gloo_ranks import enter_rank, leave_rank
 from torch import nn
 
 from cohort.distributed.grad_sync import GradientReducer
@@ -93,6 +94,7 @@ def _ready_order(reducer: GradientReducer) -> tuple[list[int], list]:
 
 def _run(rank: int, world: int, init_file: str, out: str) -> None:
     torch.set_num_threads(1)
+    enter_rank()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
@@ -160,6 +162,7 @@ def _run(rank: int, world: int, init_file: str, out: str) -> None:
         assert not reducer.armed
     finally:
         dist.destroy_process_group()
+    leave_rank()
 
 
 def test_bucketed_overlapped_sum_equals_flat_all_reduce(tmp_path):

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from tests.helpers.dist_rewards import informative_on_rank0_only
+from tests.helpers.gloo_ranks import enter_rank, leave_rank
 from tests.helpers.tiny_tokenizer import make_tiny_tokenizer
 from tests.helpers.toy_task import tiny_model, toy_rows, write_toy_workspace
 from tests.integration.test_trainer_learns import toy_config
@@ -69,6 +70,7 @@ def test_two_nodes_through_c10d_rendezvous(tmp_path):
 
 def _dynamic_rank(rank: int, world: int, out: str, init_file: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    enter_rank()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -97,6 +99,7 @@ def _dynamic_rank(rank: int, world: int, out: str, init_file: str) -> None:
             {"groups": groups, "history": [{k: m[k] for k in keys} for m in result.history]}))
     finally:
         dist.destroy_process_group()
+    leave_rank()
 
 
 def test_dynamic_sampling_across_ranks(tmp_path):
