@@ -121,13 +121,12 @@ def tokenizer():
 
 # ------------------------------------------------------------------------------------------------ workers
 def _init(rank: int, world: int, init_file: str) -> None:
+    enter_rank()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
 
 
 def _save_worker(rank: int, world: int, out: str, init_file: str) -> None:
-
-    enter_rank()
     _init(rank, world, init_file)
     try:
         for kind in KINDS:
@@ -178,7 +177,6 @@ def _failing_saves(run: Path, rank: int, model, opt, sched) -> None:
 
 def _load_worker(rank: int, world: int, out: str, init_file: str) -> None:
     _init(rank, world, init_file)
-    enter_rank()
     try:
         for kind in KINDS:
             run = Path(out) / kind
@@ -253,7 +251,6 @@ def _bf16_model_with_fp32_master_weights(out: Path) -> None:
 
 def _train_worker(rank: int, world: int, out: str, init_file: str, steps: int, resume: bool) -> None:
     """The trainer with train.sharding=fsdp on the toy task, saving every step, resuming when asked."""
-    enter_rank()
     from tests.integration.test_trainer_learns import toy_components, toy_config
 
     from cohort.trainer import train

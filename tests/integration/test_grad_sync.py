@@ -93,8 +93,8 @@ def _ready_order(reducer: GradientReducer) -> tuple[list[int], list]:
 
 
 def _run(rank: int, world: int, init_file: str, out: str) -> None:
-    torch.set_num_threads(1)
     enter_rank()
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:

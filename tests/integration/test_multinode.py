@@ -69,8 +69,8 @@ def test_two_nodes_through_c10d_rendezvous(tmp_path):
 
 
 def _dynamic_rank(rank: int, world: int, out: str, init_file: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     enter_rank()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
