@@ -117,6 +117,12 @@ def needs_processing(seqs: list[Sequence]) -> bool:
     )
 
 
+def aligned_width(n: int) -> int:
+    """Row width of the sampler's stacked per-row inputs: n padded to a multiple of 4 elements, so every row
+    starts 16-byte aligned (see aligned_rows; Sampler.warm compiles for the same widths)."""
+    return -(-max(n, 1) // 4) * 4
+
+
 def aligned_rows(rows: list[np.ndarray], dtype) -> np.ndarray:
     """Stack 1-D arrays as rows whose starts are 16-byte aligned (width padded to a multiple of 4).
 
@@ -124,7 +130,7 @@ def aligned_rows(rows: list[np.ndarray], dtype) -> np.ndarray:
     or n * 8 bytes, so every odd n (and n % 4 != 0 for float32) compiled a new sampler mid-generation, a
     250-300 ms stall measured three times in one run of bench/rollout.py's mixed workload."""
     n = len(rows[0])
-    out = np.zeros((len(rows), -(-max(n, 1) // 4) * 4), dtype=dtype)
+    out = np.zeros((len(rows), aligned_width(n)), dtype=dtype)
     for i, row in enumerate(rows):
         out[i, :n] = row
     return out
@@ -183,8 +189,8 @@ class Sampler:
         methods = sorted({"gumbel", triton_ops.SAMPLER_PASS})
         for rows in firsts.values():
             logits = torch.zeros(rows, vocab, dtype=dtype, device=self.device)
-            floats = torch.ones(2, -(-rows // 4) * 4, device=self.device)
-            ints = torch.zeros(2, -(-rows // 4) * 4, dtype=torch.int64, device=self.device)
+            floats = torch.ones(2, aligned_width(rows), device=self.device)
+            ints = torch.zeros(2, aligned_width(rows), dtype=torch.int64, device=self.device)
             for method in methods:
                 triton_ops.fused_sample(logits, logits, floats[0, :rows], floats[1, :rows], ints[0, :rows],
                                         ints[1, :rows], method=method)
