@@ -15,9 +15,10 @@ replicas):
                                                                      # thread each: server and trainer share cores)
 
 Workload (bench/grpo_step.py's, built by its functions): the Qwen2.5-1.5B architecture with random bf16 weights,
-each step --prompts prompts (default 32 per GPU: 64 on 2 GPUs, as bench/scale.py) x 8 completions, prompts of 128
-random tokens, completions of exactly 256 (ignore_eos), a length reward, one optimizer update per step, beta 0,
-grpo_step.py's fast cohort settings (compiled decoder layers, token budget 8192). Every row trains the same
+each step --prompts prompts (default about 32 per GPU, a multiple of the colocated and of the trainer ranks: 64
+on 2 GPUs as bench/scale.py, 132 on 4 with 1 engine GPU) x 8 completions, prompts of 128 random tokens,
+completions of exactly 256 (ignore_eos), a length reward, one optimizer update per step, beta 0, grpo_step.py's
+fast cohort settings (compiled decoder layers, token budget 8192). Every row trains the same
 global batch per step:
   a) colocated   torchrun on --gpus GPUs, data parallel: each GPU generates and trains its share of the step.
   b) server      `cohort serve` on the last --engine-gpus GPUs (one replica each; --load-format dummy: the
@@ -40,6 +41,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import subprocess
 import sys
@@ -250,7 +252,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gpus", type=int, default=2, help="GPUs of every row")
     p.add_argument("--engine-gpus", type=int, default=1, help="of them, the server's (one engine replica each)")
     p.add_argument("--prompts", type=int, default=None,
-                   help="prompts per step (global; data parallel splits them; default 32 per GPU)")
+                   help="prompts per step (global; data parallel splits them; default about 32 per GPU)")
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--completion-len", type=int, default=256)
@@ -266,10 +268,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--server", default=None, help=argparse.SUPPRESS)
     p.add_argument("--staleness", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.prompts is None:
-        args.prompts = 32 * args.gpus
     if not 1 <= args.engine_gpus < args.gpus:
         p.error(f"--engine-gpus={args.engine_gpus} must leave at least one of --gpus={args.gpus} for training")
+    # Every row trains the same global batch: it must split into whole prompts over the colocated row's
+    # --gpus ranks and over the split rows' trainer ranks (4 GPUs, 1 engine: a multiple of 12).
+    unit = math.lcm(args.gpus, args.gpus - args.engine_gpus)
+    if args.prompts is None:
+        args.prompts = max(unit, round(32 * args.gpus / unit) * unit)  # about 32 per GPU
+    elif args.prompts % unit:
+        p.error(f"--prompts={args.prompts} must split over {args.gpus} colocated ranks and "
+                f"{args.gpus - args.engine_gpus} trainer ranks: choose a multiple of {unit}")
     return args
 
 

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Several seeds of bench/serve_learning.sh at once, k = 0 and k = 1 for each, on all the GPUs of one machine:
+# run j trains on GPU j % N and is served from GPU (j + 1) % N, so every GPU holds as many trainers as servers
+# (the 135M model leaves each GPU mostly idle; SERVE_ARGS keeps every server's KV cache small). Each run's
+# output and metrics go to OUTDIR/seed<S>_k<K>.txt and OUTDIR/seed<S>_k<K>_metrics.jsonl, and a table of the
+# held-out accuracy at every evaluation is printed at the end (bench/serve_learning_table.py).
+#
+#   export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false MODEL=<converted folder>
+#   bash bench/serve_learning_seeds.sh 300 /tmp/learn 2 3 4 5        # 8 runs on 4 GPUs, about 5 minutes
+set -euo pipefail
+STEPS=${1:?steps}; OUTDIR=${2:?output folder}; shift 2
+SEEDS=("$@"); [ ${#SEEDS[@]} -gt 0 ] || { echo "give at least one seed after STEPS and OUTDIR" >&2; exit 2; }
+N=$(python3 -c "import torch; print(torch.cuda.device_count())")
+[ "$N" -ge 2 ] || { echo "needs at least 2 GPUs, found $N" >&2; exit 2; }
+export SERVE_ARGS=${SERVE_ARGS:---kv-cache-fraction 0.1}
+mkdir -p "$OUTDIR"
+j=0; pids=()
+for S in "${SEEDS[@]}"; do
+    for K in 0 1; do
+        (
+            export TRAINER_GPU=$(( j % N )) ENGINE_GPU=$(( (j + 1) % N )) PORT=$(( 8011 + j ))
+            export TRAIN_ARGS="train.seed=$S run.save_only_model=true ${TRAIN_ARGS:-}"
+            bash bench/serve_learning.sh "$K" "$STEPS" "$OUTDIR/seed${S}_k$K" > "$OUTDIR/seed${S}_k$K.txt" 2>&1
+            cp "$OUTDIR/seed${S}_k$K/run/metrics.jsonl" "$OUTDIR/seed${S}_k${K}_metrics.jsonl"
+        ) &
+        pids+=($!); j=$(( j + 1 ))
+    done
+done
+failed=0
+for p in "${pids[@]}"; do wait "$p" || failed=$(( failed + 1 )); done
+python3 bench/serve_learning_table.py "$OUTDIR"
+[ "$failed" -eq 0 ] || { echo "$failed run(s) failed: see $OUTDIR/seed*_k*.txt" >&2; exit 1; }
