@@ -49,7 +49,8 @@ weights and AdamW, packed micro-batches of `--token-budget` tokens (32768 on 0.5
 micro-batch: 33,024 and 12,288 on the bench workload, see even_budget), logprob
 chunks of 8192 tokens, train.keep_logits=true (the LM-head logits kept for the backward, not recomputed; this
 row only, not bench/scale.py's or bench/serve.py's), KV pool sized to the workload, decoder layers compiled with
-cohort.packing.compile_decoder_layers on CUDA, retried eager if that fails);
+cohort.packing.compile_decoder_layers on CUDA, retried eager if that fails); `cohort-fa4` (the fast row with
+model.packed_attention=fa4: the update's packed attention through FlashAttention-4, `pip install flash-attn-4`);
 `cohort-lowmem` (plain config fields: model.gradient_checkpointing, train.master_weights=false (bf16 AdamW
 moments as TRL, LM-head gradient summed in bf16), train.logprob_chunk_tokens=256, generation.fuse_projections=
 false, generation.release_kv_during_update=true, train.optimizer_offload=true (Adam moments in host memory,
@@ -89,7 +90,7 @@ FAST_TOKEN_BUDGET = {"tiny": 256, "0.5b": 32768, "1.5b": 12288}
 FAST_CHUNK_TOKENS = {"0.5b": 8192, "1.5b": 8192}  # logprob chunk of the fast row (else the trainer's default)
 PEAK_FLOPS = 989e12  # H100 SXM, dense bf16
 QWEN_EOS = 151643
-RUNNERS = ("trl", "trl-tuned", "cohort", "cohort-lowmem")
+RUNNERS = ("trl", "trl-tuned", "cohort", "cohort-fa4", "cohort-lowmem")
 TRL_RUNNERS = ("trl", "trl-tuned")
 TRL_TUNED_MICRO = 32  # issue 16's TRL tuned setting: 32 completions per micro-batch (8 per step at 32 x 8)
 ENGINE_OVERHEAD_GIB = 0.35  # engine beside its KV pool: graph logits (256 rows), prefill transients
@@ -209,6 +210,7 @@ def _cohort_config(args, lowmem: bool, kv_fraction: float, token_budget: int):
     cfg.model.gradient_checkpointing = lowmem
     # setup compiles the decoder layers on CUDA (and the memory estimate it prints knows they are compiled)
     cfg.model.compile_layers = bool(getattr(args, "compile_layers", False))  # bench/scale.py sets its own
+    cfg.model.packed_attention = getattr(args, "packed_attention", "torch")  # the cohort-fa4 row: "fa4"
     g = cfg.generation
     g.num_generations, g.max_completion_length, g.temperature = args.generations, args.completion_len, 1.0
     g.ignore_eos, g.engine, g.kv_cache_fraction = True, "cohort", kv_fraction
@@ -600,7 +602,8 @@ def parent(args) -> None:
                       flush=True)
             # compiled layers under gradient checkpointing still cost ~2.7 ms of host time per layer backward,
             # but eager ones cost more (measured: low-memory 0.5B update 1.43 s compiled vs 2.15 s eager)
-            compiled = args.compile_layers and (runner == "cohort" or (runner == "cohort-lowmem" and args.lowmem_compile))
+            compiled = args.compile_layers and (runner in ("cohort", "cohort-fa4")
+                                                or (runner == "cohort-lowmem" and args.lowmem_compile))
             res = run_child(args, runner, size, cap, min(left, args.child_timeout_s), compiled)
             left = deadline - time.monotonic()
             if "summary" not in res and compiled and left > 60:  # one retry with eager layers
@@ -617,7 +620,7 @@ def parent(args) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="0.5b,1.5b")
-    p.add_argument("--runners", default=",".join(RUNNERS))
+    p.add_argument("--runners", default=",".join(r for r in RUNNERS if r != "cohort-fa4"))  # fa4: opt-in
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="measured steps after warmup")
@@ -675,6 +678,7 @@ def main(argv=None) -> None:
 
         result = run_trl(args, tuned=args.child == "trl-tuned")
     else:
+        args.packed_attention = "fa4" if args.child == "cohort-fa4" else "torch"
         result = run_cohort(args, lowmem=args.child == "cohort-lowmem")
     with open(args.json, "w") as fh:
         json.dump(result, fh)

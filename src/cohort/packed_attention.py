@@ -5,8 +5,11 @@ A packed row is many (prompt, completion) sequences laid end to end (`cohort.pac
 permanently) through `varlen_attention_forward`, registered with transformers' `AttentionInterface` as
 VARLEN_IMPL:
 
-- with `cu_seq_lens`: `torch.nn.attention.varlen.varlen_attn` on CUDA in bf16/fp16 (flash-attention, no
-  mask tensor), and causal SDPA over each sequence elsewhere (exact, cheap enough on the CPU);
+- with `cu_seq_lens`: on CUDA in bf16/fp16 a flash-attention varlen kernel (no mask tensor), and causal SDPA
+  over each sequence elsewhere (exact, cheap enough on the CPU). The CUDA kernel is `model.packed_attention`:
+  "torch" (default) is torch's built-in FlashAttention-2 (`torch.nn.attention.varlen.varlen_attn`); "fa4" is
+  FlashAttention-4's own varlen function (the `flash-attn-4` package, `flash_attn.cute`; Hopper and
+  Blackwell), with the query heads grouped over the KV heads inside the kernel (no KV expansion);
 - without them (generate, ordinary forwards): the model's previous implementation, unchanged.
 
 Sliding-window layers (Mistral, Gemma 3's local layers, Qwen with use_sliding_window) hand their window to
@@ -29,6 +32,36 @@ import torch
 import torch.nn.functional as F
 
 VARLEN_IMPL = "cohort_varlen"
+KERNELS = ("torch", "fa4")  # model.packed_attention
+_KERNEL = {"name": "torch"}  # process-wide: the policy and its reference share the packed pass
+
+
+def use_packed_kernel(name: str, device: torch.device | str | None = None) -> None:
+    """Choose the CUDA kernel of packed attention (model.packed_attention), checked before any model loads:
+    "fa4" needs a CUDA device and an importable `flash_attn.cute`, else a ConfigError saying the fix."""
+    from cohort.errors import ConfigError
+
+    if name not in KERNELS:
+        raise ConfigError(f"model.packed_attention={name!r} is not a packed-attention kernel; choose one of "
+                          f"{', '.join(KERNELS)}")
+    if name == "fa4":
+        dev = torch.device(device) if device is not None else None
+        if dev is not None and dev.type != "cuda":
+            raise ConfigError(f"model.packed_attention='fa4' runs FlashAttention-4 on CUDA GPUs, but this run trains "
+                              f"on {dev.type}; set model.packed_attention=torch (on the CPU the packed forward uses "
+                              "exact per-sequence SDPA)")
+        try:
+            from flash_attn.cute import flash_attn_varlen_func  # type: ignore[import-not-found]  # noqa: F401
+        except Exception as exc:  # ImportError, or the CUTLASS DSL failing to load its libraries
+            raise ConfigError(f"model.packed_attention='fa4' needs FlashAttention-4 (`pip install flash-attn-4`, "
+                              f"Hopper or Blackwell GPUs), which does not import here: {exc!r:.300}; or set "
+                              "model.packed_attention=torch") from exc
+    _KERNEL["name"] = name
+
+
+def packed_kernel() -> str:
+    """The CUDA kernel packed attention runs now ("torch" or "fa4")."""
+    return _KERNEL["name"]
 
 
 def _has_varlen_attn() -> bool:
@@ -52,6 +85,25 @@ def _flash_varlen(query, key, value, cu_seqlens, max_len, scaling, window=None):
             rep = query.shape[1] // key.shape[1]
             key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
     return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
+
+
+@torch.compiler.disable  # CuTe DSL kernels are not traceable: a compiled decoder layer calls them eagerly
+def _fa4_varlen(query, key, value, cu_seqlens, max_len, scaling, window=None):
+    """FlashAttention-4's varlen attention on [T, H, D] tensors, grouped query heads in the kernel. Window W:
+    each query sees its own and the W - 1 previous keys (flash's (left, right) = (W - 1, 0))."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    out = flash_attn_varlen_func(query, key, value, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                 max_seqlen_q=max_len, max_seqlen_k=max_len, softmax_scale=scaling, causal=True,
+                                 window_size=(None if window is None else window - 1, 0))
+    return out[0] if isinstance(out, tuple) else out  # (out, lse) in some releases
+
+
+def _flash_eligible(query) -> bool:
+    """Whether this packed forward runs a flash varlen kernel (CUDA, half precision) rather than exact SDPA."""
+    if not (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)):
+        return False
+    return _KERNEL["name"] == "fa4" or _has_varlen_attn()
 
 
 def _segment_sdpa(query, key, value, cu_seqlens, scaling, window=None):
@@ -104,10 +156,10 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
                                   "the packed attention; packed_forward_logprobs(attn='native') uses the model's own")
     window = kwargs.get("sliding_window")
     window = int(window) if window else None
-    use_flash = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _has_varlen_attn()
-    if use_flash:
+    if _flash_eligible(query):
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
-        out = _flash_varlen(q, k, v, cu.to(torch.int32), int(kwargs["max_length_q"]), scaling, window)
+        attend = _fa4_varlen if _KERNEL["name"] == "fa4" else _flash_varlen
+        out = attend(q, k, v, cu.to(torch.int32), int(kwargs["max_length_q"]), scaling, window)
         return out.unsqueeze(0), None
     return _segment_sdpa(query, key, value, cu, scaling, window), None
 

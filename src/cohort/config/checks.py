@@ -58,6 +58,8 @@ def validate_fields(cfg: CohortConfig) -> None:
     m, d, g, r, a, t, run = cfg.model, cfg.data, cfg.generation, cfg.reward, cfg.advantage, cfg.train, cfg.run
     # model
     _require_choice("model.dtype", m.dtype, _DTYPE_NAMES)
+    _require_choice("model.packed_attention", m.packed_attention, ("torch", "fa4"),
+                    " ('torch': torch's built-in FlashAttention-2; 'fa4': FlashAttention-4, pip install flash-attn-4)")
     _require(isinstance(m.lora_r, int) and m.lora_r >= 0, "model.lora_r", m.lora_r,
              "use 0 (train every weight) or a positive LoRA rank such as 8 or 16")
     if m.lora_r > 0:

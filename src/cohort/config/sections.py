@@ -21,6 +21,9 @@ class ModelConfig:
     attn_implementation: str | None = None
     gradient_checkpointing: bool = False
     compile_layers: bool = False  # CUDA: torch.compile each decoder layer for training (~8 s once; +50% MFU)
+    # the training forward's packed attention on CUDA: torch (built-in FlashAttention-2) or fa4
+    # (FlashAttention-4, `pip install flash-attn-4`, Hopper/Blackwell; docs/training.md)
+    packed_attention: Literal["torch", "fa4"] = "torch"
     lora_r: int = 0  # > 0: train LoRA adapters of this rank (peft) instead of every weight
     lora_alpha: int = 32
     lora_dropout: float = 0.0

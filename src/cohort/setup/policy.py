@@ -35,8 +35,10 @@ def prepare_policy(cfg: CohortConfig, policy, tokenizer, *, device: torch.device
     """The policy ready to train: loaded from model.name_or_path unless handed in (facade, tests), checked and
     prepared for vision, wrapped in LoRA, with the chat template override and gradient checkpointing applied.
     Returns (policy, tokenizer, processor); the processor is None for text models."""
+    from cohort.packed_attention import use_packed_kernel
     from cohort.vision import setup as vision
 
+    use_packed_kernel(cfg.model.packed_attention, device)  # before the model loads: a missing package fails fast
     tokenizer, processor = vision.split_processor(tokenizer)  # a VLM's processor handed in (facade, tests)
     if policy is None:
         loaded = vision.load_model(cfg, dtype=dtype, device=device)  # None unless a vision-language model
