@@ -51,7 +51,10 @@ def use_packed_kernel(name: str, device: torch.device | str | None = None) -> No
                               f"on {dev.type}; set model.packed_attention=torch (on the CPU the packed forward uses "
                               "exact per-sequence SDPA)")
         try:
-            from flash_attn.cute import flash_attn_varlen_func  # type: ignore[import-not-found]  # noqa: F401
+            from flash_attn.cute.interface import (  # type: ignore[import-not-found]  # noqa: F401
+                _flash_attn_bwd,
+                _flash_attn_fwd,
+            )
         except Exception as exc:  # ImportError, or the CUTLASS DSL failing to load its libraries
             raise ConfigError(f"model.packed_attention='fa4' needs FlashAttention-4 (`pip install flash-attn-4`, "
                               f"Hopper or Blackwell GPUs), which does not import here: {exc!r:.300}; or set "
@@ -87,16 +90,12 @@ def _flash_varlen(query, key, value, cu_seqlens, max_len, scaling, window=None):
     return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
 
 
-@torch.compiler.disable  # CuTe DSL kernels are not traceable: a compiled decoder layer calls them eagerly
 def _fa4_varlen(query, key, value, cu_seqlens, max_len, scaling, window=None):
-    """FlashAttention-4's varlen attention on [T, H, D] tensors, grouped query heads in the kernel. Window W:
-    each query sees its own and the W - 1 previous keys (flash's (left, right) = (W - 1, 0))."""
-    from flash_attn.cute import flash_attn_varlen_func
+    """FlashAttention-4's varlen attention on [T, H, D] tensors, grouped query heads in the kernel, through
+    the custom ops of cohort.fa4_attention (one opaque op inside a compiled layer, not a graph break)."""
+    from cohort.fa4_attention import fa4_varlen
 
-    out = flash_attn_varlen_func(query, key, value, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                                 max_seqlen_q=max_len, max_seqlen_k=max_len, softmax_scale=scaling, causal=True,
-                                 window_size=(None if window is None else window - 1, 0))
-    return out[0] if isinstance(out, tuple) else out  # (out, lse) in some releases
+    return fa4_varlen(query, key, value, cu_seqlens, max_len, scaling, window)
 
 
 def _flash_eligible(query) -> bool:
