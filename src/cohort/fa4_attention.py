@@ -46,7 +46,7 @@ def _(q, k, v, cu_seqlens, max_len, scale, window_left):
 def fa4_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, scale: float,
                    window_left: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from flash_attn.cute.interface import _flash_attn_bwd  # type: ignore[import-not-found]
+    from flash_attn.cute.interface import _flash_attn_bwd
 
     res = _flash_attn_bwd(q, k, v, out, dout, lse, scale, True, 0.0, window_size_left=_window(window_left),
                           window_size_right=0, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
