@@ -8,8 +8,8 @@ VARLEN_IMPL:
 - with `cu_seq_lens`: on CUDA in bf16/fp16 a flash-attention varlen kernel (no mask tensor), and causal SDPA
   over each sequence elsewhere (exact, cheap enough on the CPU). The CUDA kernel is `model.packed_attention`:
   "torch" (default) is torch's built-in FlashAttention-2 (`torch.nn.attention.varlen.varlen_attn`); "fa4" is
-  FlashAttention-4's own varlen function (the `flash-attn-4` package, `flash_attn.cute`; Hopper and
-  Blackwell), with the query heads grouped over the KV heads inside the kernel (no KV expansion);
+  FlashAttention-4 (the `flash-attn-4` package, `flash_attn.cute`; Hopper and Blackwell) through the custom
+  ops of `cohort.fa4_attention`, with the query heads grouped over the KV heads inside the kernel;
 - without them (generate, ordinary forwards): the model's previous implementation, unchanged.
 
 Sliding-window layers (Mistral, Gemma 3's local layers, Qwen with use_sliding_window) hand their window to
