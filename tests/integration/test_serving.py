@@ -89,6 +89,39 @@ def test_weight_push_equals_loading_the_state_dict(server, workspace):
     assert {c.version for g in served for c in g} == {1}
 
 
+def test_a_lora_policy_is_served_as_its_merged_model(server, workspace):
+    """generation.placement=server with model.lora_r > 0: the push carries the base model's names with the
+    adapters merged in, so the server samples what the merged policy would, and a push after an adapter
+    update changes that the same way."""
+    import copy
+
+    import peft
+
+    _, tok = load_policy(str(workspace[0]), dtype=torch.float32)
+    policy = peft.get_peft_model(tiny_model(tok, seed=3), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:  # trained adapters (B starts at zero)
+                p.copy_(0.2 * torch.randn_like(p))
+    remote = RemoteEngine(server.address, policy)
+
+    def merged_generation():
+        model = copy.deepcopy(policy).merge_and_unload()
+        return _local(model, tok).generate(_prompts(tok), PARAMS)
+
+    first = merged_generation()
+    assert _same(remote.generate(_prompts(tok), PARAMS), first)
+    with torch.no_grad():  # an optimizer step on the adapters only
+        for name, p in policy.named_parameters():
+            if "lora_" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    remote.sync_weights()
+    served = remote.generate(_prompts(tok), PARAMS)
+    assert _same(served, merged_generation())
+    assert _flat(served) != _flat(first)
+
+
 def test_a_push_that_does_not_match_is_refused(server):
     before = _get(server, "/health")
     with pytest.raises(WeightMismatchError) as err:

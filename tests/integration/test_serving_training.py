@@ -68,6 +68,24 @@ def test_served_synchronous_run_equals_the_colocated_run(tmp_path, served):
     assert "time/sync_weights" in got[-1]
 
 
+def test_a_served_lora_run_follows_the_colocated_lora_run(tmp_path, served):
+    """model.lora_r > 0 with a server: the pushes carry the merged weights (serving/lora_merge.py), so the
+    served run samples what the colocated engine samples with the adapters unmerged, up to float rounding."""
+    model_dir, server = served
+    runs = []
+    for name, srv in (("colocated_lora", None), ("served_lora", server)):
+        cfg = _config(tmp_path, name, steps=3, server=srv)
+        cfg.model.lora_r, cfg.model.lora_alpha = 4, 16
+        cfg.train.learning_rate = 5e-3  # adapters move enough in 3 steps to change what is sampled
+        runs.append(train(cfg, _components(cfg, model_dir), echo=lambda *a: None).history)
+    colocated, served_run = runs
+    assert len(served_run) == len(colocated) == 3
+    for step, (a, b) in enumerate(zip(served_run, colocated), start=1):
+        a, b = _learning_metrics(a), _learning_metrics(b)
+        assert a.keys() == b.keys(), step
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-5), step
+
+
 def test_staleness_one_samples_at_most_one_version_behind(tmp_path, served):
     model_dir, server = served
     cfg = _config(tmp_path, "async", steps=4, server=server, staleness=1)

@@ -198,8 +198,6 @@ def _check_placement(cfg: CohortConfig) -> None:
                  "server does not offer yet; use generation.placement=colocate")
         _require(t.sharding == "none", "train.sharding", t.sharding,
                  "generation.placement=server pushes whole weights from rank 0; use train.sharding=none")
-        _require(cfg.model.lora_r == 0, "model.lora_r", cfg.model.lora_r,
-                 "generation.placement=server pushes plain weights, not LoRA adapters; use model.lora_r=0")
         if t.max_staleness > 0:
             correction = cfg.loss.params.get("sampler_is_correction", True)
             _require(correction is not False, "loss.sampler_is_correction", correction,

@@ -76,7 +76,12 @@ def model_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     casts HF's RoPE frequencies (`rotary_emb.inv_freq`, computed in float32 and kept so by from_pretrained),
     and the engine's RoPE tables come from them. A server that kept its own float32 frequencies rotated
     differently from the trainer's engine and forward (measured: the greedy tokens of a toy model after a
-    perturbation differed in 11 of 40 trials); with them pushed, the server computes the trainer's model."""
+    perturbation differed in 11 of 40 trials); with them pushed, the server computes the trainer's model.
+    A peft LoRA policy pushes the plain model's names, adapted weights merged when packed (lora_merge.py)."""
+    from cohort.serving.lora_merge import is_peft_model, merged_tensors
+
+    if is_peft_model(model):
+        return merged_tensors(model)  # type: ignore[return-value]  # MergedWeight: shape, dtype, detach()
     named = [(n, p) for n, p in model.named_parameters()]
     return named + [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
 

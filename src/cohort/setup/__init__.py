@@ -98,6 +98,11 @@ def _optimization(cfg: CohortConfig, policy):
 def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_runner=None,
                      train_data=None, eval_data=None, echo=print) -> Components:
     cfg.validate()
+    from cohort.trainer import seed_everything
+
+    # train.seed decides what setup draws too (LoRA's initial A matrices), as TRL seeds before get_peft_model;
+    # train() seeds again, so the training stream itself does not depend on what setup drew
+    seed_everything(cfg.train.seed)
     environments = build_environments(cfg)  # before the model: a bad environment fails fast
     device = resolve_device(distributed.local_device(cfg.train.device))
     dtype = resolve_dtype(cfg.model.dtype, device)
