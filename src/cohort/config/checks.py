@@ -196,8 +196,6 @@ def _check_placement(cfg: CohortConfig) -> None:
         _require(not (cfg.agent.tools or cfg.agent.environment_factory), "generation.placement", g.placement,
                  "tool calling (agent.tools / agent.environment_factory) needs multi-turn generation, which the "
                  "server does not offer yet; use generation.placement=colocate")
-        _require(t.sharding == "none", "train.sharding", t.sharding,
-                 "generation.placement=server pushes whole weights from rank 0; use train.sharding=none")
         if t.max_staleness > 0:
             correction = cfg.loss.params.get("sampler_is_correction", True)
             _require(correction is not False, "loss.sampler_is_correction", correction,
