@@ -104,12 +104,12 @@ def test_turn_loop_runs_tools_masks_their_tokens_and_matches_the_hf_reference():
     assert decode_completions(tok, [c], conversational=True) == [c.messages]
 
 
-def test_trainer_with_a_tool_runs_two_steps_with_tool_metrics_and_masks(tmp_path, monkeypatch):
+@pytest.mark.parametrize("placement", ["colocate", "server"])
+def test_trainer_with_a_tool_runs_two_steps_with_tool_metrics_and_masks(tmp_path, monkeypatch, placement):
+    """Also against `cohort serve` (generation.placement=server): the tools run in the trainer, each later
+    turn is one more request to the server."""
+    from tests.helpers.serving import ServerProcess
     from tests.helpers.toy_task import digit_share
-
-    from cohort import trainer as trainer_module
-    from cohort.rewards import RewardRunner
-    from cohort.setup import build_components
 
     cfg = toy_config(tmp_path, steps=2)
     cfg.generation.num_generations = 4
@@ -128,6 +128,24 @@ def test_trainer_with_a_tool_runs_two_steps_with_tool_metrics_and_masks(tmp_path
     tok = make_tiny_tokenizer()
     model = tiny_model(tok)
     model.config.max_position_embeddings = 1024  # the tool schema takes ~500 tokens of the tiny tokenizer
+    server = None
+    if placement == "server":  # the server serves the same model; the trainer's first push sets its weights
+        model.save_pretrained(tmp_path / "served")
+        tok.save_pretrained(tmp_path / "served")
+        server = ServerProcess(tmp_path / "served")
+        cfg.generation.placement, cfg.generation.server_address = "server", server.address
+    try:
+        _train_with_a_tool(cfg, model, tok, monkeypatch, digit_share)
+    finally:
+        if server is not None:
+            server.kill()
+
+
+def _train_with_a_tool(cfg, model, tok, monkeypatch, digit_share):
+    from cohort import trainer as trainer_module
+    from cohort.rewards import RewardRunner
+    from cohort.setup import build_components
+
     comp = build_components(cfg, policy=model, tokenizer=tok, reward_runner=RewardRunner([digit_share]))
     assert comp.turn_loop is not None and comp.turn_loop.max_iterations == 1
     assert '"name": "add"' in tok.decode(comp.train_data.prompt_ids[0])  # the prompt lists the tool
@@ -140,6 +158,10 @@ def test_trainer_with_a_tool_runs_two_steps_with_tool_metrics_and_masks(tmp_path
 
     monkeypatch.setattr(trainer_module, "collect_rollouts", recording)
     result = trainer_module.train(cfg, comp)
+    if cfg.generation.placement == "server":
+        from cohort.serving import RemoteEngine
+
+        assert isinstance(comp.engine, RemoteEngine) and comp.engine.version == 2  # served, pushed each step
     assert len(result.history) == 2
     for metrics in result.history:
         assert math.isfinite(metrics["grad_norm"]) and math.isfinite(metrics["reward"])

@@ -122,6 +122,36 @@ def test_a_lora_policy_is_served_as_its_merged_model(server, workspace):
     assert _flat(served) != _flat(first)
 
 
+def test_multi_turn_rollouts_on_the_server_follow_the_regeneration_contract(server, workspace):
+    """Tool-calling rollouts against a server (RemoteEngine.generate_turns): each later turn is one more request
+    on the conversation so far, so the served rollout equals the same loop over the in-process engine's
+    `generate`, masks (context tokens 0), turn counts and the version included."""
+    from cohort.engine.turns_by_regeneration import generate_turns_by_regeneration
+
+    _, tok = load_policy(str(workspace[0]), dtype=torch.float32)
+    policy = tiny_model(tok, seed=11)
+    remote = RemoteEngine(server.address, policy)  # pushes these weights as version 0
+    # half the vocabulary stops a turn, so conversations end turns early and the tool path runs
+    params = SamplingParams(n=2, max_tokens=24, temperature=1.0, seed=3,
+                            stop_token_ids=tuple(range(0, len(tok), 2)))
+    context = [5, 6, 7]
+
+    def on_turn_end(turn):
+        return list(context) if turn.turn < 3 else None  # a "tool result" after each of the first two turns
+
+    served = remote.generate_turns(_prompts(tok), params, on_turn_end)
+    local = generate_turns_by_regeneration(_local(policy, tok).generate, _prompts(tok), params, on_turn_end)
+    assert _same(served, local)
+    flat = [c for g in served for c in g]
+    assert [c.mask for c in flat] == [c.mask for g in local for c in g]
+    assert [c.turns for c in flat] == [c.turns for g in local for c in g]
+    assert any(c.turns > 1 for c in flat)  # the multi-turn path ran
+    for c in flat:
+        assert len(c.mask) == len(c.token_ids) == len(c.logprobs)
+        assert sum(1 for m in c.mask if m == 0) == len(context) * (c.turns - 1)
+        assert c.version == 0
+
+
 def test_a_push_that_does_not_match_is_refused(server):
     before = _get(server, "/health")
     with pytest.raises(WeightMismatchError) as err:

@@ -193,9 +193,6 @@ def _check_placement(cfg: CohortConfig) -> None:
                  "generation.placement=server needs the server's host:port, e.g. 127.0.0.1:8000 (what `cohort "
                  "serve MODEL --port 8000` prints)")
         parse_address(str(g.server_address))
-        _require(not (cfg.agent.tools or cfg.agent.environment_factory), "generation.placement", g.placement,
-                 "tool calling (agent.tools / agent.environment_factory) needs multi-turn generation, which the "
-                 "server does not offer yet; use generation.placement=colocate")
         if t.max_staleness > 0:
             correction = cfg.loss.params.get("sampler_is_correction", True)
             _require(correction is not False, "loss.sampler_is_correction", correction,

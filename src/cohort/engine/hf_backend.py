@@ -27,13 +27,12 @@ Memory: `output_logits` keeps [rows, steps, vocab] logits until the batch ends; 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Sequence
-from concurrent.futures import Future
 
 import torch
 
-from cohort.types import Completion, SamplingParams, TurnCallback, TurnEnd
+from cohort.engine.turns_by_regeneration import generate_turns_by_regeneration
+from cohort.types import Completion, SamplingParams, TurnCallback
 
 
 class HFGenerateEngine:
@@ -85,33 +84,10 @@ class HFGenerateEngine:
 
     def generate_turns(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                        on_turn_end: TurnCallback) -> list[list[Completion]]:
-        """CohortEngine.generate_turns' contract (see there), by re-running `generate` on each conversation.
-
-        Seeds: the first turn samples as `generate` does; later turns of row r use seed + r + 7919 * turn."""
-        groups = self.generate(prompts, params)
-        convs = [_Conversation(i, j, list(p), c) for i, (p, group) in enumerate(zip(prompts, groups))
-                 for j, c in enumerate(group)]
-        live = [c for c in convs if c.finish_reason == "stop"]
-        while live:
-            pending = [on_turn_end(c.turn_end()) for c in live]
-            replies: list[list[int] | None] = [r.result() if isinstance(r, Future) else r for r in pending]
-            following = []
-            for conv, tokens in zip(live, replies):
-                if not tokens:
-                    continue
-                room = params.max_tokens - len(conv.ids)
-                if len(tokens) >= room:
-                    raise ValueError(f"a continuation of {len(tokens)} tokens leaves no room to generate: the "
-                                     f"completion has {len(conv.ids)} of max_tokens={params.max_tokens}; end the "
-                                     "conversation (return None) when the context does not fit.")
-                seed = None if params.seed is None else params.seed + conv.row(params.n) + 7919 * conv.turns
-                turn_params = dataclasses.replace(params, n=1, max_tokens=room - len(tokens), seed=seed)
-                conv.add_context(tokens)
-                conv.add_turn(self.generate([conv.prompt + conv.ids], turn_params)[0][0])
-                if conv.finish_reason == "stop":
-                    following.append(conv)
-            live = following
-        return [[c.completion() for c in convs[i * params.n : (i + 1) * params.n]] for i in range(len(prompts))]
+        """CohortEngine.generate_turns' contract (see there), by re-running `generate` on each conversation
+        (cohort.engine.turns_by_regeneration). Seeds: the first turn samples as `generate` does; later turns of
+        row r use seed + r + 7919 * turn."""
+        return generate_turns_by_regeneration(self.generate, prompts, params, on_turn_end)
 
     # -----------------------------------------------------------------------------------------------------
 
@@ -169,42 +145,6 @@ class HFGenerateEngine:
         if cut is not None:
             return Completion(tokens[:cut], logprobs[:cut], "stop")
         return Completion(tokens, logprobs, "length")
-
-
-class _Conversation:
-    """One multi-turn completion being built by HFGenerateEngine.generate_turns."""
-
-    def __init__(self, index: int, sample: int, prompt: list[int], first: Completion) -> None:
-        self.index, self.sample, self.prompt = index, sample, prompt
-        self.ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.mask: list[int] = []
-        self.turns, self.turn_start = 0, 0
-        self.add_turn(first)
-
-    def row(self, n: int) -> int:
-        return self.index * n + self.sample
-
-    def add_turn(self, c: Completion) -> None:
-        self.turn_start = len(self.ids)
-        self.ids += c.token_ids
-        self.logprobs += c.logprobs
-        self.mask += [1] * len(c.token_ids)
-        self.finish_reason = c.finish_reason
-        self.turns += 1
-
-    def add_context(self, tokens: Sequence[int]) -> None:
-        self.ids += list(tokens)
-        self.logprobs += [0.0] * len(tokens)
-        self.mask += [0] * len(tokens)
-
-    def turn_end(self) -> TurnEnd:
-        return TurnEnd(prompt_index=self.index, sample_index=self.sample, prompt_ids=list(self.prompt),
-                       completion_ids=list(self.ids), turn_ids=self.ids[self.turn_start :], turn=self.turns,
-                       finish_reason=self.finish_reason)
-
-    def completion(self) -> Completion:
-        return Completion(self.ids, self.logprobs, self.finish_reason, mask=self.mask, turns=self.turns)
 
 
 def _default_eos(model, tokenizer) -> tuple[int, ...]:

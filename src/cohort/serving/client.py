@@ -31,7 +31,7 @@ import torch
 from cohort.errors import CohortError, ConfigError
 from cohort.serving import weights as W
 from cohort.serving.liveness import run_watched
-from cohort.types import Completion, SamplingParams
+from cohort.types import Completion, SamplingParams, TurnCallback
 
 
 class ServerError(CohortError):
@@ -161,6 +161,15 @@ class RemoteEngine:
             return [[Completion(c["token_ids"], c["logprobs"], c["finish_reason"], version=out["version"])
                      for c in group] for group in out["completions"]]
         raise AssertionError("unreachable")
+
+    def generate_turns(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                       on_turn_end: TurnCallback) -> list[list[Completion]]:
+        """Multi-turn (tool-calling) rollouts on the server: each later turn is one more request on the
+        conversation so far (cohort.engine.turns_by_regeneration); a completion records its oldest turn's
+        version. The tools run here, in the trainer process, as with a colocated engine."""
+        from cohort.engine.turns_by_regeneration import generate_turns_by_regeneration
+
+        return generate_turns_by_regeneration(self.generate, prompts, params, on_turn_end)
 
     def sync_weights(self) -> None:
         """After an optimizer step: push the policy as the next version (rank 0; other ranks only count)."""

@@ -1,0 +1,91 @@
+"""Multi-turn rollouts for engines that cannot pause a sequence: each turn is a fresh `generate` call on the
+conversation so far (prompt, model turns, tool results).
+
+`CohortEngine.generate_turns` keeps a sequence and its KV cache alive across tool calls. Hugging Face
+`generate` and a served engine (`cohort serve`, over HTTP) cannot, so they follow the same contract here: the
+first turn of every completion is one `generate` call (the engine's own batching and seeds); then, for each
+conversation whose turn ended on a stop and whose callback answered with context tokens, the next turn is
+generated on prompt + everything so far, with n=1, the room left under max_tokens, and the seed
+seed + row + 7919 x turn. Model tokens get mask 1 and their logprobs; context tokens mask 0 and logprob 0.
+A served engine's completions carry the policy version that sampled them: a multi-turn completion records
+the oldest of its turns' versions (the staleness that counts for the importance correction).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+
+from cohort.types import Completion, SamplingParams, TurnCallback, TurnEnd
+
+Generate = Callable[[Sequence[Sequence[int]], SamplingParams], "list[list[Completion]]"]
+
+
+def generate_turns_by_regeneration(generate: Generate, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                                   on_turn_end: TurnCallback) -> list[list[Completion]]:
+    """CohortEngine.generate_turns' contract over a plain `generate` (see the module docstring)."""
+    groups = generate(prompts, params)
+    convs = [_Conversation(i, j, list(p), c) for i, (p, group) in enumerate(zip(prompts, groups, strict=True))
+             for j, c in enumerate(group)]
+    live = [c for c in convs if c.finish_reason == "stop"]
+    while live:
+        pending = [on_turn_end(c.turn_end()) for c in live]
+        replies: list[list[int] | None] = [r.result() if isinstance(r, Future) else r for r in pending]
+        following = []
+        for conv, tokens in zip(live, replies, strict=True):
+            if not tokens:
+                continue
+            room = params.max_tokens - len(conv.ids)
+            if len(tokens) >= room:
+                raise ValueError(f"a continuation of {len(tokens)} tokens leaves no room to generate: the "
+                                 f"completion has {len(conv.ids)} of max_tokens={params.max_tokens}; end the "
+                                 "conversation (return None) when the context does not fit.")
+            seed = None if params.seed is None else params.seed + conv.row(params.n) + 7919 * conv.turns
+            turn_params = dataclasses.replace(params, n=1, max_tokens=room - len(tokens), seed=seed)
+            conv.add_context(tokens)
+            conv.add_turn(generate([conv.prompt + conv.ids], turn_params)[0][0])
+            if conv.finish_reason == "stop":
+                following.append(conv)
+        live = following
+    return [[c.completion() for c in convs[i * params.n : (i + 1) * params.n]] for i in range(len(prompts))]
+
+
+class _Conversation:
+    """One multi-turn completion being built."""
+
+    def __init__(self, index: int, sample: int, prompt: list[int], first: Completion) -> None:
+        self.index, self.sample, self.prompt = index, sample, prompt
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.mask: list[int] = []
+        self.versions: list[int] = []
+        self.turns, self.turn_start = 0, 0
+        self.add_turn(first)
+
+    def row(self, n: int) -> int:
+        return self.index * n + self.sample
+
+    def add_turn(self, c: Completion) -> None:
+        self.turn_start = len(self.ids)
+        self.ids += c.token_ids
+        self.logprobs += c.logprobs
+        self.mask += [1] * len(c.token_ids)
+        self.finish_reason = c.finish_reason
+        self.turns += 1
+        if c.version is not None:
+            self.versions.append(c.version)
+
+    def add_context(self, tokens: Sequence[int]) -> None:
+        self.ids += list(tokens)
+        self.logprobs += [0.0] * len(tokens)
+        self.mask += [0] * len(tokens)
+
+    def turn_end(self) -> TurnEnd:
+        return TurnEnd(prompt_index=self.index, sample_index=self.sample, prompt_ids=list(self.prompt),
+                       completion_ids=list(self.ids), turn_ids=self.ids[self.turn_start :], turn=self.turns,
+                       finish_reason=self.finish_reason)
+
+    def completion(self) -> Completion:
+        return Completion(self.ids, self.logprobs, self.finish_reason, mask=self.mask, turns=self.turns,
+                          version=min(self.versions) if self.versions else None)
