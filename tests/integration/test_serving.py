@@ -123,9 +123,10 @@ def test_a_lora_policy_is_served_as_its_merged_model(server, workspace):
 
 
 def test_multi_turn_rollouts_on_the_server_follow_the_regeneration_contract(server, workspace):
-    """Tool-calling rollouts against a server (RemoteEngine.generate_turns): each later turn is one more request
-    on the conversation so far, so the served rollout equals the same loop over the in-process engine's
-    `generate`, masks (context tokens 0), turn counts and the version included."""
+    """Tool-calling rollouts against a server (RemoteEngine.generate_turns): each round of later turns is one
+    request (one SamplingParams per conversation, split over the 2 replicas), and the served rollout equals the
+    loop over the in-process engine's `generate` with one call per conversation: tokens, masks (context tokens
+    0), turn counts and the version."""
     from cohort.engine.turns_by_regeneration import generate_turns_by_regeneration
 
     _, tok = load_policy(str(workspace[0]), dtype=torch.float32)
@@ -139,9 +140,15 @@ def test_multi_turn_rollouts_on_the_server_follow_the_regeneration_contract(serv
     def on_turn_end(turn):
         return list(context) if turn.turn < 3 else None  # a "tool result" after each of the first two turns
 
-    served = remote.generate_turns(_prompts(tok), params, on_turn_end)
-    local = generate_turns_by_regeneration(_local(policy, tok).generate, _prompts(tok), params, on_turn_end)
-    assert _same(served, local)
+    served = remote.generate_turns(_prompts(tok), params, on_turn_end)  # one request per round
+    local_engine = _local(policy, tok)
+    local = generate_turns_by_regeneration(local_engine.generate, _prompts(tok), params, on_turn_end)
+    assert _same(served, local)  # batched rounds on the server draw what one call per conversation draws
+    batched = generate_turns_by_regeneration(local_engine.generate, _prompts(tok), params, on_turn_end,
+                                             batched=True)
+    assert _flat(batched) == _flat(local)
+    status, error = _post_error(server, "/generate", {"prompts": [[1, 2], [3]], "params": [{"max_tokens": 2}]})
+    assert status == 400 and "got 1 for 2 prompts" in json.dumps(error)  # one params per prompt, or one
     flat = [c for g in served for c in g]
     assert [c.mask for c in flat] == [c.mask for g in local for c in g]
     assert [c.turns for c in flat] == [c.turns for g in local for c in g]

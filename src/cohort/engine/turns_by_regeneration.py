@@ -6,7 +6,8 @@ conversation so far (prompt, model turns, tool results).
 first turn of every completion is one `generate` call (the engine's own batching and seeds); then, for each
 conversation whose turn ended on a stop and whose callback answered with context tokens, the next turn is
 generated on prompt + everything so far, with n=1, the room left under max_tokens, and the seed
-seed + row + 7919 x turn. Model tokens get mask 1 and their logprobs; context tokens mask 0 and logprob 0.
+seed + row + 7919 x turn: one call per conversation, or with `batched` one call per round for engines that
+take one SamplingParams per prompt (the same draws). Model tokens get mask 1 and their logprobs; context tokens mask 0 and logprob 0.
 A served engine's completions carry the policy version that sampled them: a multi-turn completion records
 the oldest of its turns' versions (the staleness that counts for the importance correction).
 """
@@ -19,12 +20,17 @@ from concurrent.futures import Future
 
 from cohort.types import Completion, SamplingParams, TurnCallback, TurnEnd
 
-Generate = Callable[[Sequence[Sequence[int]], SamplingParams], "list[list[Completion]]"]
+Generate = Callable[..., "list[list[Completion]]"]  # generate(prompts, params or one params per prompt)
 
 
 def generate_turns_by_regeneration(generate: Generate, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                                   on_turn_end: TurnCallback) -> list[list[Completion]]:
-    """CohortEngine.generate_turns' contract over a plain `generate` (see the module docstring)."""
+                                   on_turn_end: TurnCallback, *, batched: bool = False) -> list[list[Completion]]:
+    """CohortEngine.generate_turns' contract over a plain `generate` (see the module docstring).
+
+    batched: `generate` takes one SamplingParams per prompt (cohort's engine, a served one), so every
+    conversation of a round goes in one call; each gets the seed its own call would have had (the engine
+    draws completion j of prompt i with seed + i * n + j, so prompt i's seed is set i lower), and the draws
+    equal the unbatched loop's."""
     groups = generate(prompts, params)
     convs = [_Conversation(i, j, list(p), c) for i, (p, group) in enumerate(zip(prompts, groups, strict=True))
              for j, c in enumerate(group)]
@@ -32,7 +38,7 @@ def generate_turns_by_regeneration(generate: Generate, prompts: Sequence[Sequenc
     while live:
         pending = [on_turn_end(c.turn_end()) for c in live]
         replies: list[list[int] | None] = [r.result() if isinstance(r, Future) else r for r in pending]
-        following = []
+        round_: list[tuple[_Conversation, SamplingParams]] = []
         for conv, tokens in zip(live, replies, strict=True):
             if not tokens:
                 continue
@@ -42,12 +48,17 @@ def generate_turns_by_regeneration(generate: Generate, prompts: Sequence[Sequenc
                                  f"completion has {len(conv.ids)} of max_tokens={params.max_tokens}; end the "
                                  "conversation (return None) when the context does not fit.")
             seed = None if params.seed is None else params.seed + conv.row(params.n) + 7919 * conv.turns
-            turn_params = dataclasses.replace(params, n=1, max_tokens=room - len(tokens), seed=seed)
             conv.add_context(tokens)
-            conv.add_turn(generate([conv.prompt + conv.ids], turn_params)[0][0])
-            if conv.finish_reason == "stop":
-                following.append(conv)
-        live = following
+            round_.append((conv, dataclasses.replace(params, n=1, max_tokens=room - len(tokens), seed=seed)))
+        if batched and round_:
+            shifted = [p if p.seed is None else dataclasses.replace(p, seed=p.seed - i)
+                       for i, (_, p) in enumerate(round_)]
+            answers = generate([conv.prompt + conv.ids for conv, _ in round_], shifted)
+        else:
+            answers = [generate([conv.prompt + conv.ids], p)[0] for conv, p in round_]
+        for (conv, _), group in zip(round_, answers, strict=True):
+            conv.add_turn(group[0])
+        live = [conv for conv, _ in round_ if conv.finish_reason == "stop"]
     return [[c.completion() for c in convs[i * params.n : (i + 1) * params.n]] for i in range(len(prompts))]
 
 

@@ -140,10 +140,14 @@ class RemoteEngine:
             self._push(phase="the initial weight push")
 
     # ---- RolloutEngine ----------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams]) -> list[list[Completion]]:
+        """`params.n` completions per prompt from the server; `params` may be one per prompt."""
         from cohort.serving.server import params_to_json
 
-        body = {"prompts": [list(map(int, p)) for p in prompts], "params": params_to_json(params),
+        wire = (params_to_json(params) if isinstance(params, SamplingParams)
+                else [params_to_json(p) for p in params])
+        body = {"prompts": [list(map(int, p)) for p in prompts], "params": wire,
                 "min_version": self._required_version(), "session": self.session if self.policy is not None else None,
                 "wait_s": 0.0 if self.pusher else self.client.timeout_s}
         for attempt in (0, 1):
@@ -164,12 +168,12 @@ class RemoteEngine:
 
     def generate_turns(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                        on_turn_end: TurnCallback) -> list[list[Completion]]:
-        """Multi-turn (tool-calling) rollouts on the server: each later turn is one more request on the
-        conversation so far (cohort.engine.turns_by_regeneration); a completion records its oldest turn's
-        version. The tools run here, in the trainer process, as with a colocated engine."""
+        """Multi-turn (tool-calling) rollouts on the server: each later turn is generated on the conversation so
+        far, every conversation of a round in one request (cohort.engine.turns_by_regeneration); a completion
+        records its oldest turn's version. The tools run here, in the trainer process, as colocated."""
         from cohort.engine.turns_by_regeneration import generate_turns_by_regeneration
 
-        return generate_turns_by_regeneration(self.generate, prompts, params, on_turn_end)
+        return generate_turns_by_regeneration(self.generate, prompts, params, on_turn_end, batched=True)
 
     def sync_weights(self) -> None:
         """After an optimizer step: push the policy as the next version (rank 0; other ranks only count)."""

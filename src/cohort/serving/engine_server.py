@@ -28,6 +28,11 @@ from cohort.serving import weights as W
 from cohort.types import Completion, SamplingParams
 
 
+def _offset(params: SamplingParams, start: int) -> SamplingParams:
+    """`params` for a chunk of prompts starting at `start`: its seeds as one engine would draw them there."""
+    return params if params.seed is None else dataclasses.replace(params, seed=params.seed + start * params.n)
+
+
 class StaleVersion(CohortError):
     """A request asked for a policy version the server has not received within its wait."""
 
@@ -110,7 +115,8 @@ class EngineServer:
         self._pool = ThreadPoolExecutor(len(self.replicas)) if len(self.replicas) > 1 else None
 
     # ---- generation --------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, min_version: int | None = None,
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams], *,
+                 min_version: int | None = None,
                  wait_s: float = 0.0, session: str | None = None) -> tuple[list[list[Completion]], int]:
         """Completions of every prompt, all sampled with one version (returned). With `min_version`, wait up to
         `wait_s` for a push of at least that version (by the run `session`, when given), else raise
@@ -132,9 +138,10 @@ class EngineServer:
         finally:
             self._lock.release_read()
 
-    def _generate(self, prompts: list, params: SamplingParams) -> list[list[Completion]]:
+    def _generate(self, prompts: list, params: SamplingParams | Sequence[SamplingParams]) -> list[list[Completion]]:
         """Prompts split in contiguous chunks over the replicas; a chunk starting at prompt `start` gets the
-        seed offset start * n, so the result equals one engine's (completion j of prompt i: seed + i * n + j)."""
+        seed offset start * n, so the result equals one engine's (completion j of prompt i: seed + i * n + j).
+        `params` may be one per prompt (each offset by its own n)."""
         r = min(len(self.replicas), max(1, len(prompts)))
         if r == 1:
             return self._run(self.replicas[0], prompts, params)
@@ -143,13 +150,15 @@ class EngineServer:
         assert pool is not None  # made for more than one replica
         jobs = []
         for k, start in enumerate(range(0, len(prompts), size)):
-            chunk_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed
-                                                                                  + start * params.n)
+            if isinstance(params, SamplingParams):
+                chunk_params: SamplingParams | list[SamplingParams] = _offset(params, start)
+            else:
+                chunk_params = [_offset(p, start) for p in params[start:start + size]]
             jobs.append(pool.submit(self._run, self.replicas[k], prompts[start:start + size], chunk_params))
         return [group for job in jobs for group in job.result()]
 
     @staticmethod
-    def _run(replica: Replica, prompts: list, params: SamplingParams) -> list[list[Completion]]:
+    def _run(replica: Replica, prompts: list, params) -> list[list[Completion]]:
         with replica.lock:
             return replica.engine.generate(prompts, params)
 

@@ -117,7 +117,14 @@ class _Handler(BaseHTTPRequestHandler):
         prompts = body.get("prompts")
         if not isinstance(prompts, list) or not all(isinstance(p, list) for p in prompts):
             raise openai_api.RequestError("prompts must be a list of token-id lists", param="prompts")
-        params = params_from_json(body.get("params") or {})
+        raw = body.get("params") or {}
+        if isinstance(raw, list):  # one per prompt (a multi-turn round: each conversation its own room and seed)
+            if len(raw) != len(prompts):
+                raise openai_api.RequestError(f"params: got {len(raw)} for {len(prompts)} prompts; give one "
+                                              "object, or one per prompt", param="params")
+            params: SamplingParams | list[SamplingParams] = [params_from_json(item or {}) for item in raw]
+        else:
+            params = params_from_json(raw)
         min_version = body.get("min_version")
         groups, version = self.engine.generate(prompts, params, min_version=min_version,
                                                wait_s=float(body.get("wait_s", 0.0)), session=body.get("session"))
