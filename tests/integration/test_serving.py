@@ -309,6 +309,40 @@ def _post_error(server, path: str, body: dict) -> tuple[int, dict]:
     raise AssertionError("expected an error")
 
 
+def test_concurrent_requests_decode_as_one_batch_with_their_own_draws(workspace):
+    """In process: three requests at once (a data-parallel trainer's ranks) run as ONE engine batch and each
+    gets what it gets alone, with the version it was served with."""
+    import threading
+
+    from cohort.serving.engine_server import EngineServer, Replica
+
+    model, tok = load_policy(str(workspace[0]), dtype=torch.float32)
+    engine = _local(model, tok)
+    server = EngineServer([Replica(model, engine, torch.device("cpu"), threading.Lock())], tok, model_name="m")
+    server._coalescer.window_s = 0.3  # long enough for the three threads to queue
+    requests = [(_prompts(tok)[:2], PARAMS), (_prompts(tok)[2:], SamplingParams(n=2, max_tokens=8, seed=9)),
+                (_prompts(tok)[::-1], SamplingParams(n=1, max_tokens=10, temperature=0.7, seed=1))]
+    alone = [engine.generate(p, q) for p, q in requests]
+    calls, original = [], engine.generate
+    engine.generate = lambda prompts, params: calls.append(len(prompts)) or original(prompts, params)
+    results: dict[int, tuple] = {}
+    start = threading.Barrier(len(requests))
+
+    def client(k):
+        start.wait()
+        results[k] = server.generate(*requests[k])
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert calls == [6]  # 2 + 1 + 3 prompts in one generate
+    for k in range(len(requests)):
+        groups, version = results[k]
+        assert version == 0 and _same(groups, alone[k])
+
+
 def test_the_version_switch_waits_for_requests_in_flight(workspace):
     """In process: a commit that arrives mid-generation waits for it (the request finishes on the old weights,
     reported as the old version); the next request sees the new weights whole."""

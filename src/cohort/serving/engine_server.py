@@ -25,6 +25,7 @@ import torch
 
 from cohort.errors import CohortError
 from cohort.serving import weights as W
+from cohort.serving.coalesce import Coalescer
 from cohort.types import Completion, SamplingParams
 
 
@@ -113,6 +114,8 @@ class EngineServer:
         self.castable = W.buffer_names(self.replicas[0].model)  # buffers: a push may send another float dtype
         self.backend = "nccl" if self.replicas[0].device.type == "cuda" else "gloo"
         self._pool = ThreadPoolExecutor(len(self.replicas)) if len(self.replicas) > 1 else None
+        # concurrent requests (a data-parallel trainer's ranks) decode as one batch: serving/coalesce.py
+        self._coalescer = Coalescer(self._generate)
 
     # ---- generation --------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams], *,
@@ -133,8 +136,8 @@ class EngineServer:
                                        f"{wait_s:.0f} s")
         self._lock.acquire_read()
         try:
-            version = self.version
-            return self._generate(list(prompts), params), version
+            version = self.version  # fixed while this request holds the read lock (its batch runs meanwhile)
+            return self._coalescer.run(list(prompts), params), version
         finally:
             self._lock.release_read()
 
