@@ -70,6 +70,13 @@ def test_send_buckets_packs_merged_weights():
     torch.testing.assert_close(flat, expected)
 
 
+def test_lora_on_a_tied_embedding_is_refused_by_name():
+    """Merged, a tied embedding would carry the adapter into the LM head too, which the policy does not do."""
+    tied = peft.get_peft_model(tiny_llama(0, tie=True), peft.LoraConfig(r=4, target_modules=["embed_tokens"]))
+    with pytest.raises(ConfigError, match=r"model\.embed_tokens.*tied to lm_head\.weight"):
+        W.model_tensors(tied)
+
+
 def test_adapters_a_push_cannot_merge_are_refused_by_name():
     dora = peft.get_peft_model(tiny_llama(0), peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
     with pytest.raises(ConfigError, match="use_dora"):

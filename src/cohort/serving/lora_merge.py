@@ -51,6 +51,16 @@ def merged_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor | Mer
         raise ConfigError("peft use_dora=True: a DoRA policy cannot be pushed to a server yet (its magnitude "
                           "vector rescales each column); use plain LoRA, or generation.placement=colocate")
     adapted = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
+    names_of: dict[int, list[str]] = {}
+    for name, param in base.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    for owner, layer in adapted.items():
+        shared = names_of.get(id(layer.base_layer.weight), [])
+        if len(shared) > 1:  # a tied embedding: the plain model cannot hold a merged embedding and a base LM head
+            raise ConfigError(f"LoRA on {owner} cannot be pushed to a server: its weight is tied to "
+                              f"{', '.join(n for n in shared if not n.startswith(owner + '.'))} (tie_word_embeddings), "
+                              "and the served model would apply the adapter to both; leave it out of "
+                              "model.lora_target_modules, or use generation.placement=colocate")
     out: list[tuple[str, torch.Tensor | MergedWeight]] = []
     for name, param in base.named_parameters():
         if any(part in name for part in _ADAPTER_PARTS):
