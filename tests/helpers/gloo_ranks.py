@@ -26,3 +26,16 @@ def leave_rank() -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def join_gloo(rank: int, world: int, init_file: str) -> None:
+    """A spawned test worker's start: `enter_rank`, RANK / WORLD_SIZE for cohort.distributed, one CPU thread
+    (the ranks share CI's 2 cores), and the gloo group through `init_file` when there is more than one rank."""
+    import torch
+    import torch.distributed as dist
+
+    enter_rank()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -9,14 +9,13 @@ sharded reference model). Tolerance: float32 on the CPU, sums reduced in a diffe
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from tests.helpers.gloo_ranks import enter_rank, leave_rank
+from tests.helpers.gloo_ranks import join_gloo, leave_rank
 from tests.integration.test_trainer_learns import toy_components, toy_config
 
 from cohort.logging import read_jsonl
@@ -38,11 +37,7 @@ def _full_params(model) -> dict[str, torch.Tensor]:
 
 
 def _run(rank: int, world: int, out: str, init_file: str, sharding: str, variant: str) -> None:
-    enter_rank()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    join_gloo(rank, world, init_file)
     try:
         cfg = toy_config(Path(out), steps=3)
         cfg.train.device = "cpu"

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from tests.helpers.gloo_ranks import enter_rank, leave_rank
+from tests.helpers.gloo_ranks import join_gloo, leave_rank
 from tests.helpers.serving import ServerProcess
 from tests.helpers.toy_task import write_toy_workspace
 from tests.integration.test_fsdp import COMPARED
@@ -35,11 +33,7 @@ def served(tmp_path_factory):
 
 
 def _rank(rank: int, world: int, out: str, init_file: str, address: str | None, lora: bool) -> None:
-    enter_rank()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    join_gloo(rank, world, init_file)
     try:
         cfg = toy_config(Path(out), steps=2)
         cfg.train.device = "cpu"

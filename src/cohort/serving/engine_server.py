@@ -141,10 +141,10 @@ class EngineServer:
         finally:
             self._lock.release_read()
 
-    def _generate(self, prompts: list, params: SamplingParams | Sequence[SamplingParams]) -> list[list[Completion]]:
-        """Prompts split in contiguous chunks over the replicas; a chunk starting at prompt `start` gets the
-        seed offset start * n, so the result equals one engine's (completion j of prompt i: seed + i * n + j).
-        `params` may be one per prompt (each offset by its own n)."""
+    def _generate(self, prompts: list, params: list[SamplingParams]) -> list[list[Completion]]:
+        """One batch (the coalescer's, one SamplingParams per prompt), its prompts split in contiguous chunks over
+        the replicas; a chunk starting at prompt `start` offsets each prompt's seed by start * n, so the result
+        equals one engine's (completion j of prompt i: seed + i * n + j)."""
         r = min(len(self.replicas), max(1, len(prompts)))
         if r == 1:
             return self._run(self.replicas[0], prompts, params)
@@ -153,15 +153,12 @@ class EngineServer:
         assert pool is not None  # made for more than one replica
         jobs = []
         for k, start in enumerate(range(0, len(prompts), size)):
-            if isinstance(params, SamplingParams):
-                chunk_params: SamplingParams | list[SamplingParams] = _offset(params, start)
-            else:
-                chunk_params = [_offset(p, start) for p in params[start:start + size]]
+            chunk_params = [_offset(p, start) for p in params[start:start + size]]
             jobs.append(pool.submit(self._run, self.replicas[k], prompts[start:start + size], chunk_params))
         return [group for job in jobs for group in job.result()]
 
     @staticmethod
-    def _run(replica: Replica, prompts: list, params) -> list[list[Completion]]:
+    def _run(replica: Replica, prompts: list, params: list[SamplingParams]) -> list[list[Completion]]:
         with replica.lock:
             return replica.engine.generate(prompts, params)
 
