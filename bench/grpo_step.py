@@ -35,9 +35,11 @@ training steps (reset after setup). Seconds per step are the mean over the steps
 Phases: generate (cohort: sampling, decode to text, advantages; TRL: tokenise and HF generate, its decode
 and advantages fall in "other"), score (reward functions), logprobs (no-grad
 forwards before the update: old/reference logprobs; zero on-policy with beta = 0 on both sides), update
-(forward, backward and optimizer step), other (the rest of the step). Update MFU = 6 * N * tokens in the
-update / update seconds / peak, with N all parameters (the tied embedding counted once, as the LM head)
-and peak 989e12 (H100 SXM dense bf16); recomputation under gradient checkpointing is not counted.
+(forward, backward and optimizer step), other (the rest of the step). Update MFU = the update's FLOPs as
+bench/flops.py counts them (6 per decoder weight per token, the LM head on completion tokens only, causal
+attention) / update seconds / peak 989e12 (H100 SXM dense bf16); recomputation under gradient checkpointing
+is not counted. Until 2026-11-27 the tables used 6 * all parameters * all tokens, which also counted the LM
+head on prompt tokens, whose logits neither trainer computes (the JSON keeps that figure as `mfu_6n`).
 
 Runners (always run in this order, whatever the order given to --runners: the low-memory row's memory
 bar is the TRL defaults row's measured peak): `trl` (GRPOTrainer, its defaults: HF generate, gradient
@@ -77,6 +79,9 @@ from contextlib import ExitStack
 from unittest import mock
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/'s helpers, also when imported by path
+from flops import update_flops
 
 SIZES = {
     "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -455,16 +460,20 @@ class _PhasePeaks:
 # Parent: run the children, summarise, print
 
 
-def summarise(args, result: dict) -> dict:
-    """Steady-state means (steps after warmup) and the derived rates."""
+def summarise(args, result: dict, size: str) -> dict:
+    """Steady-state means (steps after warmup) and the derived rates; MFU over bench/flops.py's count of
+    the update's FLOPs (SIZES[size], tied embeddings as every row here builds them)."""
     steps = result["steps"][:-1] if result.get("profiled_last") else result["steps"]
     steady = steps[args.warmup:] or steps
     mean = {k: sum(s[k] for s in steady) / len(steady)
             for k in ("step", "generate", "score", "logprobs", "update", "other")}
     n = args.prompts * args.generations
-    update_tokens = n * (args.prompt_len + args.completion_len)
     mean["gen_tok_s"] = n * args.completion_len / mean["step"]
-    mean["mfu"] = 6 * result["num_params"] * update_tokens / mean["update"] / PEAK_FLOPS
+    flops = update_flops(SIZES[size], num_params=result["num_params"], tied=True, sequences=n,
+                         prompt_len=args.prompt_len, completion_len=args.completion_len)
+    mean["mfu"] = flops / mean["update"] / PEAK_FLOPS
+    # the count of earlier rounds (6 N per token, the LM head on prompt tokens too), to compare with them
+    mean["mfu_6n"] = 6 * result["num_params"] * n * (args.prompt_len + args.completion_len) / mean["update"] / PEAK_FLOPS
     mean["measured_steps"] = len(steady)
     return mean
 
@@ -512,7 +521,7 @@ def run_child(args, runner: str, size: str, mem_cap: int | None, timeout: float,
     with open(out) as fh:
         result = json.load(fh)
     result["wall_s"] = wall
-    result["summary"] = summarise(args, result)
+    result["summary"] = summarise(args, result, size)
     notes = {k: result[k] for k in ("token_budget", "logprob_chunk_tokens", "keep_logits", "kv_planned_gib",
                                     "update_estimate_gib", "phase_peak_alloc_gib", "graph_recaptures",
                                     "compiled_layers", "micro_batch", "gradient_accumulation_steps",

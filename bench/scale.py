@@ -30,7 +30,7 @@ Rows:
      27648, vocab 152064, untied); --big-lora-r R trains LoRA adapters on every linear layer and
      --big-sharding none runs it data parallel (the only 32B option that fits 8 x 80 GB by cohort's
      estimate: `--estimate` prints the per-GPU table of the options without building anything; the LoRA
-     rows' MFU counts 4 x N_params FLOPs per token, no weight gradients). docs/benchmarks.md, "Eight GPUs".
+     rows' MFU counts 4 FLOPs per weight per token, no weight gradients). docs/benchmarks.md, "Eight GPUs".
   c) TRL's GRPOTrainer (bench/scale_trl.py) on the 1.5B workload, on the largest of --gpus, through
      `accelerate launch` with a generated config (FSDP, fsdp_version 2, bf16 mixed precision, one unit per
      decoder layer), per GPU the same 32 x 8 workload: per_device_train_batch_size 32, 8 accumulation steps
@@ -40,8 +40,8 @@ Columns: seconds per step (the mean of the steps after --warmup; the slowest ran
 phases, the weight gather (FSDP: `time/weight_gather`, the all-gather into the engine's copy; data parallel:
 `time/sync_weights`, a no-op because the engine reads the weights in place), end-to-end tokens/s per GPU
 ((prompt + completion) tokens of the step over all ranks / step seconds / N), the scaling efficiency (tokens/s
-per GPU over the 1-GPU row of the same model and sharding), the update MFU (6 x N_params x update tokens per
-GPU / update seconds / 989e12, as grpo_step.py) and the peak allocated GiB per GPU (max over ranks, over the
+per GPU over the 1-GPU row of the same model and sharding), the update MFU (bench/flops.py's update FLOPs per
+GPU / update seconds / 989e12, as grpo_step.py; the LM head counted on completion tokens only) and the peak allocated GiB per GPU (max over ranks, over the
 training steps); generate includes scoring (cohort's `time/generate`), and for TRL it is `_generate` (tokenise +
 HF generate) while its update is the step less `_prepare_inputs`, as in grpo_step_trl.py. Children get
 NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (NVLink multicast off) and OMP_NUM_THREADS = host
@@ -72,7 +72,8 @@ if HERE not in sys.path:  # grpo_step / scale_trl live beside this file
     sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
-from grpo_step import PEAK_FLOPS  # noqa: E402
+from flops import update_flops  # noqa: E402
+from grpo_step import PEAK_FLOPS, SIZES  # noqa: E402
 
 BIG_SIZES = {  # untied embeddings (Qwen2.5-7B); "tiny" exercises the same code on the CPU
     "7b": {"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
@@ -414,9 +415,11 @@ def steps_of(rank0: dict, row: dict, args) -> list[dict]:
     return steps
 
 
-def summarise(steps: list[dict], num_params: int, gpus: int, warmup: int, flops_per_param: int = 6) -> dict:
-    """Means over the steps after warmup and the derived rates (per GPU). flops_per_param: 6 (forward 2,
-    backward 4) when every weight trains; 4 under LoRA (a frozen weight gets no gradient of its own)."""
+def summarise(steps: list[dict], num_params: int, gpus: int, warmup: int, *, spec: dict, tied: bool,
+              prompt_len: int, completion_len: int, weight_grads: bool = True) -> dict:
+    """Means over the steps after warmup and the derived rates (per GPU). The MFU counts bench/flops.py's
+    update FLOPs for the step's sequences of prompt_len + completion_len tokens (the bench's exact lengths);
+    weight_grads=False under LoRA (a frozen weight gets no gradient of its own)."""
     steady = steps[warmup:] or steps
     n = len(steady)
     mean = {k: sum(float(s.get(k) or 0.0) for s in steady) / n for k in ("step", "generate", "update")}
@@ -425,7 +428,9 @@ def summarise(steps: list[dict], num_params: int, gpus: int, warmup: int, flops_
     tokens = sum(float(s["tokens"]) for s in steady) / n
     mean["tokens_per_step"] = tokens
     mean["tok_s_per_gpu"] = tokens / mean["step"] / gpus
-    mean["mfu"] = flops_per_param * num_params * tokens / gpus / mean["update"] / PEAK_FLOPS if mean["update"] else None
+    flops = update_flops(spec, num_params=num_params, tied=tied, sequences=tokens / (prompt_len + completion_len),
+                         prompt_len=prompt_len, completion_len=completion_len, weight_grads=weight_grads)
+    mean["mfu"] = flops / gpus / mean["update"] / PEAK_FLOPS if mean["update"] else None
     mean["measured_steps"] = n
     return mean
 
@@ -457,8 +462,11 @@ def run_row(args, row: dict, timeout: float, work: str) -> dict:
     res["steps"] = steps_of(rank0, row, args)
     res["history"] = rank0.get("history")
     res["num_params"] = rank0["num_params"]
+    big = row["kind"] == "big"
     res["summary"] = summarise(res["steps"], rank0["num_params"], row["gpus"], args.warmup,
-                               4 if row.get("lora_r") else 6)
+                               spec=(BIG_SIZES if big else SIZES)[row["size"]], tied=not big,
+                               prompt_len=args.prompt_len, completion_len=args.completion_len,
+                               weight_grads=not row.get("lora_r"))
     peaks = [r["peak_alloc_gib"] for r in ranks if r.get("peak_alloc_gib") is not None]
     res["summary"]["peak_alloc_gib"] = max(peaks) if peaks else None
     res["summary"]["ranks_reported"] = len(ranks)

@@ -47,11 +47,15 @@ def test_prompts_encode_to_exact_length_and_every_id_decodes(bench):
 def test_summary_rates(bench):
     args = argparse.Namespace(warmup=1, prompts=2, generations=4, prompt_len=10, completion_len=20)
     step = {"step": 2.0, "generate": 1.0, "score": 0.1, "logprobs": 0.0, "update": 0.5, "other": 0.4}
-    result = {"steps": [{**step, "step": 99.0}, step, step], "num_params": 1000}
-    s = bench.summarise(args, result)
+    result = {"steps": [{**step, "step": 99.0}, step, step], "num_params": 100_000}
+    s = bench.summarise(args, result, "tiny")
     assert s["step"] == 2.0 and s["measured_steps"] == 2  # the warmup step is left out
     assert s["gen_tok_s"] == pytest.approx(8 * 20 / 2.0)
-    assert s["mfu"] == pytest.approx(6 * 1000 * 8 * 30 / 0.5 / 989e12)
+    # tiny: LM head 1024 x 64 = 65,536 weights (tied), so 34,464 decoder weights; 4 heads of 16, 2 layers.
+    # Per sequence of 10 + 20 tokens: decoder 6 x 34,464 x 30 = 6,203,520, LM head on the 20 completion
+    # tokens 6 x 65,536 x 20 = 7,864,320, causal attention 6 x 2 x 64 x 30 x 31 = 714,240: 14,782,080.
+    assert s["mfu"] == pytest.approx(8 * 14_782_080 / 0.5 / 989e12)
+    assert s["mfu_6n"] == pytest.approx(6 * 100_000 * 8 * 30 / 0.5 / 989e12)
 
 
 @pytest.fixture

@@ -91,10 +91,19 @@ def test_summary_per_gpu_rates(scale):
                 "time/sync_weights": 0.3, "num_tokens": 2000}]
     steps = scale.steps_of({"history": history}, {}, None)
     assert [s["tokens"] for s in steps] == [1000, 1000] and steps[1]["weight_gather"] == 0.25
-    s = scale.summarise(steps, num_params=10**6, gpus=2, warmup=1)
+    spec = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 1024}
+    s = scale.summarise(steps, num_params=10**6, gpus=2, warmup=1, spec=spec, tied=True, prompt_len=40,
+                        completion_len=60)
     assert s["step"] == 4.0 and s["measured_steps"] == 1
     assert s["tok_s_per_gpu"] == pytest.approx(1000 / 4.0 / 2)
-    assert s["mfu"] == pytest.approx(6 * 10**6 * 500 / 2.0 / 989e12)
+    # 1,000 tokens = 10 sequences of 40 + 60; decoder 10**6 - 65,536 weights, LM head 65,536 on 60 tokens,
+    # attention 6 x 2 layers x 64 x 100 x 101
+    per_seq = 6 * (10**6 - 65_536) * 100 + 6 * 65_536 * 60 + 6 * 2 * 64 * 100 * 101
+    assert s["mfu"] == pytest.approx(10 * per_seq / 2 / 2.0 / 989e12)
+    lora = scale.summarise(steps, num_params=10**6, gpus=2, warmup=1, spec=spec, tied=True, prompt_len=40,
+                           completion_len=60, weight_grads=False)
+    per_seq = 4 * (10**6 - 65_536) * 100 + 4 * 65_536 * 60 + 6 * 2 * 64 * 100 * 101
+    assert lora["mfu"] == pytest.approx(10 * per_seq / 2 / 2.0 / 989e12)
     # no weight gather metric (data parallel): the engine's sync_weights is shown instead
     del history[1]["time/weight_gather"]
     assert scale.steps_of({"history": history}, {}, None)[1]["weight_gather"] == 0.3
