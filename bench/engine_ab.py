@@ -1,10 +1,12 @@
 """A/B of engine settings on workload A and B in one process (one GPU): prefill graphs on/off, the decode
 attention's loop tile; with --sampler-cdf instead, the sampler's inverse-CDF pass against the Gumbel pass
-(triton_ops.SAMPLER_PASS), alternated twice to show the run-to-run spread. Each row: median
+(triton_ops.SAMPLER_PASS), alternated twice to show the run-to-run spread; with --step-kernel, the multi-step
+loop's bookkeeping as one kernel per step (engine/triton_step.py) against the PyTorch operations, alternated
+twice, then the kernel with the inverse-CDF pass twice. Each row: median
 wall of 3 runs of engine.generate after a warm-up, and the engine loop's prefill time (engine.step of the
 prefill, synchronised).
 
-    PYTHONPATH=src:. python3 bench/engine_ab.py [--sampler-cdf]
+    PYTHONPATH=src:. python3 bench/engine_ab.py [--sampler-cdf | --step-kernel]
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 import torch
 from rollout import build_model, run_engine_mixed, workload_a  # bench/ is the script's folder, so on sys.path
 
-from cohort.engine import CohortEngine, triton_ops
+from cohort.engine import CohortEngine, triton_ops, triton_step
 from cohort.types import SamplingParams
 
 
@@ -48,20 +50,29 @@ def prefill_ms(engine, prompts, params) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sampler-cdf", action="store_true", help="A/B the sampler's inverse-CDF pass instead")
+    p.add_argument("--step-kernel", action="store_true",
+                   help="A/B the multi-step loop's bookkeeping kernel against the PyTorch operations instead")
     args = p.parse_args()
     model = build_model()
     prompts = workload_a(model.config.vocab_size)
     params = SamplingParams(n=8, max_tokens=256, temperature=1.0, ignore_eos=True, seed=0)
     original, original_pass = triton_ops.decode_tile, triton_ops.SAMPLER_PASS
-    rows = (("prefill graphs, tile 128/4", 4096, None, "gumbel"), ("eager prefill, tile 128/4", 0, None, "gumbel"),
-            ("prefill graphs, tile 64/3", 4096, (64, 3), "gumbel"), ("eager prefill, tile 64/3", 0, (64, 3), "gumbel"))
+    rows = (("prefill graphs, tile 128/4", 4096, None, "gumbel", True),
+            ("eager prefill, tile 128/4", 0, None, "gumbel", True),
+            ("prefill graphs, tile 64/3", 4096, (64, 3), "gumbel", True),
+            ("eager prefill, tile 64/3", 0, (64, 3), "gumbel", True))
     if args.sampler_cdf:
-        rows = tuple((f"{method} sampler pass{' again' if i >= 2 else ''}", 4096, None, method)
+        rows = tuple((f"{method} sampler pass{' again' if i >= 2 else ''}", 4096, None, method, True)
                      for i, method in enumerate(("gumbel", "cdf") * 2))
+    if args.step_kernel:
+        rows = tuple((f"{'step kernel' if kernel else 'PyTorch bookkeeping'}, {method} sampler{' again' if i >= 2 else ''}",
+                      4096, None, method, kernel)
+                     for i, (kernel, method) in enumerate(((False, "gumbel"), (True, "gumbel")) * 2
+                                                          + ((True, "cdf"),) * 2))
     print("| setting | A tok/s | A prefill ms | B tok/s |\n| --- | ---: | ---: | ---: |")
-    for name, graph_tokens, tile, method in rows:
+    for name, graph_tokens, tile, method, kernel in rows:
         triton_ops.decode_tile = original if tile is None else (lambda head_dim, t=tile: t)
-        triton_ops.SAMPLER_PASS = method
+        triton_ops.SAMPLER_PASS, triton_step.USE_KERNEL = method, kernel
         engine = CohortEngine(model, eos_token_ids=None, max_model_len=2048, max_num_seqs=256,
                               prefill_graph_tokens=graph_tokens)
         seconds = wall(engine, prompts, params)
@@ -71,7 +82,7 @@ def main() -> None:
         print(f"| {name} | {256 * 256 / seconds:,.0f} | {pre:.1f} | {b_tok_s:,.0f} |", flush=True)
         del engine
         torch.cuda.empty_cache()
-    triton_ops.decode_tile, triton_ops.SAMPLER_PASS = original, original_pass
+    triton_ops.decode_tile, triton_ops.SAMPLER_PASS, triton_step.USE_KERNEL = original, original_pass, True
 
 
 if __name__ == "__main__":

@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cohort.engine import triton_step
 from cohort.engine.attention import AttnContext
 from cohort.engine.sampler import sample_plain
 from cohort.engine.sequence import Sequence
+from cohort.engine.triton_step import decode_step
 
 if TYPE_CHECKING:
     from cohort.engine.model_runner import ModelRunner
@@ -78,26 +80,20 @@ def collect(runner: ModelRunner, ticket: int, n: int) -> tuple[list[list[int]], 
 
 def body(runner: ModelRunner, bs: int, max_ctx_len: int | None = None) -> None:
     """decode_steps forwards over the static inputs of `bs` rows, advancing them on the device (captured
-    as one graph, or run eagerly without graphs)."""
-    rows, floats, tables = runner._static_rows, runner._static_floats, runner._static_tables[:bs]
-    block, width = runner.config.block_size, runner.config.max_blocks_per_seq
-    scratch_slot = runner.scratch_block * block
-    ids, pos, slots, ctx_lens, seeds, budget = (rows[r, :bs] for r in range(6))
-    ctx = AttnContext(is_prefill=False, slot_mapping=slots, block_tables=tables,
+    as one graph, or run eagerly without graphs). Between forwards, one decode_step (engine/triton_step.py)
+    records the samples, feeds them to the rows within their budget and sets the next forward's KV slots."""
+    rows, floats, tables = runner._static_rows, runner._static_floats, runner._static_tables
+    block = runner.config.block_size
+    step_args = {"n": bs, "block": block, "scratch_slot": runner.scratch_block * block,
+                 "use_triton": runner.sample_in_graph and triton_step.USE_KERNEL}
+    ids, pos, seeds, ctx_lens = rows[0, :bs], rows[1, :bs], rows[4, :bs], rows[3, :bs]
+    ctx = AttnContext(is_prefill=False, slot_mapping=rows[2, :bs], block_tables=tables[:bs],
                       ctx_lens=runner._static_ctx_lens[:bs], max_ctx_len=max_ctx_len)
     out = None if runner._graph_logits is None else runner._graph_logits[:bs]
+    # the fed token sits at position ctx_len - 1: its slot from the block table; rows past their budget
+    # write to the scratch block
+    decode_step(rows, tables, runner._static_ctx_lens, advance=None, prep_step=0, **step_args)
     for j in range(runner.decode_steps):
-        # the fed token sits at position ctx_len - 1: its slot from the block table; rows past their
-        # budget write to the scratch block
-        active = budget > j
-        kv_pos = ctx_lens - 1
-        index = (kv_pos // block).clamp_(0, width - 1)
-        slot = tables.gather(1, index[:, None])[:, 0].long() * block + kv_pos % block
-        slots.copy_(torch.where(active, slot, scratch_slot))
-        # Attention of a row past its budget is computed in vain: it sees one position (its first block's
-        # first slot), not its whole context. Rows that ended ride along in chained launches while most
-        # still decode, and on long contexts their attention was most of a step's waste.
-        runner._static_ctx_lens[:bs].copy_(torch.where(active, ctx_lens, torch.ones_like(ctx_lens)))
         logits = runner.net.logits(runner.net.forward(ids, pos, ctx, runner._cache()), out=out)
         if runner.sample_in_graph:
             from cohort.engine.triton_ops import fused_sample
@@ -105,10 +101,8 @@ def body(runner: ModelRunner, bs: int, max_ctx_len: int | None = None) -> None:
             tokens, logprobs = fused_sample(logits, logits, floats[0, :bs], floats[1, :bs], seeds, ctx_lens)
         else:
             tokens, logprobs = sample_plain(logits, floats[0, :bs], floats[1, :bs], seeds, ctx_lens)
-        runner._multi_tokens[j, :bs].copy_(tokens)
-        runner._multi_logprobs[j, :bs].copy_(logprobs)
         # A valid sample is fed next: the state after the last step is where a chained launch resumes.
-        ids.copy_(torch.where(active, tokens, ids))
-        advance = active.long()
-        pos.add_(advance)
-        ctx_lens.add_(advance)
+        last = j == runner.decode_steps - 1
+        decode_step(rows, tables, runner._static_ctx_lens,
+                    advance=(j, tokens, logprobs, runner._multi_tokens[j, :bs], runner._multi_logprobs[j, :bs]),
+                    prep_step=None if last else j + 1, **step_args)
