@@ -65,10 +65,10 @@ def main() -> None:
         rows = tuple((f"{method} sampler pass{' again' if i >= 2 else ''}", 4096, None, method, True)
                      for i, method in enumerate(("gumbel", "cdf") * 2))
     if args.step_kernel:
-        rows = tuple((f"{'step kernel' if kernel else 'PyTorch bookkeeping'}, {method} sampler{' again' if i >= 2 else ''}",
-                      4096, None, method, kernel)
-                     for i, (kernel, method) in enumerate(((False, "gumbel"), (True, "gumbel")) * 2
-                                                          + ((True, "cdf"),) * 2))
+        settings = ((False, "gumbel"), (True, "gumbel")) * 2 + ((True, "cdf"),) * 2
+        rows = tuple((f"{'step kernel' if kernel else 'PyTorch bookkeeping'}, {method} sampler"
+                      f"{' again' if (kernel, method) in settings[:i] else ''}", 4096, None, method, kernel)
+                     for i, (kernel, method) in enumerate(settings))
     print("| setting | A tok/s | A prefill ms | B tok/s |\n| --- | ---: | ---: | ---: |")
     for name, graph_tokens, tile, method, kernel in rows:
         triton_ops.decode_tile = original if tile is None else (lambda head_dim, t=tile: t)

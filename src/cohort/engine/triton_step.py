@@ -33,6 +33,8 @@ IDS, POS, SLOTS, CTX, SEEDS, BUDGET = range(6)
 USE_KERNEL = True
 
 if triton is not None:
+    # the rows' indices as the kernel sees them (a kernel reads globals only as constexprs)
+    _IDS, _POS, _SLOTS, _CTX, _BUDGET = (tl.constexpr(i) for i in (IDS, POS, SLOTS, CTX, BUDGET))
 
     # The step numbers and the row count vary between calls: unspecialised, so no call compiles a variant
     # of its own in the middle of a generation.
@@ -45,27 +47,27 @@ if triton is not None:
     ):
         offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = offs < n
-        ctx = tl.load(rows_ptr + CTX * stride_rows + offs, mask=ok, other=1)
-        budget = tl.load(rows_ptr + BUDGET * stride_rows + offs, mask=ok, other=0)
+        ctx = tl.load(rows_ptr + _CTX * stride_rows + offs, mask=ok, other=1)
+        budget = tl.load(rows_ptr + _BUDGET * stride_rows + offs, mask=ok, other=0)
         if ADVANCE:
             active = budget > step
             tok = tl.load(tokens_ptr + offs, mask=ok, other=0)
             tl.store(out_tokens_ptr + offs, tok, mask=ok)
             tl.store(out_logprobs_ptr + offs, tl.load(logprobs_ptr + offs, mask=ok, other=0.0), mask=ok)
-            ids = tl.load(rows_ptr + IDS * stride_rows + offs, mask=ok, other=0)
-            tl.store(rows_ptr + IDS * stride_rows + offs, tl.where(active, tok, ids), mask=ok)
+            ids = tl.load(rows_ptr + _IDS * stride_rows + offs, mask=ok, other=0)
+            tl.store(rows_ptr + _IDS * stride_rows + offs, tl.where(active, tok, ids), mask=ok)
             advance = active.to(tl.int64)
-            pos = tl.load(rows_ptr + POS * stride_rows + offs, mask=ok, other=0)
-            tl.store(rows_ptr + POS * stride_rows + offs, pos + advance, mask=ok)
+            pos = tl.load(rows_ptr + _POS * stride_rows + offs, mask=ok, other=0)
+            tl.store(rows_ptr + _POS * stride_rows + offs, pos + advance, mask=ok)
             ctx = ctx + advance
-            tl.store(rows_ptr + CTX * stride_rows + offs, ctx, mask=ok)
+            tl.store(rows_ptr + _CTX * stride_rows + offs, ctx, mask=ok)
         if PREPARE:
             active = budget > prep_step
             kv_pos = ctx - 1  # the fed token's position (context lengths are >= 1)
             index = tl.minimum(kv_pos // block, width - 1)
             blk = tl.load(tables_ptr + offs * stride_tables + index, mask=ok, other=0).to(tl.int64)
             slot = blk * block + kv_pos % block
-            tl.store(rows_ptr + SLOTS * stride_rows + offs, tl.where(active, slot, scratch_slot), mask=ok)
+            tl.store(rows_ptr + _SLOTS * stride_rows + offs, tl.where(active, slot, scratch_slot), mask=ok)
             tl.store(attn_ctx_ptr + offs, tl.where(active, ctx, 1).to(tl.int32), mask=ok)
 
 
