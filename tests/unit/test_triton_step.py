@@ -1,5 +1,6 @@
 """engine/triton_step.py: the multi-step decode loop's bookkeeping kernel against its PyTorch twin (the CPU
-path) under TRITON_INTERPRET=1, and the twin against values worked out by hand.
+path) under TRITON_INTERPRET=1, the kernel built for an H100 on the CPU (the interpreter accepts kernels the
+compiler refuses), and the twin against values worked out by hand.
 
 The interpreter must be on when the kernel module is first imported, so the kernel runs in a child process:
 this file run as a script. Skips without Triton."""
@@ -71,6 +72,22 @@ def _check_kernel() -> None:
                 assert torch.equal(a, b), (top, n, advance_step, prep_step)
             assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
             assert (args[0][:, n:] == _state(top, width, seed=top * 10 + (prep_step or 7))[0][:, n:]).all()
+
+
+@pytest.mark.parametrize("advance, prepare", [(False, True), (True, True), (True, False)])
+def test_kernel_builds_for_the_h100(advance, prepare):
+    pytest.importorskip("triton")
+    from tests.helpers.triton_compile import compile_for_h100
+
+    from cohort.engine.triton_step import _decode_step_kernel
+
+    pointers = {"rows_ptr": "*i64", "tables_ptr": "*i32", "attn_ctx_ptr": "*i32", "tokens_ptr": "*i64",
+                "logprobs_ptr": "*fp32", "out_tokens_ptr": "*i64", "out_logprobs_ptr": "*fp32"}
+    scalars = dict.fromkeys(("stride_rows", "stride_tables", "n", "step", "prep_step", "block", "width",
+                             "scratch_slot"), "i32")
+    constexprs = {"ADVANCE": advance, "PREPARE": prepare, "BLOCK_N": 256}
+    signature = {name: {**pointers, **scalars}.get(name, "constexpr") for name in _decode_step_kernel.arg_names}
+    assert "cubin" in compile_for_h100(_decode_step_kernel, signature, constexprs).asm
 
 
 def test_kernel_equals_the_twin():
