@@ -392,7 +392,11 @@ def _profile_last_call(owner, method: str, last_step: int, label: str, size: str
                 if cuda:
                     torch.cuda.set_sync_debug_mode("default")
                     torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+        # COHORT_BENCH_PROFILE_ROWS=N: the N kernels and operators of most self device time instead (default:
+        # the 25 of most total device time, which lists the compiled regions and autograd nodes first)
+        rows = int(os.environ.get("COHORT_BENCH_PROFILE_ROWS", "0"))
+        table = prof.key_averages().table(sort_by="self_cuda_time_total" if rows else "cuda_time_total",
+                                          row_limit=rows or 25, max_name_column_width=90)
         syncs = Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
         lines = [f"  {n} x {where}" for where, n in syncs.most_common(20)]
         gaps = ""
