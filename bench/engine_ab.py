@@ -6,7 +6,7 @@ twice, then the kernel with the inverse-CDF pass twice. Each row: median
 wall of 3 runs of engine.generate after a warm-up, and the engine loop's prefill time (engine.step of the
 prefill, synchronised).
 
-    PYTHONPATH=src:. python3 bench/engine_ab.py [--sampler-cdf | --step-kernel]
+    PYTHONPATH=src:. python3 bench/engine_ab.py [--sampler-cdf | --step-kernel | --decode-steps 8,16]
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ def main() -> None:
     p.add_argument("--sampler-cdf", action="store_true", help="A/B the sampler's inverse-CDF pass instead")
     p.add_argument("--step-kernel", action="store_true",
                    help="A/B the multi-step loop's bookkeeping kernel against the PyTorch operations instead")
+    p.add_argument("--decode-steps", default=None,
+                   help="A/B decode steps per graph instead, e.g. 8,16 (each value twice, alternated)")
     args = p.parse_args()
     model = build_model()
     prompts = workload_a(model.config.vocab_size)
@@ -69,12 +71,18 @@ def main() -> None:
         rows = tuple((f"{'step kernel' if kernel else 'PyTorch bookkeeping'}, {method} sampler"
                       f"{' again' if (kernel, method) in settings[:i] else ''}", 4096, None, method, kernel)
                      for i, (kernel, method) in enumerate(settings))
+    steps_of = {}
+    if args.decode_steps:
+        values = [int(v) for v in args.decode_steps.split(",")] * 2
+        rows = tuple((f"decode_steps={v}{' again' if v in values[:i] else ''}", 4096, None, "gumbel", True)
+                     for i, v in enumerate(values))
+        steps_of = {row[0]: v for row, v in zip(rows, values)}
     print("| setting | A tok/s | A prefill ms | B tok/s |\n| --- | ---: | ---: | ---: |")
     for name, graph_tokens, tile, method, kernel in rows:
         triton_ops.decode_tile = original if tile is None else (lambda head_dim, t=tile: t)
         triton_ops.SAMPLER_PASS, triton_step.USE_KERNEL = method, kernel
         engine = CohortEngine(model, eos_token_ids=None, max_model_len=2048, max_num_seqs=256,
-                              prefill_graph_tokens=graph_tokens)
+                              prefill_graph_tokens=graph_tokens, decode_steps=steps_of.get(name))
         seconds = wall(engine, prompts, params)
         pre = statistics.median(prefill_ms(engine, prompts, params) for _ in range(3))
         run_engine_mixed(engine, model.config.vocab_size)

@@ -263,6 +263,20 @@ def loop_breakdown(engine, prompts) -> str:
             f"per step)")
 
 
+def lm_head_table(hidden: int = 896, vocab: int = 151936) -> None:
+    """The decode LM head at 1-256 rows in the two layouts cuBLAS can give: logits [rows, vocab] (x @ W^T, what
+    the engine and its sampler use) and their transpose [vocab, rows] (W @ x^T), each timed as a CUDA graph."""
+    w = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16)
+    print(f"| LM head {hidden} x {vocab}, rows | x @ W^T us | W @ x^T us |\n| ---: | ---: | ---: |")
+    for rows in (256, 128, 64, 16, 1):
+        x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+        rows_out = torch.empty(rows, vocab, device="cuda", dtype=torch.bfloat16)
+        cols_out = torch.empty(vocab, rows, device="cuda", dtype=torch.bfloat16)
+        a = graph_ms(lambda x=x, o=rows_out: torch.matmul(x, w.t(), out=o)) * 1000
+        b = graph_ms(lambda x=x, o=cols_out: torch.matmul(w, x.t(), out=o)) * 1000
+        print(f"| {rows} | {a:.1f} | {b:.1f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--trace-dir", default=None, help="save the engine.generate Chrome trace (gzipped) here")
@@ -271,7 +285,11 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=None,
                    help="--attention-only on standalone caches: query heads (1.5B: 12), with --head-dim")
     p.add_argument("--head-dim", type=int, default=None, help="--attention-only: head size (1.5B: 128)")
+    p.add_argument("--lm-head", action="store_true", help="only the LM head's two layouts")
     args = p.parse_args()
+    if args.lm_head:
+        lm_head_table()
+        return
     if args.sampler_passes:
         sampler_pass_table()
         return
