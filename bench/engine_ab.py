@@ -6,20 +6,19 @@ twice, then the kernel with the inverse-CDF pass twice. Each row: median
 wall of 3 runs of engine.generate after a warm-up, and the engine loop's prefill time (engine.step of the
 prefill, synchronised).
 
-    PYTHONPATH=src:. python3 bench/engine_ab.py [--sampler-cdf | --step-kernel | --fused-qkv | --decode-steps 8,16]
+    PYTHONPATH=src:. python3 bench/engine_ab.py [--sampler-cdf | --step-kernel | --decode-steps 8,16]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
 from rollout import build_model, run_engine_mixed, workload_a  # bench/ is the script's folder, so on sys.path
 
-from cohort.engine import CohortEngine, triton_ops, triton_qkv, triton_step
+from cohort.engine import CohortEngine, triton_ops, triton_step
 from cohort.types import SamplingParams
 
 
@@ -53,8 +52,6 @@ def main() -> None:
     p.add_argument("--sampler-cdf", action="store_true", help="A/B the sampler's inverse-CDF pass instead")
     p.add_argument("--step-kernel", action="store_true",
                    help="A/B the multi-step loop's bookkeeping kernel against the PyTorch operations instead")
-    p.add_argument("--fused-qkv", action="store_true",
-                   help="A/B the decode QKV + RoPE + cache kernel (triton_qkv) against GEMM then RoPE kernel instead")
     p.add_argument("--decode-steps", default=None,
                    help="A/B decode steps per graph instead, e.g. 8,16 (each value twice, alternated)")
     args = p.parse_args()
@@ -74,10 +71,6 @@ def main() -> None:
         rows = tuple((f"{'step kernel' if kernel else 'PyTorch bookkeeping'}, {method} sampler"
                       f"{' again' if (kernel, method) in settings[:i] else ''}", 4096, None, method, kernel)
                      for i, (kernel, method) in enumerate(settings))
-    if args.fused_qkv:
-        rows = tuple((f"QKV + RoPE + cache {'one kernel' if on else 'GEMM, then RoPE kernel'}"
-                      f"{' again' if i >= 2 else ''}", 4096, None, "gumbel", True)
-                     for i, on in enumerate((False, True) * 2))
     steps_of = {}
     if args.decode_steps:
         values = [int(v) for v in args.decode_steps.split(",")] * 2
@@ -88,8 +81,6 @@ def main() -> None:
     for name, graph_tokens, tile, method, kernel in rows:
         triton_ops.decode_tile = original if tile is None else (lambda head_dim, t=tile: t)
         triton_ops.SAMPLER_PASS, triton_step.USE_KERNEL = method, kernel
-        if args.fused_qkv:  # read when the engine builds its model forward
-            os.environ[triton_qkv.ENV_SWITCH] = "1" if "one kernel" in name else "0"
         engine = CohortEngine(model, eos_token_ids=None, max_model_len=2048, max_num_seqs=256,
                               prefill_graph_tokens=graph_tokens, decode_steps=steps_of.get(name))
         seconds = wall(engine, prompts, params)

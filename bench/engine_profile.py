@@ -15,7 +15,6 @@ busy time and idle gaps (trace_gaps.py; the Chrome traces saved under --trace-di
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import time
 
@@ -278,49 +277,6 @@ def lm_head_table(hidden: int = 896, vocab: int = 151936) -> None:
         print(f"| {rows} | {a:.1f} | {b:.1f} |")
 
 
-def _unfused_qkv(x, w, b, cos, sin, k_cache, v_cache, slots, heads, kv_heads) -> None:
-    """The decode path without triton_qkv: the QKV GEMM with its bias, then triton_rope.rope_store_kv."""
-    import torch.nn.functional as F
-
-    from cohort.engine.triton_rope import rope_store_kv
-
-    head_dim = k_cache.shape[-1]
-    q, k, v = F.linear(x, w, b).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
-    rope_store_kv(q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim),
-                  cos, sin, k_cache, v_cache, slots)
-
-
-def qkv_table() -> None:
-    """The decode step's QKV projection + RoPE + cache write: cuBLAS (F.linear with bias) then
-    triton_rope.rope_store_kv (the unfused path) against triton_qkv.qkv_rope_store in several tilings, at
-    1-256 rows, both architectures, each timed as a CUDA graph (us per layer)."""
-    from cohort.engine.triton_qkv import qkv_rope_store
-
-    configs = [(32, 64, 4, 3), (16, 64, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 2, 3), (32, 64, 4, 4),
-               (16, 128, 4, 4), (32, 128, 8, 3)]  # (rows per program, K step, warps, stages)
-    for name, heads, kv_heads, head_dim, hidden in (("0.5B", 14, 2, 64, 896), ("1.5B", 12, 2, 128, 1536)):
-        out = (heads + 2 * kv_heads) * head_dim
-        w = torch.randn(out, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
-        b = torch.randn(out, device="cuda", dtype=torch.bfloat16) * 0.02
-        k_cache = torch.zeros(4096, 16, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
-        v_cache = torch.zeros_like(k_cache)
-        print(f"| {name} QKV + RoPE + cache, rows | cuBLAS + rope_store_kv | "
-              + " | ".join(f"fused {c[0]}x{c[1]} w{c[2]} s{c[3]}" for c in configs) + " |")
-        print("| ---: | ---: | " + " | ".join("---:" for _ in configs) + " |")
-        for rows in (256, 128, 64, 16, 1):
-            x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
-            cos = torch.randn(rows, head_dim, device="cuda", dtype=torch.bfloat16)
-            sin = torch.randn(rows, head_dim, device="cuda", dtype=torch.bfloat16)
-            slots = torch.randperm(4096 * 16, device="cuda")[:rows]
-
-            args = (x, w, b, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
-            times = [graph_ms(functools.partial(_unfused_qkv, *args)) * 1000]
-            for bm, bk, warps, stages in configs:
-                times.append(graph_ms(functools.partial(qkv_rope_store, *args, block_rows=bm, block_k=bk,
-                                                        num_warps=warps, num_stages=stages)) * 1000)
-            print(f"| {rows} | " + " | ".join(f"{t:.1f}" for t in times) + " |", flush=True)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--trace-dir", default=None, help="save the engine.generate Chrome trace (gzipped) here")
@@ -330,11 +286,7 @@ def main() -> None:
                    help="--attention-only on standalone caches: query heads (1.5B: 12), with --head-dim")
     p.add_argument("--head-dim", type=int, default=None, help="--attention-only: head size (1.5B: 128)")
     p.add_argument("--lm-head", action="store_true", help="only the LM head's two layouts")
-    p.add_argument("--qkv", action="store_true", help="only the fused QKV + RoPE + cache write kernel's tilings")
     args = p.parse_args()
-    if args.qkv:
-        qkv_table()
-        return
     if args.lm_head:
         lm_head_table()
         return

@@ -14,9 +14,7 @@ window from `layer_windows` and pass it to the attention.
 On CUDA with Triton, RoPE and the K/V cache write of each layer are one kernel (triton_rope.rope_store_kv,
 same numerics as `layers.rope` run eagerly); `fused_rope_kv` says which path an instance takes, and
 COHORT_FUSED_ROPE_KV=0 in the environment turns it off for the models built after (A/B against the compiled
-RoPE + index_copy_ path). Decode steps of models without q/k head norms go one further: the QKV projection,
-RoPE and the cache write are one kernel (triton_qkv.qkv_rope_store, `fused_qkv_rope`; COHORT_FUSED_QKV_ROPE=0
-turns it off).
+RoPE + index_copy_ path).
 """
 
 from __future__ import annotations
@@ -106,8 +104,6 @@ class DecoderForward:
     # RoPE + cache write in one Triton kernel (set per instance in __init__; subclasses that build
     # themselves without it, like the VLM decoder, keep the unfused path).
     fused_rope_kv = False
-    # Decode steps: QKV projection + RoPE + cache write in one Triton kernel (triton_qkv; set in __init__).
-    fused_qkv_rope = False
 
     @classmethod
     def unsupported(cls, model: HFModule) -> str | None:
@@ -141,11 +137,6 @@ class DecoderForward:
         from cohort.engine.triton_rope import fused_rope_kv_supported  # imports Triton, when installed
 
         self.fused_rope_kv = fused_rope_kv_supported(self.device, self.head_dim)
-        from cohort.engine.triton_qkv import fused_qkv_rope_supported
-
-        # q/k head norms (Qwen3, Gemma 3) sit between the projection and RoPE: those keep the two kernels
-        self.fused_qkv_rope = self.fused_rope_kv and not self.qk_norm \
-            and fused_qkv_rope_supported(self.device, self.head_dim)
         self.fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
         if fuse_projections is None:
             fuse_projections = self._plain_linears() and self._fused_copies_fit()
@@ -250,14 +241,6 @@ class DecoderForward:
                    ctx: AttnContext, kv_cache: torch.Tensor) -> torch.Tensor:
         attn = layer.self_attn
         tokens = h.shape[0]
-        if self.fused_qkv_rope and self.fused and not ctx.is_prefill:
-            from cohort.engine.triton_qkv import qkv_rope_store
-
-            weight, bias, _ = self.fused[i]
-            q = qkv_rope_store(h, weight, bias, cos, sin, kv_cache[0, i], kv_cache[1, i], ctx.slot_mapping,
-                               self.num_heads, self.num_kv_heads)
-            o = self.attention.decode(q, kv_cache[0, i], kv_cache[1, i], ctx, self.scale, window=self.windows[i])
-            return attn.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
         q, k, v = self._qkv(i, attn, h)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
