@@ -6,7 +6,7 @@ twice, then the kernel with the inverse-CDF pass twice. Each row: median
 wall of 3 runs of engine.generate after a warm-up, and the engine loop's prefill time (engine.step of the
 prefill, synchronised).
 
-    PYTHONPATH=src:. python3 bench/engine_ab.py [--sampler-cdf | --step-kernel | --decode-steps 8,16]
+    PYTHONPATH=src:. python3 bench/engine_ab.py [--sampler-cdf | --step-kernel | --sampler-load | --decode-steps 8,16]
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ def main() -> None:
     p.add_argument("--sampler-cdf", action="store_true", help="A/B the sampler's inverse-CDF pass instead")
     p.add_argument("--step-kernel", action="store_true",
                    help="A/B the multi-step loop's bookkeeping kernel against the PyTorch operations instead")
+    p.add_argument("--sampler-load", action="store_true",
+                   help="A/B the Gumbel pass reading unfiltered rows once against twice (triton_ops.SAMPLER_ONE_LOAD)")
     p.add_argument("--decode-steps", default=None,
                    help="A/B decode steps per graph instead, e.g. 8,16 (each value twice, alternated)")
     args = p.parse_args()
@@ -71,6 +73,11 @@ def main() -> None:
         rows = tuple((f"{'step kernel' if kernel else 'PyTorch bookkeeping'}, {method} sampler"
                       f"{' again' if (kernel, method) in settings[:i] else ''}", 4096, None, method, kernel)
                      for i, (kernel, method) in enumerate(settings))
+    one_load = {}
+    if args.sampler_load:
+        rows = tuple((f"Gumbel pass, rows read {'once' if once else 'twice'}{' again' if i >= 2 else ''}", 4096, None,
+                      "gumbel", True) for i, once in enumerate((False, True) * 2))
+        one_load = {row[0]: "once" in row[0] for row in rows}
     steps_of = {}
     if args.decode_steps:
         values = [int(v) for v in args.decode_steps.split(",")] * 2
@@ -81,6 +88,7 @@ def main() -> None:
     for name, graph_tokens, tile, method, kernel in rows:
         triton_ops.decode_tile = original if tile is None else (lambda head_dim, t=tile: t)
         triton_ops.SAMPLER_PASS, triton_step.USE_KERNEL = method, kernel
+        triton_ops.SAMPLER_ONE_LOAD = one_load.get(name, True)
         engine = CohortEngine(model, eos_token_ids=None, max_model_len=2048, max_num_seqs=256,
                               prefill_graph_tokens=graph_tokens, decode_steps=steps_of.get(name))
         seconds = wall(engine, prompts, params)
@@ -91,6 +99,7 @@ def main() -> None:
         del engine
         torch.cuda.empty_cache()
     triton_ops.decode_tile, triton_ops.SAMPLER_PASS, triton_step.USE_KERNEL = original, original_pass, True
+    triton_ops.SAMPLER_ONE_LOAD = True
 
 
 if __name__ == "__main__":

@@ -38,6 +38,16 @@ def _check_draws(triton_ops) -> None:
             ref_tokens, ref_lp = _reference(logits, inv_t, noise, seeds, positions)
             assert tokens.tolist() == ref_tokens.tolist(), (vocab, splits)
             torch.testing.assert_close(logprobs, ref_lp, atol=1e-5, rtol=1e-5)
+            # filtered rows: the draw from the processed values (here a top-50 cut), the logprob from the logits
+            cut = logits.float().topk(50, dim=-1).values[:, -1:]
+            choice = torch.where(logits.float() >= cut, logits.float(), float("-inf")).to(logits.dtype)
+            tokens, logprobs = triton_ops.fused_sample(logits, choice, inv_t, noise, seeds, positions,
+                                                       splits=splits, block_v=256, num_warps=4)
+            drawn, _ = _reference(choice, inv_t, noise, seeds, positions)
+            assert tokens.tolist() == drawn.tolist() and bool((choice.gather(1, tokens[:, None]) > -1e30).all())
+            scaled = logits.float() * inv_t[:, None]
+            want = scaled.gather(-1, tokens[:, None])[:, 0] - scaled.logsumexp(-1)
+            torch.testing.assert_close(logprobs, want, atol=1e-5, rtol=1e-5)
 
 
 def _check_ties(triton_ops, method: str = "gumbel") -> None:

@@ -194,7 +194,10 @@ class Sampler:
             for method in methods:
                 triton_ops.fused_sample(logits, logits, floats[0, :rows], floats[1, :rows], ints[0, :rows],
                                         ints[1, :rows], method=method)
-        return len(firsts) * len(methods)
+            # the filtered rows' variant: the processed values are a tensor of their own
+            triton_ops.fused_sample(logits, logits.clone(), floats[0, :rows], floats[1, :rows], ints[0, :rows],
+                                    ints[1, :rows], method="gumbel")
+        return len(firsts) * (len(methods) + 1)
 
     def _processed(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
         """Logits after penalties and filters, still at temperature 1 (None when nothing applies)."""

@@ -154,7 +154,7 @@ if triton is not None:
         logits_ptr, choice_ptr, inv_temp_ptr, noise_ptr, seeds_ptr, pos_ptr,
         part_m_ptr, part_s_ptr, part_best_ptr, part_idx_ptr,
         vocab, stride_l, stride_c, SPAN: tl.constexpr, SPLITS: tl.constexpr, BLOCK_V: tl.constexpr,
-        FAST_LOG: tl.constexpr,
+        FAST_LOG: tl.constexpr, CHOICE_IS_LOGITS: tl.constexpr,
     ):
         row = tl.program_id(0)
         part = tl.program_id(1)
@@ -172,7 +172,10 @@ if triton is not None:
             idx = lo + start + cols
             ok = idx < hi
             x = tl.load(logits_ptr + row * stride_l + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
-            c = tl.load(choice_ptr + row * stride_c + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+            if CHOICE_IS_LOGITS:  # no filters (the decode loop's rows): the same values, one load
+                c = x
+            else:
+                c = tl.load(choice_ptr + row * stride_c + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
             h = _mix32(key + idx.to(tl.uint32) * 0x61C88647)
             u = _uniform(h)
             if FAST_LOG:  # the hardware's approximate log2 (the accurate log is ~20 instructions, twice here)
@@ -297,6 +300,9 @@ def sample_splits(rows: int, vocab: int, block_v: int = 1024) -> int:
 # (`bench/engine_ab.py --sampler-cdf`) shows "cdf" faster; the engine's CUDA graphs capture the one set.
 SAMPLER_PASS = "gumbel"
 SAMPLER_PASSES = ("gumbel", "cdf")
+# The Gumbel pass reads a row once when the sampled values are the logits themselves (no filters); False reads
+# them twice as the filtered case does (bench/engine_ab.py --sampler-load's A/B).
+SAMPLER_ONE_LOAD = True
 
 
 def fused_sample(logits: torch.Tensor, choice: torch.Tensor, inv_temp: torch.Tensor, noise: torch.Tensor,
@@ -340,7 +346,7 @@ def fused_sample(logits: torch.Tensor, choice: torch.Tensor, inv_temp: torch.Ten
     _sample_partial_kernel[(rows, splits)](
         logits, choice, inv_temp, noise, seeds, positions, part_m, part_s, part_best, part_idx,
         vocab, logits.stride(0), choice.stride(0), SPAN=span, SPLITS=splits, BLOCK_V=block_v,
-        FAST_LOG=fast_log, num_warps=num_warps,
+        FAST_LOG=fast_log, CHOICE_IS_LOGITS=choice is logits and SAMPLER_ONE_LOAD, num_warps=num_warps,
     )
     _sample_combine_kernel[(rows,)](
         logits, inv_temp, part_m, part_s, part_best, part_idx, tokens, logprobs, vocab, logits.stride(0),
