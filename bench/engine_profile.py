@@ -15,7 +15,6 @@ busy time and idle gaps (trace_gaps.py; the Chrome traces saved under --trace-di
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import time
 
@@ -278,40 +277,6 @@ def lm_head_table(hidden: int = 896, vocab: int = 151936) -> None:
         print(f"| {rows} | {a:.1f} | {b:.1f} |")
 
 
-def _unfused_silu_down(gate_up, weight, silu_mul) -> torch.Tensor:
-    """The decode MLP's second half without triton_mlp: the compiled SiLU-and-multiply, then the down GEMM."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.linear(silu_mul(gate, up), weight)
-
-
-def silu_down_table() -> None:
-    """SiLU(gate) * up then the down GEMM: the engine's compiled elementwise op + cuBLAS against
-    triton_mlp.silu_down in several tilings, at 1-256 rows, both architectures, each timed as a CUDA graph
-    (us per layer)."""
-    from cohort.engine.models.layers import fused_ops
-    from cohort.engine.triton_mlp import Tiling, default_tiling, silu_down
-
-    silu_mul = fused_ops(torch.device("cuda")).silu_mul
-    configs = [Tiling(128, 64, 64, 4, 8, 4), Tiling(64, 64, 128, 4, 4, 3), Tiling(64, 64, 128, 8, 4, 3),
-               Tiling(64, 64, 64, 4, 4, 4), Tiling(128, 64, 64, 8, 8, 4), Tiling(64, 128, 64, 4, 4, 4),
-               Tiling(128, 128, 64, 4, 8, 3), Tiling(64, 32, 128, 4, 4, 3)]
-    for name, hidden, inter in (("0.5B", 896, 4864), ("1.5B", 1536, 8960)):
-        w = torch.randn(hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02
-        print(f"| {name} SiLU * up + down, rows | compiled SiLU + cuBLAS | default | "
-              + " | ".join(f"{c.block_m}x{c.block_n}x{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}"
-                           for c in configs) + " |")
-        print("| ---: | ---: | ---: | " + " | ".join("---:" for _ in configs) + " |")
-        for rows in (256, 128, 64, 16, 1):
-            gate_up = torch.randn(rows, 2 * inter, device="cuda", dtype=torch.bfloat16)
-            want = _unfused_silu_down(gate_up, w, silu_mul)
-            err = (silu_down(gate_up, w).float() - want.float()).abs().max().item()
-            times = [graph_ms(functools.partial(_unfused_silu_down, gate_up, w, silu_mul)) * 1000,
-                     graph_ms(functools.partial(silu_down, gate_up, w, default_tiling(rows))) * 1000]
-            for c in configs:
-                times.append(graph_ms(functools.partial(silu_down, gate_up, w, c)) * 1000)
-            print(f"| {rows} | " + " | ".join(f"{t:.1f}" for t in times) + f" | (max diff {err:.3g})", flush=True)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--trace-dir", default=None, help="save the engine.generate Chrome trace (gzipped) here")
@@ -321,11 +286,7 @@ def main() -> None:
                    help="--attention-only on standalone caches: query heads (1.5B: 12), with --head-dim")
     p.add_argument("--head-dim", type=int, default=None, help="--attention-only: head size (1.5B: 128)")
     p.add_argument("--lm-head", action="store_true", help="only the LM head's two layouts")
-    p.add_argument("--silu-down", action="store_true", help="only the fused SiLU * up + down GEMM's tilings")
     args = p.parse_args()
-    if args.silu_down:
-        silu_down_table()
-        return
     if args.lm_head:
         lm_head_table()
         return

@@ -38,34 +38,3 @@ def patch_interpreter_index() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interpreter._patch_lang_tensor = patched
-
-
-def patch_interpreter_bf16_rounding() -> None:
-    """Triton 3.6's interpreter converts float32 to bfloat16 by truncation where the GPU rounds to nearest
-    even, and its tl.dot multiplies bfloat16 operands as their raw 16-bit patterns; give it the GPU's rounding
-    (through torch) and products of the values (call in the child, before running a kernel)."""
-    import numpy as np
-    import torch
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    cast = interpreter.InterpreterBuilder.cast_impl
-
-    def cast_rne(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16)
-            return interpreter.TensorHandle(bits.numpy().view(np.uint16), tl.bfloat16)
-        return cast(self, src, dst_type)
-
-    interpreter.InterpreterBuilder.cast_impl = cast_rne
-    dot = interpreter.InterpreterBuilder.create_dot
-
-    def bf16_values(handle):
-        bits = np.ascontiguousarray(handle.data).view(np.int16)
-        return interpreter.TensorHandle(torch.from_numpy(bits).view(torch.bfloat16).float().numpy(), tl.float32)
-
-    def dot_of_values(self, a, b, d, input_precision, max_num_imprecise_acc):
-        a, b = (bf16_values(x) if x.dtype.scalar == tl.bfloat16 else x for x in (a, b))
-        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    interpreter.InterpreterBuilder.create_dot = dot_of_values
