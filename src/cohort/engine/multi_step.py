@@ -13,6 +13,7 @@ The functions are ModelRunner methods (`launch_multi`, `collect_multi`, `_multi_
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -84,15 +85,15 @@ def body(runner: ModelRunner, bs: int, max_ctx_len: int | None = None) -> None:
     records the samples, feeds them to the rows within their budget and sets the next forward's KV slots."""
     rows, floats, tables = runner._static_rows, runner._static_floats, runner._static_tables
     block = runner.config.block_size
-    step_args = {"n": bs, "block": block, "scratch_slot": runner.scratch_block * block,
-                 "use_triton": runner.sample_in_graph and triton_step.USE_KERNEL}
+    step = functools.partial(decode_step, n=bs, block=block, scratch_slot=runner.scratch_block * block,
+                             use_triton=runner.sample_in_graph and triton_step.USE_KERNEL)
     ids, pos, seeds, ctx_lens = rows[0, :bs], rows[1, :bs], rows[4, :bs], rows[3, :bs]
     ctx = AttnContext(is_prefill=False, slot_mapping=rows[2, :bs], block_tables=tables[:bs],
                       ctx_lens=runner._static_ctx_lens[:bs], max_ctx_len=max_ctx_len)
     out = None if runner._graph_logits is None else runner._graph_logits[:bs]
     # the fed token sits at position ctx_len - 1: its slot from the block table; rows past their budget
     # write to the scratch block
-    decode_step(rows, tables, runner._static_ctx_lens, advance=None, prep_step=0, **step_args)
+    step(rows, tables, runner._static_ctx_lens, advance=None, prep_step=0)
     for j in range(runner.decode_steps):
         logits = runner.net.logits(runner.net.forward(ids, pos, ctx, runner._cache()), out=out)
         if runner.sample_in_graph:
@@ -103,6 +104,6 @@ def body(runner: ModelRunner, bs: int, max_ctx_len: int | None = None) -> None:
             tokens, logprobs = sample_plain(logits, floats[0, :bs], floats[1, :bs], seeds, ctx_lens)
         # A valid sample is fed next: the state after the last step is where a chained launch resumes.
         last = j == runner.decode_steps - 1
-        decode_step(rows, tables, runner._static_ctx_lens,
-                    advance=(j, tokens, logprobs, runner._multi_tokens[j, :bs], runner._multi_logprobs[j, :bs]),
-                    prep_step=None if last else j + 1, **step_args)
+        step(rows, tables, runner._static_ctx_lens,
+             advance=(j, tokens, logprobs, runner._multi_tokens[j, :bs], runner._multi_logprobs[j, :bs]),
+             prep_step=None if last else j + 1)
