@@ -4,6 +4,7 @@ reconnection to a restarted server, and OpenAI-shaped answers."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import urllib.request
 import pytest
 import torch
 from tests.helpers.serving import ServerProcess
+from tests.helpers.threads import run_at_once
 from tests.helpers.tiny_models import tiny_llama
 from tests.helpers.toy_task import tiny_model, write_toy_workspace
 
@@ -325,18 +327,7 @@ def test_concurrent_requests_decode_as_one_batch_with_their_own_draws(workspace)
     alone = [engine.generate(p, q) for p, q in requests]
     calls, original = [], engine.generate
     engine.generate = lambda prompts, params: calls.append(len(prompts)) or original(prompts, params)
-    results: dict[int, tuple] = {}
-    start = threading.Barrier(len(requests))
-
-    def client(k):
-        start.wait()
-        results[k] = server.generate(*requests[k])
-
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    results = run_at_once([functools.partial(server.generate, *request) for request in requests], timeout_s=30)
     assert calls == [6]  # 2 + 1 + 3 prompts in one generate
     for k in range(len(requests)):
         groups, version = results[k]

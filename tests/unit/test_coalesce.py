@@ -4,9 +4,11 @@ is answered as soon as its own batch is done (the lead passes on)."""
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import pytest
+from tests.helpers.threads import run_at_once
 
 from cohort.serving.coalesce import Coalescer
 from cohort.types import Completion, SamplingParams
@@ -35,18 +37,7 @@ def test_concurrent_requests_share_a_batch_and_draw_as_alone():
         return engine_like(prompts, params)
 
     co = Coalescer(generate, window_s=0.2)  # long enough for the three threads to queue
-    results: dict[int, list] = {}
-    start = threading.Barrier(len(REQUESTS))
-
-    def client(k):
-        start.wait()
-        results[k] = co.run(*REQUESTS[k])
-
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(len(REQUESTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
+    results = run_at_once([functools.partial(co.run, *request) for request in REQUESTS], timeout_s=10)
     assert calls == [6]  # one merged batch of all six prompts
     for k, (prompts, params) in enumerate(REQUESTS):
         assert [[c.token_ids for c in g] for g in results[k]] == [[c.token_ids for c in g] for g in _alone(prompts, params)]
@@ -57,21 +48,8 @@ def test_an_error_reaches_every_caller_of_its_batch():
         raise RuntimeError("engine failed")
 
     co = Coalescer(generate, window_s=0.1)
-    errors = []
-    start = threading.Barrier(2)
-
-    def client(k):
-        start.wait()
-        try:
-            co.run(*REQUESTS[k])
-        except RuntimeError as exc:
-            errors.append(str(exc))
-
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
+    outcomes = run_at_once([functools.partial(co.run, *REQUESTS[k]) for k in range(2)], timeout_s=10)
+    errors = [str(exc) for exc in outcomes if isinstance(exc, RuntimeError)]
     assert errors == ["engine failed", "engine failed"]
     assert co._running is False  # the next request leads again
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):

@@ -22,7 +22,6 @@ from cohort.engine import triton_step
 from cohort.engine.attention import AttnContext
 from cohort.engine.sampler import sample_plain
 from cohort.engine.sequence import Sequence
-from cohort.engine.triton_step import decode_step
 
 if TYPE_CHECKING:
     from cohort.engine.model_runner import ModelRunner
@@ -85,7 +84,7 @@ def body(runner: ModelRunner, bs: int, max_ctx_len: int | None = None) -> None:
     records the samples, feeds them to the rows within their budget and sets the next forward's KV slots."""
     rows, floats, tables = runner._static_rows, runner._static_floats, runner._static_tables
     block = runner.config.block_size
-    step = functools.partial(decode_step, n=bs, block=block, scratch_slot=runner.scratch_block * block,
+    step = functools.partial(triton_step.decode_step, n=bs, block=block, scratch_slot=runner.scratch_block * block,
                              use_triton=runner.sample_in_graph and triton_step.USE_KERNEL)
     ids, pos, seeds, ctx_lens = rows[0, :bs], rows[1, :bs], rows[4, :bs], rows[3, :bs]
     ctx = AttnContext(is_prefill=False, slot_mapping=rows[2, :bs], block_tables=tables[:bs],
