@@ -12,6 +12,10 @@ the 0.5B bench update's FLOPs). What is counted here, per sequence of S = P + C 
   backward, per layer: 6 x d_attn x S (S + 1) per layer and sequence;
 - not counted: recomputation (gradient checkpointing, FlashAttention's backward), the embedding lookup,
   norms and activations, the optimizer.
+
+With shared prompts (cohort's train.share_prompts: one copy of a prompt per row, its `shared` completions after
+it) the count is of the work done: the prompt's tokens go through the weights once per group, and its causal
+attention (P (P + 1) / 2 query-key pairs) is computed once; each completion still attends to the whole prompt.
 """
 
 from __future__ import annotations
@@ -34,12 +38,15 @@ def attention_width(spec: dict) -> int:
 
 
 def update_flops(spec: dict, *, num_params: int, tied: bool, sequences: int, prompt_len: int,
-                 completion_len: int, weight_grads: bool = True) -> float:
+                 completion_len: int, weight_grads: bool = True, shared: int = 1) -> float:
     """FLOPs of one update over `sequences` sequences of prompt_len + completion_len tokens (see the module
-    docstring). weight_grads=False: frozen weights (LoRA), 4 FLOPs per weight per token instead of 6."""
+    docstring). weight_grads=False: frozen weights (LoRA), 4 FLOPs per weight per token instead of 6.
+    shared: completions per copy of their prompt (1: every sequence carries its own prompt)."""
     per_weight = 6 if weight_grads else 4
     length = prompt_len + completion_len
-    body = per_weight * decoder_params(num_params, spec, tied) * length
+    body = per_weight * decoder_params(num_params, spec, tied) * (prompt_len / shared + completion_len)
     head = per_weight * head_params(spec) * completion_len
-    attention = 6 * spec["num_hidden_layers"] * attention_width(spec) * length * (length + 1)
+    prompt_pairs = prompt_len * (prompt_len + 1) / 2
+    pairs = prompt_pairs / shared + length * (length + 1) / 2 - prompt_pairs  # query-key pairs per sequence
+    attention = 12 * spec["num_hidden_layers"] * attention_width(spec) * pairs
     return float(sequences) * (body + head + attention)

@@ -51,8 +51,12 @@ weights and AdamW, packed micro-batches of `--token-budget` tokens (32768 on 0.5
 micro-batch: 33,024 and 12,288 on the bench workload, see even_budget), logprob
 chunks of 8192 tokens, train.keep_logits=true (the LM-head logits kept for the backward, not recomputed; this
 row only, not bench/scale.py's or bench/serve.py's), KV pool sized to the workload, decoder layers compiled with
-cohort.packing.compile_decoder_layers on CUDA, retried eager if that fails); `cohort-fa4` (the fast row with
-model.packed_attention=fa4: the update's packed attention through FlashAttention-4, `pip install flash-attn-4`);
+cohort.packing.compile_decoder_layers on CUDA, retried eager if that fails; train.share_prompts at its default,
+true: each micro-batch row holds a prompt once with its completions after it, cohort.shared_prompts);
+`cohort-plain` (the fast row with train.share_prompts=false: every completion with its own copy of the prompt,
+the layout of earlier rounds; opt-in); `cohort-fa4` (the fast row with
+model.packed_attention=fa4: the update's packed attention through FlashAttention-4, `pip install flash-attn-4`;
+opt-in);
 `cohort-lowmem` (plain config fields: model.gradient_checkpointing, train.master_weights=false (bf16 AdamW
 moments as TRL, LM-head gradient summed in bf16), train.logprob_chunk_tokens=256, generation.fuse_projections=
 false, generation.release_kv_during_update=true, train.optimizer_offload=true (Adam moments in host memory,
@@ -95,7 +99,8 @@ FAST_TOKEN_BUDGET = {"tiny": 256, "0.5b": 32768, "1.5b": 12288}
 FAST_CHUNK_TOKENS = {"0.5b": 8192, "1.5b": 8192}  # logprob chunk of the fast row (else the trainer's default)
 PEAK_FLOPS = 989e12  # H100 SXM, dense bf16
 QWEN_EOS = 151643
-RUNNERS = ("trl", "trl-tuned", "cohort", "cohort-fa4", "cohort-lowmem")
+RUNNERS = ("trl", "trl-tuned", "cohort", "cohort-plain", "cohort-fa4", "cohort-lowmem")
+OPT_IN = ("cohort-plain", "cohort-fa4")  # rows run only when --runners names them
 TRL_RUNNERS = ("trl", "trl-tuned")
 TRL_TUNED_MICRO = 32  # issue 16's TRL tuned setting: 32 completions per micro-batch (8 per step at 32 x 8)
 ENGINE_OVERHEAD_GIB = 0.35  # engine beside its KV pool: graph logits (256 rows), prefill transients
@@ -216,6 +221,7 @@ def _cohort_config(args, lowmem: bool, kv_fraction: float, token_budget: int):
     # setup compiles the decoder layers on CUDA (and the memory estimate it prints knows they are compiled)
     cfg.model.compile_layers = bool(getattr(args, "compile_layers", False))  # bench/scale.py sets its own
     cfg.model.packed_attention = getattr(args, "packed_attention", "torch")  # the cohort-fa4 row: "fa4"
+    cfg.train.share_prompts = getattr(args, "share_prompts", True)  # the cohort-plain row: False
     g = cfg.generation
     g.num_generations, g.max_completion_length, g.temperature = args.generations, args.completion_len, 1.0
     g.ignore_eos, g.engine, g.kv_cache_fraction = True, "cohort", kv_fraction
@@ -321,6 +327,7 @@ def _train_cohort(args, lowmem: bool, model, tok, device) -> dict:
                                            train_data=data, echo=lambda *a: None)
     info["engine"] = comp.engine.engine_name() if hasattr(comp.engine, "engine_name") else type(comp.engine).__name__
     info.update(optimizer=type(comp.optimizer).__name__, token_budget=cfg.train.token_budget,
+                share_prompts=cfg.train.share_prompts,
                 logprob_chunk_tokens=cfg.train.logprob_chunk_tokens, keep_logits=cfg.train.keep_logits,
                 gradient_checkpointing=lowmem,
                 release_kv_during_update=cfg.generation.release_kv_during_update, compiled_layers=0)
@@ -473,11 +480,15 @@ def summarise(args, result: dict, size: str) -> dict:
             for k in ("step", "generate", "score", "logprobs", "update", "other")}
     n = args.prompts * args.generations
     mean["gen_tok_s"] = n * args.completion_len / mean["step"]
+    # a row with shared prompts runs each prompt once per group (the budget holds whole groups here: a group
+    # of 8 x 256 + 128 tokens is far below every row's budget)
+    shared = args.generations if result.get("share_prompts") else 1
     flops = update_flops(SIZES[size], num_params=result["num_params"], tied=True, sequences=n,
-                         prompt_len=args.prompt_len, completion_len=args.completion_len)
+                         prompt_len=args.prompt_len, completion_len=args.completion_len, shared=shared)
     mean["mfu"] = flops / mean["update"] / PEAK_FLOPS
-    # the count of earlier rounds (6 N per token, the LM head on prompt tokens too), to compare with them
-    mean["mfu_6n"] = 6 * result["num_params"] * n * (args.prompt_len + args.completion_len) / mean["update"] / PEAK_FLOPS
+    # the count of earlier rounds (6 N per token run, the LM head on prompt tokens too), to compare with them
+    tokens = n * (args.prompt_len / shared + args.completion_len)
+    mean["mfu_6n"] = 6 * result["num_params"] * tokens / mean["update"] / PEAK_FLOPS
     mean["measured_steps"] = len(steady)
     return mean
 
@@ -615,7 +626,7 @@ def parent(args) -> None:
                       flush=True)
             # compiled layers under gradient checkpointing still cost ~2.7 ms of host time per layer backward,
             # but eager ones cost more (measured: low-memory 0.5B update 1.43 s compiled vs 2.15 s eager)
-            compiled = args.compile_layers and (runner in ("cohort", "cohort-fa4")
+            compiled = args.compile_layers and (runner in ("cohort", "cohort-plain", "cohort-fa4")
                                                 or (runner == "cohort-lowmem" and args.lowmem_compile))
             res = run_child(args, runner, size, cap, min(left, args.child_timeout_s), compiled)
             left = deadline - time.monotonic()
@@ -633,7 +644,7 @@ def parent(args) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="0.5b,1.5b")
-    p.add_argument("--runners", default=",".join(r for r in RUNNERS if r != "cohort-fa4"))  # fa4: opt-in
+    p.add_argument("--runners", default=",".join(r for r in RUNNERS if r not in OPT_IN))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="measured steps after warmup")
@@ -692,6 +703,7 @@ def main(argv=None) -> None:
         result = run_trl(args, tuned=args.child == "trl-tuned")
     else:
         args.packed_attention = "fa4" if args.child == "cohort-fa4" else "torch"
+        args.share_prompts = args.child != "cohort-plain"
         result = run_cohort(args, lowmem=args.child == "cohort-lowmem")
     with open(args.json, "w") as fh:
         json.dump(result, fh)

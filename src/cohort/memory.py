@@ -19,7 +19,9 @@ Terms (P parameters, b bytes per weight element, T tokens per forward/backward):
   elements of RMSNorm internals; H hidden, K = kv heads x head dim, I intermediate. With gradient
   checkpointing only each layer's input is kept (H*b per layer) plus one layer being recomputed. Layers
   compiled with torch.compile (model.compile_layers, CUDA) keep 3H + 2Q + 2K + 3I elements in the weight
-  dtype plus 2H fp32 (Q = heads x head dim): fitted to bench/grpo_step.py's update peaks on an H100;
+  dtype plus 2H fp32 (Q = heads x head dim): fitted to bench/grpo_step.py's update peaks on an H100. A row
+  with shared prompts (train.share_prompts) also keeps the K and V rows its attention gathers: each completion
+  reads its prompt's keys again (shared_key_rows);
 - logits chunk: one chunk of the chunked logprob kernel (at most the micro-batch's completion tokens, the
   kernel's only input), chunk_tokens x vocab elements: in the eager code the logits, an fp32 working copy
   (none for fp32 weights), exp() in fp32 and the gradient cast back (8 bytes per element in fp32, 12 in bf16:
@@ -223,6 +225,7 @@ def estimate_memory(
     compiled_layers: bool = False,
     lora_params: int = 0,
     keep_logits: bool = False,
+    shared_key_rows: int = 0,
 ) -> MemoryEstimate:
     """Bytes needed to train (see the module docstring for every term). Pass an HF config (or a dict of its
     fields) for activations and logits; a bare parameter count gives weights and optimizer terms only.
@@ -231,7 +234,9 @@ def estimate_memory(
     engine keeps beside its KV pool (fused projection copies), added to engine_weights.
     shards=N: the per-rank figure of a run sharded with FSDP over N ranks (N=1 is FSDP on one process).
     lora_params: LoRA adapter parameters (count_lora_parameters gives them from the config); 0: every
-    parameter of the model trains. keep_logits: the logprob kernel keeps all its logits for the backward."""
+    parameter of the model trains. keep_logits: the logprob kernel keeps all its logits for the backward.
+    shared_key_rows: keys a shared-prompt row's attention gathers beyond its tokens (cohort.shared_prompts), each
+    keeping a K and a V row per layer for the backward."""
     if optimizer not in _OPTIMIZERS:
         raise ConfigError(f"memory estimate optimizer={optimizer!r} is not known; use one of {list(_OPTIMIZERS)}")
     b = _dtype_bytes(dtype)
@@ -251,6 +256,8 @@ def estimate_memory(
         biggest = max(s["V"] * s["H"], 32 * 2**20) if known else 32 * 2**20
         opt = 2 * state_bytes * min(t, biggest)
     activations = _activation_bytes(s, b, token_budget, gradient_checkpointing, compiled_layers) if known else 0
+    if known and shared_key_rows:  # gathered K and V rows, kept per layer (one layer at a time when recomputed)
+        activations += int(shared_key_rows) * 2 * s["K"] * b * (1 if gradient_checkpointing else s["L"])
     # fused (compiled, CUDA) kernels keep two [chunk, vocab] tensors in the weight dtype (logits, gradient)
     # eager: the logits, an fp32 working copy (none when they are fp32 already), exp(logits) in fp32 and the
     # gradient cast back to the weight dtype: 8 bytes per element in fp32, 12 in bf16 (measured on the CPU)

@@ -25,7 +25,7 @@ def plan_memory(cfg: CohortConfig, policy, device: torch.device, with_reference:
     the estimate (cohort.memory.MemoryEstimate, its kv_cache term the pool that share buys; None when the
     architecture cannot be read)."""
     fraction = cfg.generation.kv_cache_fraction
-    tokens, completion_tokens = micro_batch_tokens(cfg, longest_prompt)
+    tokens, completion_tokens, shared_key_rows = micro_batch_shape(cfg, longest_prompt)
     try:
         sharded = cfg.train.sharding == "fsdp"
         dtype = dtype or next(policy.parameters()).dtype  # the compute dtype (sharded masters are fp32)
@@ -39,6 +39,7 @@ def plan_memory(cfg: CohortConfig, policy, device: torch.device, with_reference:
                               fused_logprob_kernels=device.type == "cuda",
                               kv_released_in_update=cfg.generation.release_kv_during_update,
                               compiled_layers=cfg.model.compile_layers and device.type == "cuda",
+                              shared_key_rows=shared_key_rows,
                               lora_params=_trainable_params(policy) if cfg.model.lora_r > 0 else 0)
     except (KeyError, TypeError, ValueError, AttributeError):  # an architecture the estimator cannot read
         return fraction, None
@@ -76,15 +77,30 @@ def micro_batch_tokens(cfg: CohortConfig, longest_prompt: int | None = None) -> 
     (data.max_prompt_length when not known): the activations and logprob chunk the memory estimate sizes.
     A mini-batch's rollouts are spread evenly over as few micro-batches of train.token_budget tokens as hold them
     (cohort.micro_batches.split_micro_batches), so a step smaller than the budget is one micro-batch of its size."""
+    tokens, completion, _ = micro_batch_shape(cfg, longest_prompt)
+    return tokens, completion
+
+
+def micro_batch_shape(cfg: CohortConfig, longest_prompt: int | None = None) -> tuple[int, int, int]:
+    """micro_batch_tokens, and the key rows that the attention of a shared-prompt row gathers besides
+    (train.share_prompts: every completion reads its prompt's keys again; 0 without sharing). With shared
+    prompts a unit is a prompt and as many of its completions as fit the budget
+    (cohort.micro_batches.split_grouped_micro_batches), so a micro-batch carries more completion tokens."""
     g, t = cfg.generation, cfg.train
     ranks = max(1, distributed.current().world_size)
-    rollouts = max(1, -(-t.prompts_per_step // (ranks * t.mini_batches))) * g.num_generations
+    prompts = max(1, -(-t.prompts_per_step // (ranks * t.mini_batches)))
     completion = max(g.max_completion_length, 1)
-    seq = (longest_prompt or cfg.data.max_prompt_length) + completion
-    fits = max(1, t.token_budget // seq)  # whole sequences per micro-batch (a longer one sits alone)
-    count = -(-rollouts // fits)
-    per_micro = -(-rollouts // count)
-    return per_micro * seq, per_micro * completion
+    prompt = longest_prompt or cfg.data.max_prompt_length
+    members = 1  # completions per unit
+    if t.share_prompts and g.num_generations > 1:
+        members = max(1, min(g.num_generations, (t.token_budget - prompt) // completion))
+    unit = prompt + members * completion
+    units = prompts * -(-g.num_generations // members)
+    fits = max(1, t.token_budget // unit)  # whole units per micro-batch (a longer one sits alone)
+    count = -(-units // fits)
+    per_micro = -(-units // count)
+    gathered = per_micro * members * prompt if members > 1 else 0
+    return per_micro * unit, per_micro * members * completion, gathered
 
 
 def engine_memory(engine) -> tuple[int, int]:

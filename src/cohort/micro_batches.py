@@ -1,8 +1,10 @@
 """Micro-batch planning: which of a step's sequences share one packed forward/backward.
 
 `split_micro_batches` cuts sequences into micro-batches under a token budget with similar token counts;
-`spread_micro_batches` re-cuts them into a fixed count, so every rank of sharded training runs the same
-number of forwards. Pure index arithmetic on sequence lengths (no tensors).
+`split_grouped_micro_batches` does the same for rows that hold each prompt once (train.share_prompts,
+cohort.shared_prompts), keeping the completions of a prompt together; `spread_micro_batches` re-cuts them into
+a fixed count, so every rank of sharded training runs the same number of forwards. Pure index arithmetic on
+sequence lengths (no tensors).
 """
 
 from __future__ import annotations
@@ -36,6 +38,38 @@ def split_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[
     balanced = _balance(order, lengths, token_budget, len(ffd))
     bins = balanced if balanced is not None else ffd
     return sorted((sorted(b) for b in bins if b), key=lambda b: b[0])
+
+
+def split_grouped_micro_batches(groups: Sequence[Sequence[int]], prompt_lens: Sequence[int],
+                                completion_lens: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Micro-batches of rows where the completions of one prompt share a single copy of it.
+
+    groups: indices of sequences with the same prompt (cohort.shared_prompts.prompt_groups). A group costs its
+    prompt once plus its completions; one that exceeds the budget is cut into runs of members that fit (each
+    run paying for the prompt; a member that cannot fit even alone sits alone). The units are then cut as
+    `split_micro_batches` cuts sequences, so a row never exceeds the budget that the memory plan sized. Same
+    output contract as split_micro_batches.
+    """
+    if token_budget < 1:
+        raise ValueError(f"token_budget={token_budget} must be >= 1 (tokens per forward/backward)")
+    units: list[list[int]] = []
+    costs: list[int] = []
+    for group in groups:
+        prompt = prompt_lens[group[0]]
+        run: list[int] = []
+        cost = prompt
+        for i in group:
+            if run and cost + completion_lens[i] > token_budget:
+                units.append(run)
+                costs.append(cost)
+                run, cost = [], prompt
+            run.append(i)
+            cost += completion_lens[i]
+        if run:
+            units.append(run)
+            costs.append(cost)
+    bins = split_micro_batches(costs, token_budget)
+    return sorted((sorted(i for u in b for i in units[u]) for b in bins), key=lambda b: b[0])
 
 
 def spread_micro_batches(bins: list[list[int]], lengths: Sequence[int], count: int) -> list[list[int]]:

@@ -75,9 +75,11 @@ def _has_varlen_attn() -> bool:
     return True
 
 
-def _flash_varlen(query, key, value, cu_seqlens, max_len, scaling, window=None):
+def _flash_varlen(query, key, value, cu_q, cu_k, max_q, max_k, scaling, window=None):
     """varlen_attn on [T, H, D] tensors; older torch builds lack `enable_gqa`, so expand KV heads there.
-    window W (sliding-window layers): each query sees its own and the W - 1 previous keys."""
+    window W (sliding-window layers): each query sees its own and the W - 1 previous keys. A query segment
+    shorter than its key segment (a completion after its shared prompt) is aligned to the segment's end, as
+    flash attention aligns causal masks."""
     from torch.nn.attention.varlen import varlen_attn
 
     kwargs = {"scale": scaling, "window_size": (-1 if window is None else window - 1, 0)}  # (-1, 0): causal
@@ -87,15 +89,15 @@ def _flash_varlen(query, key, value, cu_seqlens, max_len, scaling, window=None):
         else:
             rep = query.shape[1] // key.shape[1]
             key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
-    return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
+    return varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, **kwargs)
 
 
-def _fa4_varlen(query, key, value, cu_seqlens, max_len, scaling, window=None):
+def _fa4_varlen(query, key, value, cu_q, cu_k, max_q, max_k, scaling, window=None):
     """FlashAttention-4's varlen attention on [T, H, D] tensors, grouped query heads in the kernel, through
     the custom ops of cohort.fa4_attention (one opaque op inside a compiled layer, not a graph break)."""
     from cohort.fa4_attention import fa4_varlen
 
-    return fa4_varlen(query, key, value, cu_seqlens, max_len, scaling, window)
+    return fa4_varlen(query, key, value, cu_q, max_q, scaling, window, cu_k=cu_k, max_len_k=max_k)
 
 
 def _flash_eligible(query) -> bool:
@@ -105,22 +107,25 @@ def _flash_eligible(query) -> bool:
     return _KERNEL["name"] == "fa4" or _has_varlen_attn()
 
 
-def _segment_sdpa(query, key, value, cu_seqlens, scaling, window=None):
-    """Exact fallback: causal (optionally sliding-window) SDPA over each sequence separately.
-    query [1, Hq, T, D] -> [1, T, Hq, D]."""
+def _segment_sdpa(query, key, value, cu_q, cu_k, scaling, window=None):
+    """Exact fallback: causal (optionally sliding-window) SDPA over each segment separately, a query segment
+    aligned to the end of its key segment (they differ for a completion after its shared prompt).
+    query [1, Hq, T, D], key/value [1, Hkv, K, D] -> [1, T, Hq, D]."""
     rep = query.shape[1] // key.shape[1]
-    bounds = cu_seqlens.tolist()
     outs = []
-    for a, b in itertools.pairwise(bounds):
-        k = key[:, :, a:b].repeat_interleave(rep, dim=1) if rep > 1 else key[:, :, a:b]
-        v = value[:, :, a:b].repeat_interleave(rep, dim=1) if rep > 1 else value[:, :, a:b]
-        if window is None or b - a <= window:
-            outs.append(F.scaled_dot_product_attention(query[:, :, a:b], k, v, is_causal=True, scale=scaling))
+    for (qa, qb), (ka, kb) in zip(itertools.pairwise(cu_q.tolist()), itertools.pairwise(cu_k.tolist()), strict=True):
+        k = key[:, :, ka:kb].repeat_interleave(rep, dim=1) if rep > 1 else key[:, :, ka:kb]
+        v = value[:, :, ka:kb].repeat_interleave(rep, dim=1) if rep > 1 else value[:, :, ka:kb]
+        if qb - qa == kb - ka and (window is None or kb - ka <= window):
+            outs.append(F.scaled_dot_product_attention(query[:, :, qa:qb], k, v, is_causal=True, scale=scaling))
         else:
-            pos = torch.arange(b - a, device=query.device)
+            keys = torch.arange(kb - ka, device=query.device)
+            queries = keys[kb - ka - (qb - qa):]
             # key j is visible from query i when i - W < j <= i (transformers' sliding_window_overlay)
-            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
-            outs.append(F.scaled_dot_product_attention(query[:, :, a:b], k, v, attn_mask=mask, scale=scaling))
+            mask = keys[None, :] <= queries[:, None]
+            if window is not None:
+                mask &= keys[None, :] > queries[:, None] - window
+            outs.append(F.scaled_dot_product_attention(query[:, :, qa:qb], k, v, attn_mask=mask, scale=scaling))
     return torch.cat(outs, dim=2).transpose(1, 2)
 
 
@@ -155,12 +160,20 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
                                   "the packed attention; packed_forward_logprobs(attn='native') uses the model's own")
     window = kwargs.get("sliding_window")
     window = int(window) if window else None
+    # a shared-prompt row (cohort.shared_prompts): each key segment gathers its prompt's rows and its own
+    kv_index = kwargs.get("cohort_kv_index")
+    cu_k = cu if kv_index is None else kwargs["cu_seq_lens_k"]
+    if kv_index is not None:
+        key, value = key.index_select(2, kv_index), value.index_select(2, kv_index)
     if _flash_eligible(query):
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
         attend = _fa4_varlen if _KERNEL["name"] == "fa4" else _flash_varlen
-        out = attend(q, k, v, cu.to(torch.int32), int(kwargs["max_length_q"]), scaling, window)
+        cu_q32 = cu.to(torch.int32)
+        cu_k32 = cu_q32 if kv_index is None else cu_k.to(torch.int32)
+        out = attend(q, k, v, cu_q32, cu_k32, int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), scaling,
+                     window)
         return out.unsqueeze(0), None
-    return _segment_sdpa(query, key, value, cu, scaling, window), None
+    return _segment_sdpa(query, key, value, cu, cu_k, scaling, window), None
 
 
 def _varlen_mask(*args, config=None, **kwargs):

@@ -13,7 +13,8 @@ Only the final hidden states are computed by the model; logprobs and entropy of 
 through `cohort.logprobs.selective_logprobs_and_entropy`, so [tokens, vocab] logits never exist. A model
 whose config sets `final_logit_softcapping` (logits = c * tanh(logits / c)) takes a chunked path with the
 cap applied (`_softcapped_logprobs`). `compile_decoder_layers` fuses each decoder layer's small kernels.
-Which sequences share a row is decided in `cohort.micro_batches`.
+Which sequences share a row is decided in `cohort.micro_batches`. With share_prompts, the completions of one
+prompt share a single copy of it in the row (`cohort.shared_prompts`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import numpy as np
 import torch
 
 from cohort.logprobs import DEFAULT_CHUNK_TOKENS, selective_logprobs_and_entropy
-from cohort.packed_attention import _PACKED_MASKS, enable_packed_attention
+from cohort.packed_attention import _PACKED_MASKS, VARLEN_IMPL, enable_packed_attention
+from cohort.shared_prompts import pack_shared_layout
 
 
 @dataclass
@@ -142,6 +144,7 @@ def packed_forward_logprobs(
     attn: str = "varlen",
     lm_head_grad_fp32: bool = True,
     keep_logits: bool = False,
+    share_prompts: bool = False,
 ) -> PackedLogprobs:
     """Logprobs (and entropy) of each completion token, all sequences in one padding-free row.
 
@@ -150,6 +153,9 @@ def packed_forward_logprobs(
     a block-diagonal mask built by transformers from the position ids).
     Gradients flow into the model's parameters; call under torch.no_grad() for old/reference logprobs.
     keep_logits: the logprob kernel keeps the LM-head logits for the backward (cohort.logprobs).
+    share_prompts: sequences with the same prompt share one copy of it in the row (cohort.shared_prompts); taken
+    when attn="varlen" routes the model's attention through cohort.packed_attention, else the plain row (with a
+    warning once when the model's own flash attention is what prevents it).
     """
     if attn not in ("varlen", "native"):
         raise ValueError(f"attn={attn!r} is not one of 'varlen', 'native'")
@@ -162,29 +168,71 @@ def packed_forward_logprobs(
                                       chunk_tokens=chunk_tokens, attn=attn, lm_head_grad_fp32=lm_head_grad_fp32,
                                       keep_logits=keep_logits)
     device = model.get_input_embeddings().weight.device
-    input_ids, position_ids, cu, hidden_idx, labels, offsets = pack_layout(sequences, device)
     # a sharded (FSDP) policy registers the pass as a forward method on its root, so that calling it gathers
     # the root's parameters (embeddings, LM head) and hooks the backward as a root forward would
     run = getattr(model, "cohort_packed_pass", None) or functools.partial(packed_pass, model)
+    options = {"temperature": temperature, "compute_entropy": compute_entropy, "chunk_tokens": chunk_tokens,
+               "attn": attn, "lm_head_grad_fp32": lm_head_grad_fp32, "keep_logits": keep_logits}
+    shared = pack_shared_layout(sequences) if share_prompts and _routes_varlen(model, attn) else None
+    if shared is not None:
+        ids_t, pos_t, cu_q, cu_k, kv_t, hidden_t, labels_t = _to_device(
+            device, shared.ids, shared.positions, shared.cu_q, shared.cu_k, shared.kv_index, shared.hidden_idx,
+            shared.labels)
+        logprobs, entropy = run(ids_t.view(1, -1), pos_t.view(1, -1), cu_q.to(torch.int32), hidden_t, labels_t,
+                                max_len=shared.max_q, cu_k=cu_k.to(torch.int32), kv_index=kv_t,
+                                max_len_k=shared.max_k, **options)
+        return PackedLogprobs(logprobs, entropy, shared.offsets)
+    input_ids, position_ids, cu, hidden_idx, labels, offsets = pack_layout(sequences, device)
     # the longest sequence, from the host's lists: reading it off `cu` would make the host wait for the GPU
     max_len = max(len(prompt) + len(completion) for prompt, completion in sequences)
-    logprobs, entropy = run(input_ids, position_ids, cu, hidden_idx, labels, temperature=temperature,
-                            compute_entropy=compute_entropy, chunk_tokens=chunk_tokens, attn=attn,
-                            lm_head_grad_fp32=lm_head_grad_fp32, keep_logits=keep_logits, max_len=max_len)
+    logprobs, entropy = run(input_ids, position_ids, cu, hidden_idx, labels, max_len=max_len, **options)
     return PackedLogprobs(logprobs, entropy, offsets)
+
+
+def _to_device(device, *arrays: np.ndarray) -> list[torch.Tensor]:
+    """int64 host arrays on `device` in one asynchronous copy (host_to_device), split back."""
+    flat = host_to_device(np.concatenate([np.asarray(a, dtype=np.int64) for a in arrays]), device)
+    return list(flat.split([len(a) for a in arrays]))
+
+
+_WARNED_NO_SHARING: set[int] = set()
+
+
+def _routes_varlen(model, attn: str) -> bool:
+    """Whether the model's packed attention is cohort.packed_attention, which reads the shared-prompt layout.
+    Models loaded with a flash-attention implementation read cu_seq_lens themselves and would not gather a
+    completion's prompt keys: they keep the plain row, and a warning says so once."""
+    if attn != "varlen":
+        return False
+    enable_packed_attention(model)
+    impl = str(model.config._attn_implementation)
+    if impl == VARLEN_IMPL:
+        return True
+    if id(model.config) not in _WARNED_NO_SHARING:
+        _WARNED_NO_SHARING.add(id(model.config))
+        warnings.warn(f"train.share_prompts: the model's attention implementation {impl!r} packs sequences itself, "
+                      "so each completion keeps its own copy of the prompt (correct, slower); load the model with "
+                      "model.attn_implementation=sdpa to share prompts", stacklevel=3)
+    return False
 
 
 def packed_pass(model, input_ids, position_ids, cu, hidden_idx, labels, *, temperature: float,
                 compute_entropy: bool, chunk_tokens: int, attn: str, lm_head_grad_fp32: bool,
-                max_len: int | None = None, keep_logits: bool = False):
+                max_len: int | None = None, keep_logits: bool = False, cu_k=None, kv_index=None,
+                max_len_k: int | None = None):
     """The decoder body over one packed row, then the chunked logprobs of the labels (model is the root).
-    max_len: the longest sequence of the row, when the caller knows it (else read from `cu`, a device sync)."""
+    max_len: the longest sequence of the row, when the caller knows it (else read from `cu`, a device sync).
+    cu_k, kv_index, max_len_k: the key segments of a shared-prompt row (cohort.shared_prompts); `cu` then marks
+    its query segments."""
     kwargs = {}
     if attn == "varlen":
         enable_packed_attention(model)
         if max_len is None:
             max_len = int((cu[1:] - cu[:-1]).max())
         kwargs = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
+        if kv_index is not None:
+            assert cu_k is not None and max_len_k is not None  # set together by packed_forward_logprobs
+            kwargs.update(cu_seq_lens_k=cu_k, max_length_k=max_len_k, cohort_kv_index=kv_index)
     token = _PACKED_MASKS.set(attn == "varlen")
     try:
         out = _decoder(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)

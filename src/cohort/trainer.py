@@ -148,7 +148,7 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo, hooks: S
             num_generations=cfg.generation.num_generations, chunk_tokens=t.logprob_chunk_tokens,
             lm_head_grad_fp32=t.master_weights, keep_logits=t.keep_logits, sharded=t.sharding == "fsdp",
             reduce_every_micro_batch=t.fsdp_reduce_every_micro_batch,
-            max_nonfinite_updates=t.max_nonfinite_updates),
+            max_nonfinite_updates=t.max_nonfinite_updates, share_prompts=t.share_prompts),
         grad_reducer=_grad_reducer(cfg, comp))
     if hooks:
         updater.on_update = lambda event: _emit(hooks, event, updater.step)

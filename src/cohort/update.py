@@ -30,9 +30,10 @@ import torch
 from cohort import distributed
 from cohort.algorithms import LossInputs, reduce_metrics
 from cohort.errors import CohortError
-from cohort.micro_batches import split_micro_batches, spread_micro_batches
+from cohort.micro_batches import split_grouped_micro_batches, split_micro_batches, spread_micro_batches
 from cohort.packing import host_to_device, packed_forward_logprobs
 from cohort.rollout import RolloutBatch
+from cohort.shared_prompts import prompt_groups
 
 
 @dataclass
@@ -50,6 +51,7 @@ class UpdateSettings:
     sharded: bool = False  # FSDP: gradients are reduced by FSDP, every rank runs the same number of passes
     reduce_every_micro_batch: bool = True  # FSDP: reduce-scatter after each micro-batch, or after the last only
     max_nonfinite_updates: int = 3  # train.max_nonfinite_updates: skipped updates in a row before the run stops
+    share_prompts: bool = False  # train.share_prompts: one copy of a group's prompt per row (cohort.shared_prompts)
 
 
 class NonFiniteUpdateError(CohortError):
@@ -89,10 +91,20 @@ class PolicyUpdater:
         # trainer's hooks ride on it (the TRL facade's on_step_begin / on_pre_optimizer_step / ... callbacks)
         self.on_update: Callable[[str], Any] = on_update or (lambda event: None)
 
-    def _micro_batches(self, lengths: list[int]) -> list[list[int]]:
-        """Token-budget micro-batches; sharded, every rank runs as many as the rank that needs the most
-        (each forward gathers parameters collectively), an empty one being a zero-weight pass."""
-        micro = split_micro_batches(lengths, self.s.token_budget)
+    def _micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
+        """Token-budget micro-batches of `rows` (indices into it); sharded, every rank runs as many as the rank
+        that needs the most (each forward gathers parameters collectively), an empty one being a zero-weight
+        pass. With share_prompts, a prompt's completions stay together so their row holds it once (prompts
+        with images keep the plain layout: their token ids alone do not say that the images match)."""
+        prompts = [batch.prompt_ids[r] for r in rows]
+        prompt_lens = [len(p) for p in prompts]
+        completion_lens = [len(batch.completion_ids[r]) for r in rows]
+        lengths = [p + c for p, c in zip(prompt_lens, completion_lens, strict=True)]
+        if self.s.share_prompts and not any(hasattr(p, "vision_inputs") for p in prompts):
+            micro = split_grouped_micro_batches(prompt_groups(prompts), prompt_lens, completion_lens,
+                                                self.s.token_budget)
+        else:
+            micro = split_micro_batches(lengths, self.s.token_budget)
         if not self.s.sharded:
             return micro
         return spread_micro_batches(micro, lengths, distributed.all_max(len(micro)))
@@ -101,12 +113,12 @@ class PolicyUpdater:
     @torch.no_grad()
     def _logprobs_of(self, model, batch: RolloutBatch, rows: list[int]) -> dict[int, torch.Tensor]:
         out: dict[int, torch.Tensor] = {}
-        lengths = [len(batch.prompt_ids[r]) + len(batch.completion_ids[r]) for r in rows]
-        for micro in self._micro_batches(lengths):
+        for micro in self._micro_batches(batch, rows):
             idx = [rows[i] for i in micro] or rows[:1]  # an empty micro-batch: a pass whose result is dropped
             packed = packed_forward_logprobs(
                 model, [(batch.prompt_ids[r], batch.completion_ids[r]) for r in idx],
-                temperature=self.s.temperature, compute_entropy=False, chunk_tokens=self.s.chunk_tokens)
+                temperature=self.s.temperature, compute_entropy=False, chunk_tokens=self.s.chunk_tokens,
+                share_prompts=self.s.share_prompts)
             if micro:
                 out.update({r: lp.float() for r, (lp, _) in zip(idx, packed.split())})
         return out
@@ -122,12 +134,11 @@ class PolicyUpdater:
         # normalisers of the whole mini-batch, summed over data-parallel ranks
         num_tokens = distributed.all_sum(sum(sum(batch.token_mask(r)) for r in rows))
         num_sequences = int(distributed.all_sum(len(rows)))
-        lengths = [len(batch.prompt_ids[r]) + len(batch.completion_ids[r]) for r in rows]
         self.on_update("update_begin")
         self.policy.train()
         parts: list[dict] = []
         finite = torch.ones((), dtype=torch.bool, device=self.device)  # read once, after the last backward
-        micro_batches = self._micro_batches(lengths)
+        micro_batches = self._micro_batches(batch, rows)
         for m, micro in enumerate(micro_batches):
             idx = [rows[i] for i in micro] or rows[:1]  # empty (sharded padding): a zero-weight pass
             width = max(len(batch.completion_ids[r]) for r in idx)
@@ -135,7 +146,8 @@ class PolicyUpdater:
             packed = packed_forward_logprobs(
                 self.policy, [(batch.prompt_ids[r], batch.completion_ids[r]) for r in idx],
                 temperature=self.s.temperature, compute_entropy=True, chunk_tokens=self.s.chunk_tokens,
-                lm_head_grad_fp32=self.s.lm_head_grad_fp32, keep_logits=self.s.keep_logits)
+                lm_head_grad_fp32=self.s.lm_head_grad_fp32, keep_logits=self.s.keep_logits,
+                share_prompts=self.s.share_prompts)
             inputs = LossInputs(
                 logprobs=packed.padded("logprobs"),
                 old_logprobs=None if old is None else pad_rows([old[r] for r in idx], width),

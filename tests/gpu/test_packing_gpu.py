@@ -78,6 +78,52 @@ def test_fa4_kernel_matches_masked_sdpa_bf16(monkeypatch, compiled):
     assert torch.nn.functional.cosine_similarity(g_v, g_n, dim=0).item() > 0.999
 
 
+def _group_sequences():
+    """Two prompts with 6 and 3 completions (lengths 1 to 150) and one prompt alone."""
+    g = torch.Generator().manual_seed(2)
+
+    def ids(n):
+        return torch.randint(1, VOCAB, (n,), generator=g).tolist()
+
+    p1, p2 = ids(48), ids(7)
+    spec = [(p1, 150), (p2, 9), (p1, 1), (p1, 64), (ids(20), 33), (p2, 120), (p1, 17), (p1, 90), (p2, 2), (p1, 5)]
+    return [(list(p), ids(c)) for p, c in spec]
+
+
+def _run_shared(model, seqs, share):
+    model.zero_grad(set_to_none=True)
+    out = packing.packed_forward_logprobs(model, seqs, temperature=0.9, chunk_tokens=64, share_prompts=share)
+    (out.logprobs.sum() + 0.1 * out.entropy.sum()).backward()
+    grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+    return out.logprobs.detach(), grads
+
+
+@pytest.mark.parametrize("kernel", ["torch", "fa4"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_shared_prompts_match_plain_rows_bf16(monkeypatch, kernel, compiled):
+    """train.share_prompts on the flash kernels: a completion's queries (shorter than its prompt + completion
+    keys) are aligned to the end of the key segment, so the shared row gives the plain row's logprobs and
+    gradients (a top-left alignment would hide most of each completion from itself)."""
+    if kernel == "fa4" and not _fa4_importable():
+        pytest.skip("needs flash-attn-4 (flash_attn.cute)")
+    monkeypatch.setitem(packed_attention._KERNEL, "name", kernel)
+    calls = []
+    name = "_fa4_varlen" if kernel == "fa4" else "_flash_varlen"
+    real = getattr(packed_attention, name)
+    # (q, k, v, cu_q, cu_k, max_q, max_k, ...): a shared row's longest key segment is a prompt + completion
+    monkeypatch.setattr(packed_attention, name, lambda *a: calls.append(a[6] != a[5]) or real(*a))
+    model, seqs = _model(torch.bfloat16), _group_sequences()
+    if compiled:
+        packing.compile_decoder_layers(model)
+    lp_p, g_p = _run_shared(model, seqs, False)
+    assert calls and not any(calls)  # plain rows: the key segments are the query segments
+    calls.clear()
+    lp_s, g_s = _run_shared(model, seqs, True)
+    assert calls and all(calls)  # the shared layout reached the kernel
+    assert (lp_s - lp_p).abs().max().item() < 5e-2
+    assert torch.nn.functional.cosine_similarity(g_s, g_p, dim=0).item() > 0.999
+
+
 def test_compiled_layers_match_eager():
     model, seqs = _model(torch.bfloat16), _sequences()
     lp_e, g_e = _run(model, seqs, "varlen")

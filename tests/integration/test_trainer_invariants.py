@@ -1,5 +1,6 @@
-"""Invariant: the token budget changes speed, never the maths. The same rollouts, processed as one packed
-micro-batch or cut into many (gradient accumulation), give the same gradient for every loss family."""
+"""Invariant: the token budget and the row layout change speed, never the maths. The same rollouts, processed
+as one packed micro-batch or cut into many (gradient accumulation), with every prompt copied per completion or
+shared by its group (train.share_prompts), give the same gradient for every loss family."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class NoSchedule:
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "cispo", "sapo"])
-def test_micro_batching_gives_the_whole_batch_gradient(tmp_path, loss_type):
+def test_micro_batching_gives_the_whole_batch_gradient(tmp_path, loss_type, monkeypatch):
     cfg = apply_overrides(toy_config(tmp_path, steps=1), [f"loss.loss_type={loss_type}"]).validate()
     comp = toy_components(cfg)
     from cohort.data import PromptSampler
@@ -47,15 +48,28 @@ def test_micro_batching_gives_the_whole_batch_gradient(tmp_path, loss_type):
                              cfg.train.prompts_per_step, dataclasses.replace(comp.sampling_params, seed=3),
                              comp.reward_runner, advantage_kwargs=comp.advantage_kwargs, trainer_state={})
     assert batch.advantages.abs().sum() > 0
+    assert cfg.generation.num_generations > 1  # groups share their prompts in the shared layout
+    from cohort import packing
+
+    layouts = []
+    real = packing.pack_shared_layout
+    monkeypatch.setattr(packing, "pack_shared_layout", lambda seqs: layouts.append(real(seqs)) or layouts[-1])
     grads = {}
-    for budget in (100_000, 40):  # everything in one row / about one sequence per micro-batch
+    # everything in one row / about one sequence per micro-batch / a few groups per row; the plain layout and
+    # the one where a group's completions share one copy of its prompt (train.share_prompts)
+    for budget, share in ((100_000, False), (40, False), (100_000, True), (40, True), (120, True)):
         recorder = GradRecorder(comp.policy)
         settings = UpdateSettings(mini_batches=1, num_iterations=1, token_budget=budget, temperature=1.0,
                                   max_grad_norm=1e9, max_completion_length=cfg.generation.max_completion_length,
-                                  num_generations=cfg.generation.num_generations)
+                                  num_generations=cfg.generation.num_generations, share_prompts=share)
         PolicyUpdater(comp.policy, recorder, NoSchedule(), comp.loss_fn, settings).update(batch, PhaseTimer())
-        grads[budget] = recorder.grads
-    whole, split = grads[100_000], grads[40]
-    assert whole.keys() == split.keys() and whole
-    for name in whole:
-        torch.testing.assert_close(split[name], whole[name], rtol=1e-4, atol=1e-7, msg=name)
+        grads[budget, share] = recorder.grads
+        if share and budget > 40:  # rows of whole groups: the shared layout ran
+            assert layouts and all(layout is not None for layout in layouts)
+        layouts.clear()
+    whole = grads[100_000, False]
+    assert whole
+    for key, other in grads.items():
+        assert other.keys() == whole.keys(), key
+        for name in whole:
+            torch.testing.assert_close(other[name], whole[name], rtol=1e-4, atol=1e-7, msg=f"{key} {name}")

@@ -38,3 +38,17 @@ def test_untied_head_lora_and_explicit_head_dim():
     frozen = update_flops(spec, num_params=1000, tied=False, sequences=3, prompt_len=2, completion_len=3,
                           weight_grads=False)
     assert frozen == 3 * (4 * 840 * 5 + 4 * 80 * 3 + 6 * 1 * 12 * 5 * 6)
+
+
+def test_shared_prompts_count_the_work_done():
+    spec = {"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 6, "vocab_size": 10}
+    # 4 sequences of 2 + 3 tokens in groups of 2 sharing the prompt: 2 prompt copies of 2 tokens and 4 x 3
+    # completion tokens through the 840 decoder weights; attention pairs: each prompt copy 1 + 2 = 3, each
+    # completion (positions 2, 3, 4 see 3, 4, 5 keys) 12
+    shared = update_flops(spec, num_params=1000, tied=False, sequences=4, prompt_len=2, completion_len=3, shared=2)
+    body = 6 * 840 * (2 * 2 + 4 * 3)
+    head = 6 * 80 * 4 * 3
+    attention = 12 * 1 * 12 * (2 * 3 + 4 * 12)
+    assert shared == pytest.approx(body + head + attention)
+    assert update_flops(spec, num_params=1000, tied=False, sequences=4, prompt_len=2, completion_len=3,
+                        shared=1) == pytest.approx(4 * (6 * 840 * 5 + 6 * 80 * 3 + 6 * 12 * 5 * 6))

@@ -139,7 +139,7 @@ def test_fa4_path_passes_boundaries_window_and_grouped_heads(monkeypatch, window
     assert call["cu"] == [0, 5, 16, 19] and call["dtype"] == torch.int32 and call["same_cu"]
     assert call["max"] == (11, 11) and call["scale"] == pytest.approx(0.3) and call["causal"] is True
     assert call["window"] == ((None, 0) if window is None else (window - 1, 0)) and call["return_lse"] is True
-    expected = pa._segment_sdpa(q, k, v, cu, 0.3, window)  # [1, T, Hq, D]
+    expected = pa._segment_sdpa(q, k, v, cu, cu, 0.3, window)  # [1, T, Hq, D]
     torch.testing.assert_close(out, expected)
 
 
@@ -188,5 +188,5 @@ def test_fa4_ops_compile_into_one_graph(monkeypatch):
     torch.testing.assert_close(loss, expected)
     for a, t in zip(got, (q, k, v), strict=True):
         torch.testing.assert_close(a, t.grad)
-    torch.library.opcheck(fa4_varlen_fwd, (q.detach(), k.detach(), v.detach(), cu, max_len, 0.25, -1),
+    torch.library.opcheck(fa4_varlen_fwd, (q.detach(), k.detach(), v.detach(), cu, max_len, 0.25, -1, cu, max_len),
                           test_utils=("test_schema", "test_faketensor"))

@@ -58,6 +58,7 @@ def test_no_room_for_the_kv_cache_is_a_clear_error(monkeypatch):
 
 def test_micro_batch_tokens_at_max_completion_length():
     cfg = CohortConfig()
+    cfg.train.share_prompts = False  # every rollout a whole sequence (the shared layout: the next test)
     cfg.train.prompts_per_step, cfg.generation.num_generations, cfg.generation.max_completion_length = 4, 8, 64
     cfg.train.token_budget = 4096
     # 32 rollouts of 80 + 64 = 144 tokens: 28 fit in 4096, so two micro-batches of 16 (spread evenly)
@@ -68,6 +69,22 @@ def test_micro_batch_tokens_at_max_completion_length():
     assert memory_plan.micro_batch_tokens(cfg, longest_prompt=80) == (144, 64)
     cfg.train.token_budget, cfg.train.mini_batches = 8192, 2  # each update sees half the step
     assert memory_plan.micro_batch_tokens(cfg, longest_prompt=80) == (16 * 144, 16 * 64)
+
+
+def test_micro_batch_shape_with_shared_prompts():
+    cfg = CohortConfig()
+    assert cfg.train.share_prompts  # the default
+    cfg.train.prompts_per_step, cfg.generation.num_generations, cfg.generation.max_completion_length = 4, 8, 64
+    cfg.train.token_budget = 4096
+    # a unit is a prompt and its 8 completions, 80 + 8 x 64 = 592 tokens: all 4 fit in one micro-batch, whose
+    # completions gather the 80 prompt keys again each (32 x 80 key rows)
+    assert memory_plan.micro_batch_shape(cfg, longest_prompt=80) == (4 * 592, 32 * 64, 32 * 80)
+    cfg.train.token_budget = 1000  # one unit per micro-batch (two would be 1184)
+    assert memory_plan.micro_batch_shape(cfg, longest_prompt=80) == (592, 8 * 64, 8 * 80)
+    cfg.train.token_budget = 300  # 3 completions fit beside the prompt (80 + 3 x 64 = 272): units of 3
+    assert memory_plan.micro_batch_shape(cfg, longest_prompt=80) == (272, 3 * 64, 3 * 80)
+    cfg.train.token_budget = 100  # not even one completion fits beside the prompt: units of one, no gathering
+    assert memory_plan.micro_batch_shape(cfg, longest_prompt=80) == (144, 64, 0)
 
 
 def test_engine_memory_is_the_pool_as_allocated():
