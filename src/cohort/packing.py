@@ -172,8 +172,9 @@ def packed_forward_logprobs(
     # a sharded (FSDP) policy registers the pass as a forward method on its root, so that calling it gathers
     # the root's parameters (embeddings, LM head) and hooks the backward as a root forward would
     run = getattr(model, "cohort_packed_pass", None) or functools.partial(packed_pass, model)
-    options: dict[str, Any] = {"temperature": temperature, "compute_entropy": compute_entropy, "chunk_tokens": chunk_tokens,
-               "attn": attn, "lm_head_grad_fp32": lm_head_grad_fp32, "keep_logits": keep_logits}
+    options: dict[str, Any] = {"temperature": temperature, "compute_entropy": compute_entropy,
+                               "chunk_tokens": chunk_tokens, "attn": attn, "lm_head_grad_fp32": lm_head_grad_fp32,
+                               "keep_logits": keep_logits}
     shared = pack_shared_layout(sequences) if share_prompts and _routes_varlen(model, attn) else None
     if shared is not None:
         ids_t, pos_t, cu_q, cu_k, kv_t, hidden_t, labels_t = _to_device(
