@@ -187,7 +187,7 @@ def traced_mixed(engine, vocab: int, trace_dir: str | None) -> None:
 
     prefills, decodes = engine.stats.prefill_steps, engine.stats.decode_steps
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        tok_s, wall, tokens = run_engine_mixed(engine, vocab)
+        tok_s, wall, tokens, _ = run_engine_mixed(engine, vocab)
         torch.cuda.synchronize()
     print(f"engine.generate, workload B, under the profiler: {tokens} tokens in {wall * 1000:.0f} ms "
           f"({tok_s:,.0f} tok/s); {engine.stats.prefill_steps - prefills} prefill steps, "
