@@ -30,7 +30,8 @@ def recount(path: str) -> list[tuple[str, str, float, float, float]]:
                 continue
             flops = update_flops(SIZES[size], num_params=num_params, tied=True,
                                  sequences=args["prompts"] * args["generations"], prompt_len=args["prompt_len"],
-                                 completion_len=args["completion_len"])
+                                 completion_len=args["completion_len"],
+                                 shared=args["generations"] if res.get("share_prompts") else 1)
             rows.append((size, runner, summary["update"], summary.get("mfu_6n", summary["mfu"]),
                          flops / summary["update"] / PEAK_FLOPS))
     return rows

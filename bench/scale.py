@@ -145,7 +145,7 @@ def _row_config(args, model, device, world: int):
         apply_overrides(cfg, args.override)
         budget = cfg.train.token_budget
     info.update(kv_cache_fraction=kv_fraction, token_budget=budget,
-                logprob_chunk_tokens=cfg.train.logprob_chunk_tokens)
+                logprob_chunk_tokens=cfg.train.logprob_chunk_tokens, share_prompts=cfg.train.share_prompts)
     return cfg, info
 
 
@@ -416,10 +416,11 @@ def steps_of(rank0: dict, row: dict, args) -> list[dict]:
 
 
 def summarise(steps: list[dict], num_params: int, gpus: int, warmup: int, *, spec: dict, tied: bool,
-              prompt_len: int, completion_len: int, weight_grads: bool = True) -> dict:
+              prompt_len: int, completion_len: int, weight_grads: bool = True, shared: int = 1) -> dict:
     """Means over the steps after warmup and the derived rates (per GPU). The MFU counts bench/flops.py's
     update FLOPs for the step's sequences of prompt_len + completion_len tokens (the bench's exact lengths);
-    weight_grads=False under LoRA (a frozen weight gets no gradient of its own)."""
+    weight_grads=False under LoRA (a frozen weight gets no gradient of its own); shared: completions per copy
+    of their prompt (cohort's train.share_prompts, whole groups per micro-batch at the bench's lengths)."""
     steady = steps[warmup:] or steps
     n = len(steady)
     mean = {k: sum(float(s.get(k) or 0.0) for s in steady) / n for k in ("step", "generate", "update")}
@@ -429,7 +430,8 @@ def summarise(steps: list[dict], num_params: int, gpus: int, warmup: int, *, spe
     mean["tokens_per_step"] = tokens
     mean["tok_s_per_gpu"] = tokens / mean["step"] / gpus
     flops = update_flops(spec, num_params=num_params, tied=tied, sequences=tokens / (prompt_len + completion_len),
-                         prompt_len=prompt_len, completion_len=completion_len, weight_grads=weight_grads)
+                         prompt_len=prompt_len, completion_len=completion_len, weight_grads=weight_grads,
+                         shared=shared)
     mean["mfu"] = flops / gpus / mean["update"] / PEAK_FLOPS if mean["update"] else None
     mean["measured_steps"] = n
     return mean
@@ -466,7 +468,8 @@ def run_row(args, row: dict, timeout: float, work: str) -> dict:
     res["summary"] = summarise(res["steps"], rank0["num_params"], row["gpus"], args.warmup,
                                spec=(BIG_SIZES if big else SIZES)[row["size"]], tied=not big,
                                prompt_len=args.prompt_len, completion_len=args.completion_len,
-                               weight_grads=not row.get("lora_r"))
+                               weight_grads=not row.get("lora_r"),
+                               shared=args.generations if rank0.get("share_prompts") else 1)
     peaks = [r["peak_alloc_gib"] for r in ranks if r.get("peak_alloc_gib") is not None]
     res["summary"]["peak_alloc_gib"] = max(peaks) if peaks else None
     res["summary"]["ranks_reported"] = len(ranks)
