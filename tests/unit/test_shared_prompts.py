@@ -160,3 +160,20 @@ def test_native_attention_keeps_the_plain_row():
         b = packed_forward_logprobs(model, seqs, attn="native", share_prompts=False).split()
     for (x, _), (y, _) in zip(a, b, strict=True):
         torch.testing.assert_close(x, y)
+
+
+def test_models_with_their_own_flash_packing_keep_the_plain_row_and_say_so():
+    """A model loaded with a flash-attention implementation reads cu_seq_lens itself and would not gather a
+    completion's prompt keys: the plain row is used, with one warning naming the fix."""
+    import types
+    import warnings
+
+    from cohort import packing
+
+    model = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="flash_attention_2"))
+    with pytest.warns(UserWarning, match="model.attn_implementation=sdpa"):
+        assert not packing._routes_varlen(model, "varlen")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per model
+        assert not packing._routes_varlen(model, "varlen")
+    assert not packing._routes_varlen(model, "native")
