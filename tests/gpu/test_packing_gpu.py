@@ -31,9 +31,10 @@ def _sequences():
             for p, c in [(17, 40), (5, 3), (64, 130), (9, 1), (33, 77)]]
 
 
-def _run(model, seqs, attn):
+def _run(model, seqs, attn="varlen", share=False):
     model.zero_grad(set_to_none=True)
-    out = packing.packed_forward_logprobs(model, seqs, temperature=0.9, chunk_tokens=64, attn=attn)
+    out = packing.packed_forward_logprobs(model, seqs, temperature=0.9, chunk_tokens=64, attn=attn,
+                                          share_prompts=share)
     (out.logprobs.sum() + 0.1 * out.entropy.sum()).backward()
     grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
     return out.logprobs.detach(), grads
@@ -90,14 +91,6 @@ def _group_sequences():
     return [(list(p), ids(c)) for p, c in spec]
 
 
-def _run_shared(model, seqs, share):
-    model.zero_grad(set_to_none=True)
-    out = packing.packed_forward_logprobs(model, seqs, temperature=0.9, chunk_tokens=64, share_prompts=share)
-    (out.logprobs.sum() + 0.1 * out.entropy.sum()).backward()
-    grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
-    return out.logprobs.detach(), grads
-
-
 @pytest.mark.parametrize("kernel", ["torch", "fa4"])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_shared_prompts_match_plain_rows_bf16(monkeypatch, kernel, compiled):
@@ -115,10 +108,10 @@ def test_shared_prompts_match_plain_rows_bf16(monkeypatch, kernel, compiled):
     model, seqs = _model(torch.bfloat16), _group_sequences()
     if compiled:
         packing.compile_decoder_layers(model)
-    lp_p, g_p = _run_shared(model, seqs, False)
+    lp_p, g_p = _run(model, seqs, share=False)
     assert calls and not any(calls)  # plain rows: the key segments are the query segments
     calls.clear()
-    lp_s, g_s = _run_shared(model, seqs, True)
+    lp_s, g_s = _run(model, seqs, share=True)
     assert calls and all(calls)  # the shared layout reached the kernel
     assert (lp_s - lp_p).abs().max().item() < 5e-2
     assert torch.nn.functional.cosine_similarity(g_s, g_p, dim=0).item() > 0.999
