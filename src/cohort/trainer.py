@@ -81,6 +81,8 @@ def describe_schedule(cfg: CohortConfig) -> str:
         f"= {n} completions/step; {t.mini_batches} optimiser update(s) of {per_update} completions "
         f"x {t.num_iterations} pass(es) = {t.mini_batches * t.num_iterations} updates/step, "
         f"{t.max_steps * t.mini_batches * t.num_iterations} in all; micro-batches of <= {t.token_budget} tokens"
+        + ("; each row holds a prompt once before its completions (train.share_prompts; prompts with images "
+           "keep a copy per completion)" if t.share_prompts and g.num_generations > 1 else "")
     )
 
 

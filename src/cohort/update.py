@@ -100,6 +100,7 @@ class PolicyUpdater:
         prompt_lens = [len(p) for p in prompts]
         completion_lens = [len(batch.completion_ids[r]) for r in rows]
         lengths = [p + c for p, c in zip(prompt_lens, completion_lens, strict=True)]
+        # (the trainer's schedule line says that prompts with images are not shared)
         if self.s.share_prompts and not any(hasattr(p, "vision_inputs") for p in prompts):
             micro = split_grouped_micro_batches(prompt_groups(prompts), prompt_lens, completion_lens,
                                                 self.s.token_budget)
