@@ -60,7 +60,7 @@ def prompt_groups(prompts) -> list[list[int]]:
 
 
 def layout_tokens(prompt_lens, completion_lens, groups: list[list[int]]) -> int:
-    """Tokens of the shared row: one prompt per group (of two or more) plus every completion."""
+    """Tokens of the shared row: each group's prompt once plus every completion (a lone sequence is a group)."""
     return sum(prompt_lens[g[0]] + sum(completion_lens[i] for i in g) for g in groups)
 
 
@@ -71,7 +71,6 @@ def pack_shared_layout(sequences) -> SharedLayout | None:
     groups = prompt_groups(prompts)
     if all(len(g) == 1 for g in groups):
         return None
-    n = len(sequences)
     c_len = np.asarray([len(c) for _, c in sequences], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(c_len)])
     hidden_idx = np.empty(int(offsets[-1]), dtype=np.int64)
@@ -114,7 +113,7 @@ def pack_shared_layout(sequences) -> SharedLayout | None:
             hidden_idx[offsets[i] + 1:offsets[i + 1]] = first + np.arange(c_len[i] - 1)
     k_lens = np.asarray([len(k) for k in keys], dtype=np.int64)
     flat_ids = np.concatenate(ids)
-    labels = np.concatenate([np.asarray(sequences[i][1], dtype=np.int64) for i in range(n)]) if n else flat_ids[:0]
+    labels = np.concatenate([np.asarray(c, dtype=np.int64) for _, c in sequences])
     return SharedLayout(
         ids=flat_ids, positions=np.concatenate(positions),
         cu_q=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64),
