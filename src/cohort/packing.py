@@ -92,6 +92,12 @@ def host_to_device(array: np.ndarray, device) -> torch.Tensor:
     return pinned.to(device, non_blocking=True)
 
 
+def _to_device(device, *arrays: np.ndarray) -> list[torch.Tensor]:
+    """int64 host arrays on `device` in one asynchronous copy (host_to_device), split back."""
+    flat = host_to_device(np.concatenate([np.asarray(a, dtype=np.int64) for a in arrays]), device)
+    return list(flat.split([len(a) for a in arrays]))
+
+
 def pack_layout(sequences, device):
     """Flat input ids, restarting position ids, cu_seqlens, and (hidden index, label) of completion tokens.
     Built on the host and sent in one asynchronous copy (see host_to_device)."""
@@ -117,9 +123,7 @@ def pack_layout(sequences, device):
     hidden_idx = completion_start + np.arange(n_completion, dtype=np.int64) - np.repeat(offsets[:-1], c_len)
     flat_ids = np.asarray(ids, dtype=np.int64)
     labels = flat_ids[hidden_idx + 1]
-    # one copy: [ids | positions | hidden index | labels | cu_seqlens]
-    packed = host_to_device(np.concatenate([flat_ids, pos, hidden_idx, labels, cu]), device)
-    ids_t, pos_t, hidden_t, labels_t, cu_t = packed.split([total, total, n_completion, n_completion, len(cu)])
+    ids_t, pos_t, hidden_t, labels_t, cu_t = _to_device(device, flat_ids, pos, hidden_idx, labels, cu)
     return (ids_t.view(1, total), pos_t.view(1, total), cu_t.to(torch.int32), hidden_t, labels_t,
             offsets.tolist())
 
@@ -189,12 +193,6 @@ def packed_forward_logprobs(
     max_len = max(len(prompt) + len(completion) for prompt, completion in sequences)
     logprobs, entropy = run(input_ids, position_ids, cu, hidden_idx, labels, max_len=max_len, **options)
     return PackedLogprobs(logprobs, entropy, offsets)
-
-
-def _to_device(device, *arrays: np.ndarray) -> list[torch.Tensor]:
-    """int64 host arrays on `device` in one asynchronous copy (host_to_device), split back."""
-    flat = host_to_device(np.concatenate([np.asarray(a, dtype=np.int64) for a in arrays]), device)
-    return list(flat.split([len(a) for a in arrays]))
 
 
 _WARNED_NO_SHARING: set[int] = set()

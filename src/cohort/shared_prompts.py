@@ -59,11 +59,6 @@ def prompt_groups(prompts) -> list[list[int]]:
     return list(groups.values())
 
 
-def layout_tokens(prompt_lens, completion_lens, groups: list[list[int]]) -> int:
-    """Tokens of the shared row: each group's prompt once plus every completion (a lone sequence is a group)."""
-    return sum(prompt_lens[g[0]] + sum(completion_lens[i] for i in g) for g in groups)
-
-
 def pack_shared_layout(sequences) -> SharedLayout | None:
     """The shared-prompt row of (prompt_ids, completion_ids) pairs (module docstring); None when no two
     sequences share a prompt (the plain layout is then the same row, without the gather)."""

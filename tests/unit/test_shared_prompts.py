@@ -11,7 +11,12 @@ from tests.integration.engine_models import VOCAB, WINDOW, tiny_model
 from cohort.micro_batches import split_grouped_micro_batches
 from cohort.packed_attention import disable_packed_attention
 from cohort.packing import packed_forward_logprobs
-from cohort.shared_prompts import layout_tokens, pack_shared_layout, prompt_groups
+from cohort.shared_prompts import pack_shared_layout, prompt_groups
+
+
+def layout_tokens(prompt_lens, completion_lens, groups) -> int:
+    """Tokens of a shared row: each group's prompt once plus every completion (a lone sequence is a group)."""
+    return sum(prompt_lens[g[0]] + sum(completion_lens[i] for i in g) for g in groups)
 
 
 def test_layout_by_hand():
