@@ -110,11 +110,12 @@ def _eager(which: int, args, keep_input: bool):
 
 
 def _call(which: int, device, *args, keep_input: bool = False):
-    """Run a kernel; if compilation fails once, warn and use the eager code from then on. The forward
-    statistics run as one Triton pass on CUDA (cohort.triton_logprobs) unless COHORT_TRITON_LOGPROBS=0.
+    """Run a kernel; if compilation fails once, warn and use the eager code from then on. On CUDA the forward
+    statistics (one pass) and the backward's gradient (written over the logits) are Triton kernels
+    (cohort.triton_logprobs) unless COHORT_TRITON_LOGPROBS=0, which takes the torch.compile'd functions.
     keep_input: the caller keeps the logits (args[0]) after the statistics, which must not change them."""
-    if which == 0 and triton_logprobs.available(device) and os.environ.get("COHORT_TRITON_LOGPROBS", "1") != "0":
-        return triton_logprobs.stats(*args)
+    if triton_logprobs.available(device) and os.environ.get("COHORT_TRITON_LOGPROBS", "1") != "0":
+        return (triton_logprobs.stats, triton_logprobs.grad)[which](*args)
     fn = _kernels(device)[which]
     if fn in (_stats_eager, _grad_eager):
         return _eager(which, args, keep_input)

@@ -1,4 +1,5 @@
-"""One-pass Triton kernel for the forward statistics of the chunked logprob (cohort.logprobs).
+"""Triton kernels of the chunked logprob (cohort.logprobs): the forward statistics in one pass, and the
+backward's gradient of the logits written over them.
 
 Per row of raw logits x (a chunk of h @ W^T, the weights' dtype) and z = x / T it returns the chosen token's
 log-probability z[label] - lse, the log-sum-exp lse and (optionally) the entropy H = -sum p log p, reading
@@ -11,6 +12,12 @@ and u = sum exp(z - m) (z - m); when the maximum rises by d the sums rescale as 
 Each element costs one exponential (exp(-|z - m|) rescales whichever side is smaller). After the loop the
 lanes are brought to the row's maximum M, and with S = sum exp(z - M), U = sum exp(z - M)(z - M):
 lse = M + log S and H = log S - U / S, a form without the cancellation of lse - E[z] on peaked rows.
+
+`grad` is the backward's elementwise pass, d loss / d x = (-p ((log p + H) gH + gL) + onehot(label) gL) / T,
+over a 2-D grid of (row, vocabulary block) programs, each reading its block once and writing the gradient over
+it (the caller's last use of the logits). torch.compile's version of the same expression moved about 1.9 TB/s
+on an H100 (2.3 ms per 7,300 x 151,936 bf16 chunk); this one has no index tensor to build, no int64 compare
+over the row, and a block large enough to keep the memory system busy.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ except ImportError:  # CPU-only installs
     tl = None
 
 BLOCK_V = 2048
+GRAD_BLOCK = 4096
 
 
 def available(device: torch.device) -> bool:
@@ -70,6 +78,25 @@ if triton is not None:
             weighted = tl.sum(w * (u + s * dm), 0)
             tl.store(ent_ptr + row, log_total - weighted / total)
 
+    @triton.jit
+    def _grad_kernel(logits_ptr, labels_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, stride, inv_t,
+                     VOCAB: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < VOCAB
+        ptrs = logits_ptr + row * stride + cols
+        x = tl.load(ptrs, mask=inside, other=0.0)
+        lse = tl.load(lse_ptr + row)
+        ent = tl.load(ent_ptr + row)
+        gl = tl.load(gl_ptr + row)
+        ge = tl.load(ge_ptr + row)
+        label = tl.load(labels_ptr + row)
+        logp = x.to(tl.float32) * inv_t - lse
+        p = tl.exp(logp)
+        g = tl.where(p > 0, -p * ((logp + ent) * ge + gl), 0.0)  # a -inf logit: p = 0, no 0 * inf
+        g = tl.where(cols == label, g + gl, g)
+        tl.store(ptrs, (g * inv_t).to(x.dtype), mask=inside)
+
 
 def stats(logits: torch.Tensor, labels: torch.Tensor, inv_t: float,
           compute_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -85,3 +112,18 @@ def stats(logits: torch.Tensor, labels: torch.Tensor, inv_t: float,
         _stats_kernel[(n,)](logits, labels, chosen, lse, entropy, logits.stride(0), float(inv_t), VOCAB=vocab,
                             ENTROPY=compute_entropy, BLOCK=BLOCK_V, num_warps=8)
     return chosen, lse, entropy if compute_entropy else None
+
+
+def grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+         grad_lp: torch.Tensor, grad_ent: torch.Tensor, inv_t: float) -> torch.Tensor:
+    """d loss / d raw logits [n, V], written over `logits` and returned (see the module docstring); lse,
+    entropy, grad_lp and grad_ent are fp32 [n] (zeros where the loss has no entropy term)."""
+    n, vocab = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    if n:
+        grid = (n, triton.cdiv(vocab, GRAD_BLOCK))
+        _grad_kernel[grid](logits, labels, lse.contiguous(), entropy.contiguous(), grad_lp.contiguous(),
+                           grad_ent.contiguous(), logits.stride(0), float(inv_t), VOCAB=vocab, BLOCK=GRAD_BLOCK,
+                           num_warps=8)
+    return logits

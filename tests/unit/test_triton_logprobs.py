@@ -1,7 +1,7 @@
-"""triton_logprobs.stats (one pass over each row: chosen logprob, logsumexp, entropy) against the eager
-statistics of cohort.logprobs on the CPU under TRITON_INTERPRET=1: random rows, peaked rows (entropy near 0,
-where lse - E[z] would cancel), rows with -inf logits, a vocabulary that is not a multiple of the block, and
-temperatures other than 1. The interpreter must be on when the module is first imported, so the kernel runs
+"""triton_logprobs.stats (one pass over each row: chosen logprob, logsumexp, entropy) and triton_logprobs.grad
+(the backward's gradient of the logits, written over them) against the eager code of cohort.logprobs on the CPU
+under TRITON_INTERPRET=1: random rows, peaked rows (entropy near 0, where lse - E[z] would cancel), rows with
+-inf logits, a vocabulary that is not a multiple of the block, and temperatures other than 1. The interpreter must be on when the module is first imported, so the kernel runs
 in a child process (this file as a script). Skips without Triton (not a project dependency)."""
 
 from __future__ import annotations
@@ -37,6 +37,27 @@ def _check() -> None:
             assert no_entropy is None
             torch.testing.assert_close(chosen, want[0], atol=2e-5, rtol=2e-5)
             torch.testing.assert_close(lse, want[1], atol=2e-5, rtol=2e-5)
+            _check_grad(logits, labels, inv_t, g)
+
+
+def _check_grad(logits, labels, inv_t: float, g: torch.Generator) -> None:
+    """The gradient kernel == the eager one, with and without an entropy term, in the logits' dtype and in
+    place; on rows with -inf logits as well (their p is 0: gradient 0 there)."""
+    from cohort import triton_logprobs
+    from cohort.logprobs import _grad_eager, _stats_eager
+
+    rows = logits.shape[0]
+    _, lse, entropy = _stats_eager(logits.clone(), labels, inv_t, True)
+    entropy = torch.nan_to_num(entropy, nan=0.0)
+    grad_lp = torch.randn(rows, generator=g)
+    for grad_ent in (torch.zeros(rows), torch.randn(rows, generator=g)):
+        # the eager code's 0 * inf on a -inf logit is NaN; the kernel gives that token's gradient, 0
+        want = torch.nan_to_num(_grad_eager(logits.clone(), labels, lse, entropy, grad_lp, grad_ent, inv_t), nan=0.0)
+        buffer = logits.clone()
+        got = triton_logprobs.grad(buffer, labels, lse, entropy, grad_lp, grad_ent, inv_t)
+        assert got.data_ptr() == buffer.data_ptr() and got.dtype == logits.dtype
+        tol = 1e-2 if logits.dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 def test_one_pass_statistics_equal_the_eager_ones():

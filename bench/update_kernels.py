@@ -1,0 +1,136 @@
+"""The update's non-matmul kernels in isolation, on the bench workload's shapes (one GPU).
+
+    PYTHONPATH=src:. python3 bench/update_kernels.py [--tokens 23000] [--skip-autotune]
+
+Rows (device time of each, CUDA events, median of --repeats after warm-up):
+- the logprob backward's elementwise pass over one chunk of logits ([--chunk, 151936] bf16): torch.compile's
+  fused function (`cohort.logprobs._grad_fused`) against the Triton kernel (`cohort.triton_logprobs.grad`),
+  with the bandwidth each moves (one read and one write of the chunk);
+- the logprob forward's statistics over the same chunk: the Triton one-pass kernel at several block sizes and
+  warp counts (the default first);
+- Qwen2.5-0.5B's MLP (gate and up 896 -> 4864, SiLU * up, down 4864 -> 896) forward + backward on --tokens
+  rows: eager, torch.compile (the trainer's compiled layers) and torch.compile in max-autotune mode (Triton
+  matmul templates that may take the SiLU * up into their epilogue), with its compile time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def timed(fn, repeats: int, warmup: int = 3) -> float:
+    """Median milliseconds of `fn()` on the device."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def logprob_rows(chunk: int, vocab: int, repeats: int) -> list[str]:
+    from cohort import logprobs, triton_logprobs
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    logits = (torch.randn(chunk, vocab, device=dev, generator=gen) * 3).bfloat16()
+    labels = torch.randint(0, vocab, (chunk,), device=dev, generator=gen)
+    _, lse, ent = triton_logprobs.stats(logits, labels, 1.0, True)
+    gl, ge = torch.randn(chunk, device=dev, generator=gen), torch.zeros(chunk, device=dev)
+    buffer = logits.clone()
+    gbytes = 2 * logits.numel() * logits.element_size() / 1e9  # read + write
+    compiled = torch.compile(logprobs._grad_fused, dynamic=True)
+    torch._dynamo.mark_static(logits, 1)
+    want = compiled(logits, labels, lse, ent, gl, ge, 1.0)
+    got = triton_logprobs.grad(buffer.copy_(logits), labels, lse, ent, gl, ge, 1.0)
+    diff = (got.float() - want.float()).abs().max().item()
+    out = [f"| logprob gradient, [{chunk}, {vocab}] bf16 | ms | GB/s (read + write) |", "| --- | ---: | ---: |"]
+    for name, fn in (("torch.compile (until now)", lambda: compiled(logits, labels, lse, ent, gl, ge, 1.0)),
+                     ("Triton, in place", lambda: triton_logprobs.grad(buffer, labels, lse, ent, gl, ge, 1.0))):
+        ms = timed(fn, repeats)
+        out.append(f"| {name} | {ms:.3f} | {gbytes / ms * 1e3:,.0f} |")
+    out.append(f"(largest difference of the two gradients: {diff:.3g})")
+
+    read = logits.numel() * logits.element_size() / 1e9
+    out += ["", f"| logprob statistics, [{chunk}, {vocab}] bf16 | ms | GB/s (one read) |", "| --- | ---: | ---: |"]
+    n = chunk
+    chosen, lse2, ent2 = (torch.empty(n, device=dev) for _ in range(3))
+    for block, warps in ((triton_logprobs.BLOCK_V, 8), (4096, 8), (4096, 16), (1024, 4), (2048, 4), (8192, 16)):
+        def run(block=block, warps=warps):
+            triton_logprobs._stats_kernel[(n,)](logits, labels, chosen, lse2, ent2, logits.stride(0), 1.0,
+                                                 VOCAB=vocab, ENTROPY=True, BLOCK=block, num_warps=warps)
+        ms = timed(run, repeats)
+        ok = torch.allclose(lse2, lse, atol=1e-4) and torch.allclose(ent2, ent, atol=1e-3)
+        out.append(f"| block {block}, {warps} warps{' (default)' if block == triton_logprobs.BLOCK_V and warps == 8 else ''}"
+                   f"{'' if ok else ' (MISMATCH)'} | {ms:.3f} | {read / ms * 1e3:,.0f} |")
+    return out
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, hidden: int = 896, inter: int = 4864):
+        super().__init__()
+        self.gate = torch.nn.Linear(hidden, inter, bias=False)
+        self.up = torch.nn.Linear(hidden, inter, bias=False)
+        self.down = torch.nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+def mlp_rows(tokens: int, repeats: int, autotune: bool) -> list[str]:
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    x = torch.randn(tokens, 896, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, 896, device=dev, dtype=torch.bfloat16)
+    flops = 3 * 2 * tokens * 3 * 896 * 4864
+    out = [f"| Qwen2.5-0.5B MLP forward + backward, {tokens} tokens | ms | TFLOP/s | compile s |",
+           "| --- | ---: | ---: | ---: |"]
+    modes = [("eager", None), ("torch.compile (default)", "default")]
+    if autotune:
+        modes.append(("torch.compile max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs"))
+    for name, mode in modes:
+        torch._dynamo.reset()
+        mlp = MLP().to(dev, torch.bfloat16)
+        fwd = mlp if mode is None else torch.compile(mlp, mode=mode, dynamic=True)
+
+        def step(fwd=fwd, mlp=mlp):
+            y = fwd(x)
+            y.backward(dy)
+            for p in mlp.parameters():
+                p.grad = None
+            x.grad = None
+
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - start
+        ms = timed(step, repeats)
+        out.append(f"| {name} | {ms:.2f} | {flops / ms / 1e9:.0f} | {compile_s:.1f} |")
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--chunk", type=int, default=7340, help="logits rows (the fast row's chunk of a micro-batch)")
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--tokens", type=int, default=23000, help="MLP rows (a shared-prompt micro-batch of the fast row)")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--skip-autotune", action="store_true")
+    args = p.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
+    print("\n".join(logprob_rows(args.chunk, args.vocab, args.repeats)) + "\n", flush=True)
+    print("\n".join(mlp_rows(args.tokens, args.repeats, not args.skip_autotune)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
