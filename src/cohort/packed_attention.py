@@ -75,18 +75,64 @@ def _has_varlen_attn() -> bool:
     return True
 
 
+# Whether varlen_attn takes fewer KV heads than query heads: with `enable_gqa=True` where the keyword exists;
+# torch 2.11 lacks it, but its FlashAttention-2 kernel groups the query heads over the KV heads by itself, which
+# `prepare_flash` checks once against expanded heads. Unchecked (None) or refused, the KV heads are expanded:
+# on Qwen2.5-0.5B (14 query heads, 2 KV heads) that writes 7 copies of every key and value in each layer and
+# sums their gradients back. A plain dict, set eagerly, so compiled layers read constants ("keyword": pass
+# enable_gqa=True).
+GROUPED_KV: dict[str, bool | None] = {"native": None, "keyword": False}
+
+
+def _varlen_has_gqa_keyword() -> bool:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def prepare_flash(device) -> None:
+    """Before the first packed forward on a CUDA device (outside compiled code): decide, once, whether
+    varlen_attn can be handed grouped KV heads (see GROUPED_KV). Forward and gradients must equal the expanded run."""
+    device = torch.device(device)
+    if GROUPED_KV["native"] is not None or device.type != "cuda" or not _has_varlen_attn():
+        return
+    if _varlen_has_gqa_keyword():
+        GROUPED_KV["native"] = GROUPED_KV["keyword"] = True
+        return
+    from torch.nn.attention.varlen import varlen_attn
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(48, h, 64, device=device, generator=gen, dtype=torch.bfloat16).requires_grad_()
+               for h in (4, 2, 2))
+    cu = torch.tensor([0, 16, 48], device=device, dtype=torch.int32)
+    grad_out = torch.randn(48, 4, 64, device=device, generator=gen, dtype=torch.bfloat16)
+
+    def run(k_in, v_in):
+        out = varlen_attn(q, k_in, v_in, cu, cu, 32, 32, window_size=(-1, 0))
+        return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+
+    try:
+        grouped = run(k, v)
+        expanded = run(k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1))
+        ok = all(a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+                 for a, b in zip(grouped, expanded, strict=True))
+    except RuntimeError:  # a kernel that checks the head counts
+        ok = False
+    GROUPED_KV["native"] = ok
+
+
 def _flash_varlen(query, key, value, cu_q, cu_k, max_q, max_k, scaling, window=None):
-    """varlen_attn on [T, H, D] tensors; older torch builds lack `enable_gqa`, so expand KV heads there.
-    window W (sliding-window layers): each query sees its own and the W - 1 previous keys. A query segment
-    shorter than its key segment (a completion after its shared prompt) is aligned to the segment's end, as
-    flash attention aligns causal masks."""
+    """varlen_attn on [T, H, D] tensors, grouped KV heads as they are where torch takes them (GROUPED_KV), else
+    expanded. window W (sliding-window layers): each query sees its own and the W - 1 previous keys. A query
+    segment shorter than its key segment (a completion after its shared prompt) is aligned to the segment's
+    end, as flash attention aligns causal masks."""
     from torch.nn.attention.varlen import varlen_attn
 
     kwargs = {"scale": scaling, "window_size": (-1 if window is None else window - 1, 0)}  # (-1, 0): causal
     if query.shape[1] != key.shape[1]:
-        if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+        if GROUPED_KV["native"] and GROUPED_KV["keyword"]:
             kwargs["enable_gqa"] = True
-        else:
+        elif not GROUPED_KV["native"]:
             rep = query.shape[1] // key.shape[1]
             key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
     return varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, **kwargs)

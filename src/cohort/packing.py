@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from cohort.logprobs import DEFAULT_CHUNK_TOKENS, selective_logprobs_and_entropy
-from cohort.packed_attention import _PACKED_MASKS, VARLEN_IMPL, enable_packed_attention
+from cohort.packed_attention import _PACKED_MASKS, VARLEN_IMPL, enable_packed_attention, prepare_flash
 from cohort.shared_prompts import pack_shared_layout
 
 
@@ -227,6 +227,7 @@ def packed_pass(model, input_ids, position_ids, cu, hidden_idx, labels, *, tempe
     kwargs = {}
     if attn == "varlen":
         enable_packed_attention(model)
+        prepare_flash(input_ids.device)
         if max_len is None:
             max_len = int((cu[1:] - cu[:-1]).max())
         kwargs = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}

@@ -52,6 +52,23 @@ def test_flash_varlen_matches_masked_sdpa_bf16(monkeypatch):
     assert torch.nn.functional.cosine_similarity(g_v, g_n, dim=0).item() > 0.999
 
 
+def test_grouped_kv_heads_equal_expanded_heads(monkeypatch):
+    """Where torch's varlen kernel takes grouped KV heads (prepare_flash's check), the packed forward hands them
+    over as they are: logprobs and every gradient equal the run that expands the KV heads first."""
+    model, seqs = _model(torch.bfloat16), _sequences()
+    packing.prepare_flash(torch.device("cuda"))
+    assert packed_attention.GROUPED_KV["native"] is not None  # decided on the first CUDA packed forward
+    if not packed_attention.GROUPED_KV["native"]:
+        pytest.skip("this torch's varlen attention expands KV heads")
+    for share in (False, True):
+        lp_grouped, g_grouped = _run(model, seqs, share=share)
+        monkeypatch.setitem(packed_attention.GROUPED_KV, "native", False)
+        lp_expanded, g_expanded = _run(model, seqs, share=share)
+        monkeypatch.setitem(packed_attention.GROUPED_KV, "native", True)
+        torch.testing.assert_close(lp_grouped, lp_expanded, atol=2e-2, rtol=0)
+        assert torch.nn.functional.cosine_similarity(g_grouped, g_expanded, dim=0).item() > 0.9999
+
+
 def _fa4_importable() -> bool:
     try:
         from flash_attn.cute import flash_attn_varlen_func  # noqa: F401

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from cohort.packed_attention import GROUPED_KV
+
 
 @dataclass
 class AttnContext:
@@ -225,7 +227,7 @@ def prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnC
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
-        else:
+        elif not GROUPED_KV["native"]:  # (cohort.packed_attention: torch 2.11's kernel groups query heads itself)
             groups = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(groups, 1)
             v = v.repeat_interleave(groups, 1)
@@ -254,6 +256,10 @@ class AttentionOps:
         from cohort.engine import triton_ops
 
         self.use_varlen = varlen_available(device, dtype) if use_varlen is None else use_varlen
+        if self.use_varlen:
+            from cohort.packed_attention import prepare_flash
+
+            prepare_flash(device)  # before any graph capture: whether grouped KV heads go to the kernel as they are
         if use_triton is None:
             use_triton = device.type == "cuda" and triton_ops.decode_supported(head_dim, block_size)
         self.use_triton = use_triton

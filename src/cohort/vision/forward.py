@@ -119,7 +119,7 @@ def vision_packed_logprobs(model, sequences, *, temperature: float = 1.0, comput
                            chunk_tokens: int = DEFAULT_CHUNK_TOKENS, attn: str = "varlen",
                            lm_head_grad_fp32: bool = True, keep_logits: bool = False):
     """`packed_forward_logprobs` for prompts with images (see the module docstring) -> PackedLogprobs."""
-    from cohort.packed_attention import _PACKED_MASKS, enable_packed_attention
+    from cohort.packed_attention import _PACKED_MASKS, enable_packed_attention, prepare_flash
     from cohort.packing import PackedLogprobs
 
     if attn not in ("varlen", "native"):
@@ -142,6 +142,7 @@ def vision_packed_logprobs(model, sequences, *, temperature: float = 1.0, comput
     kwargs = {}
     if attn == "varlen":
         enable_packed_attention(body)  # the language model's config: the vision tower keeps its own attention
+        prepare_flash(device)
         max_len = int((cu[1:] - cu[:-1]).max())
         kwargs = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
     token = _PACKED_MASKS.set(attn == "varlen")
