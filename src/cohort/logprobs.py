@@ -17,9 +17,11 @@ Gradients, with z = logits / T, log p = z - lse and H = -sum(p log p) saved from
   d logp[label] / dz = onehot(label) - p
   d H / dz           = -p * (log p + H)
 and dz / d(raw logits) = 1 / T. Because lse and H are saved, the backward is one elementwise pass over the
-recomputed logits (no reduction). On CUDA the per-chunk elementwise work is compiled into fused kernels with
-torch.compile (the unfused version makes ~8 passes over [chunk, vocab] fp32 and costs more than the three
-matmuls); set COHORT_COMPILE_LOGPROBS=0 to turn that off. The CPU runs the in-place eager code.
+recomputed (or kept) logits, no reduction, written over them. On CUDA both per-chunk passes are Triton kernels
+(cohort.triton_logprobs: the statistics in one read of the row, the gradient in one read and one write);
+COHORT_TRITON_LOGPROBS=0 takes torch.compile'd versions of the same functions instead (the unfused eager code
+makes ~8 passes over [chunk, vocab] fp32 and costs more than the three matmuls), and COHORT_COMPILE_LOGPROBS=0
+with it the eager code. The CPU runs the in-place eager code.
 """
 
 from __future__ import annotations
