@@ -210,7 +210,11 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     kv_index = kwargs.get("cohort_kv_index")
     cu_k = cu if kv_index is None else kwargs["cu_seq_lens_k"]
     if kv_index is not None:
-        key, value = key.index_select(2, kv_index), value.index_select(2, kv_index)
+        # Gathered through fp32: the gather's backward sums the G completions' gradients into each prompt row
+        # (index_add), which in bf16 needs compare-and-swap loops (47 us a call on an H100 for a 0.5B row) and
+        # rounds at every addition; fp32 adds are native atomics and round once, on the cast back.
+        key = key.float().index_select(2, kv_index).to(key.dtype)
+        value = value.float().index_select(2, kv_index).to(value.dtype)
     if _flash_eligible(query):
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
         attend = _fa4_varlen if _KERNEL["name"] == "fa4" else _flash_varlen

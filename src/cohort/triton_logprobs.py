@@ -79,6 +79,41 @@ if triton is not None:
             tl.store(ent_ptr + row, log_total - weighted / total)
 
     @triton.jit
+    def _stats_block_kernel(logits_ptr, labels_ptr, chosen_ptr, lse_ptr, ent_ptr, stride, inv_t,
+                            VOCAB: tl.constexpr, ENTROPY: tl.constexpr, BLOCK: tl.constexpr):
+        """`_stats_kernel`'s results with the running maximum kept per block rather than per lane: each block
+        costs one exponential and a few operations per element plus three block reductions (max and two
+        sums), where the per-lane form spends about twenty operations per element on its branches."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        base = logits_ptr + row * stride
+        m = float("-inf")  # running maximum, S = sum exp(z - m), U = sum exp(z - m) (z - m)
+        total = 0.0
+        weighted = 0.0
+        for start in range(0, VOCAB, BLOCK):
+            idx = start + cols
+            z = tl.load(base + idx, mask=idx < VOCAB, other=float("-inf")).to(tl.float32) * inv_t
+            new_m = tl.maximum(m, tl.max(z, 0))
+            finite = new_m > float("-inf")
+            shift = tl.where(finite, new_m, 0.0)  # all -inf so far: nothing to add, no -inf - -inf
+            d = z - shift
+            e = tl.exp(d)  # 0 for -inf logits
+            scale = tl.where(m > float("-inf"), tl.exp(m - shift), 0.0)
+            if ENTROPY:
+                ed = tl.where(e > 0, e * d, 0.0)
+                weighted = scale * (weighted + total * tl.where(m > float("-inf"), m - shift, 0.0)) + tl.sum(ed, 0)
+            total = total * scale + tl.sum(e, 0)
+            m = new_m
+        log_total = tl.log(total)
+        lse = m + log_total
+        label = tl.load(labels_ptr + row)
+        chosen = tl.load(base + label).to(tl.float32) * inv_t - lse
+        tl.store(chosen_ptr + row, chosen)
+        tl.store(lse_ptr + row, lse)
+        if ENTROPY:
+            tl.store(ent_ptr + row, log_total - weighted / total)
+
+    @triton.jit
     def _grad_kernel(logits_ptr, labels_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, stride, inv_t,
                      VOCAB: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -98,9 +133,10 @@ if triton is not None:
         tl.store(ptrs, (g * inv_t).to(x.dtype), mask=inside)
 
 
-def stats(logits: torch.Tensor, labels: torch.Tensor, inv_t: float,
-          compute_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(chosen logprob, logsumexp, entropy or None), fp32 [n], of raw logits [n, V] at temperature 1 / inv_t."""
+def stats(logits: torch.Tensor, labels: torch.Tensor, inv_t: float, compute_entropy: bool,
+          kernel: str = "lane") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(chosen logprob, logsumexp, entropy or None), fp32 [n], of raw logits [n, V] at temperature 1 / inv_t.
+    kernel: "lane" (`_stats_kernel`, a running maximum per lane) or "block" (`_stats_block_kernel`)."""
     n, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -109,8 +145,9 @@ def stats(logits: torch.Tensor, labels: torch.Tensor, inv_t: float,
     lse = torch.empty(n, dtype=torch.float32, device=dev)
     entropy = torch.empty(n if compute_entropy else 1, dtype=torch.float32, device=dev)
     if n:
-        _stats_kernel[(n,)](logits, labels, chosen, lse, entropy, logits.stride(0), float(inv_t), VOCAB=vocab,
-                            ENTROPY=compute_entropy, BLOCK=BLOCK_V, num_warps=8)
+        fn = _stats_kernel if kernel == "lane" else _stats_block_kernel
+        fn[(n,)](logits, labels, chosen, lse, entropy, logits.stride(0), float(inv_t), VOCAB=vocab,
+                 ENTROPY=compute_entropy, BLOCK=BLOCK_V, num_warps=8)
     return chosen, lse, entropy if compute_entropy else None
 
 

@@ -26,13 +26,14 @@ def _check() -> None:
         labels[3] = vocab - 1
         labels[2] = 1
         for inv_t in (1.0, 1.0 / 0.7):
-            got = triton_logprobs.stats(logits, labels, inv_t, True)
             want = _stats_eager(logits.clone(), labels, inv_t, True)  # it scales float32 logits in place
             # the eager entropy is NaN on -inf logits (0 * -inf); 0 log 0 = 0 is the right value
             p = torch.softmax(logits.double() * inv_t, dim=-1)
             entropy = torch.special.entr(p).sum(-1).float()
-            for a, b in zip(got, (want[0], want[1], entropy)):
-                torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+            for kernel in ("lane", "block"):
+                got = triton_logprobs.stats(logits, labels, inv_t, True, kernel=kernel)
+                for a, b in zip(got, (want[0], want[1], entropy)):
+                    torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
             chosen, lse, no_entropy = triton_logprobs.stats(logits, labels, inv_t, False)
             assert no_entropy is None
             torch.testing.assert_close(chosen, want[0], atol=2e-5, rtol=2e-5)
