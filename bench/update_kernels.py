@@ -6,8 +6,8 @@ Rows (device time of each, CUDA events, median of --repeats after warm-up):
 - the logprob backward's elementwise pass over one chunk of logits ([--chunk, 151936] bf16): torch.compile's
   fused function (`cohort.logprobs._grad_fused`) against the Triton kernel (`cohort.triton_logprobs.grad`),
   with the bandwidth each moves (one read and one write of the chunk);
-- the logprob forward's statistics over the same chunk: the Triton one-pass kernel, its running maximum per
-  lane (the default first, then without the entropy) or per block, at several block sizes and warp counts;
+- the logprob forward's statistics over the same chunk: the Triton one-pass kernel at several block sizes and
+  warp counts (the default first, then the same without the entropy);
 - Qwen2.5-0.5B's MLP (gate and up 896 -> 4864, SiLU * up, down 4864 -> 896) forward + backward on --tokens
   rows: eager, torch.compile (the trainer's compiled layers) and torch.compile in max-autotune mode (Triton
   matmul templates that may take the SiLU * up into their epilogue), with its compile time.
@@ -65,21 +65,17 @@ def logprob_rows(chunk: int, vocab: int, repeats: int) -> list[str]:
     out += ["", f"| logprob statistics, [{chunk}, {vocab}] bf16 | ms | GB/s (one read) |", "| --- | ---: | ---: |"]
     n = chunk
     chosen, lse2, ent2 = (torch.empty(n, device=dev) for _ in range(3))
-    variants = [("lane", triton_logprobs.BLOCK_V, 8, True), ("lane", triton_logprobs.BLOCK_V, 8, False),
-                ("lane", 1024, 4, True)]
-    variants += [("block", b, w, True) for b, w in ((2048, 8), (4096, 8), (8192, 8), (8192, 16), (16384, 16))]
-    for kind, block, warps, entropy in variants:
-        kernel = triton_logprobs._stats_kernel if kind == "lane" else triton_logprobs._stats_block_kernel
-
-        def run(kernel=kernel, block=block, warps=warps, entropy=entropy):
-            kernel[(n,)](logits, labels, chosen, lse2, ent2, logits.stride(0), 1.0, VOCAB=vocab, ENTROPY=entropy,
-                         BLOCK=block, num_warps=warps)
+    variants = [(triton_logprobs.BLOCK_V, 8, True), (triton_logprobs.BLOCK_V, 8, False), (2048, 8, True),
+                (4096, 8, True), (8192, 16, True), (16384, 16, True)]
+    for block, warps, entropy in variants:
+        def run(block=block, warps=warps, entropy=entropy):
+            triton_logprobs._stats_kernel[(n,)](logits, labels, chosen, lse2, ent2, logits.stride(0), 1.0,
+                                                 VOCAB=vocab, ENTROPY=entropy, BLOCK=block, num_warps=warps)
         ms = timed(run, repeats)
         ok = torch.allclose(lse2, lse, atol=1e-4) and (not entropy or torch.allclose(ent2, ent, atol=1e-3))
-        default = kind == "lane" and block == triton_logprobs.BLOCK_V and warps == 8 and entropy
-        out.append(f"| {kind} maximum, block {block}, {warps} warps{'' if entropy else ', no entropy'}"
-                   f"{' (default)' if default else ''}{'' if ok else ' (MISMATCH)'} | {ms:.3f} | "
-                   f"{read / ms * 1e3:,.0f} |")
+        default = block == triton_logprobs.BLOCK_V and warps == 8 and entropy
+        out.append(f"| block {block}, {warps} warps{'' if entropy else ', no entropy'}{' (default)' if default else ''}"
+                   f"{'' if ok else ' (MISMATCH)'} | {ms:.3f} | {read / ms * 1e3:,.0f} |")
     return out
 
 

@@ -19,6 +19,7 @@ def _check() -> None:
     for vocab, dtype in ((3000, torch.bfloat16), (2048, torch.float32), (777, torch.float32)):
         rows = torch.randn(6, vocab, generator=g) * 3
         rows[1] *= 40  # peaked: entropy ~ 0
+        rows[4, -5] = 30.0  # the row's maximum in its last block
         rows[2, ::3] = -torch.inf  # masked tokens
         rows[3, : vocab - 1] = -torch.inf  # one token left: entropy 0
         logits = rows.to(dtype)
@@ -30,8 +31,14 @@ def _check() -> None:
             # the eager entropy is NaN on -inf logits (0 * -inf); 0 log 0 = 0 is the right value
             p = torch.softmax(logits.double() * inv_t, dim=-1)
             entropy = torch.special.entr(p).sum(-1).float()
-            for kernel in ("lane", "block"):
-                got = triton_logprobs.stats(logits, labels, inv_t, True, kernel=kernel)
+            # one block per row, and blocks of 512 (the running maximum rescaled between blocks; blocks of -inf
+            # only before the one finite logit of row 3)
+            for block in (triton_logprobs.BLOCK_V, 512):
+                default, triton_logprobs.BLOCK_V = triton_logprobs.BLOCK_V, block
+                try:
+                    got = triton_logprobs.stats(logits, labels, inv_t, True)
+                finally:
+                    triton_logprobs.BLOCK_V = default
                 for a, b in zip(got, (want[0], want[1], entropy)):
                     torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
             chosen, lse, no_entropy = triton_logprobs.stats(logits, labels, inv_t, False)
