@@ -101,19 +101,23 @@ def prepare_flash(device) -> None:
         return
     from torch.nn.attention.varlen import varlen_attn
 
-    gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(48, h, 64, device=device, generator=gen, dtype=torch.bfloat16).requires_grad_()
-               for h in (4, 2, 2))
-    cu = torch.tensor([0, 16, 48], device=device, dtype=torch.int32)
-    grad_out = torch.randn(48, 4, 64, device=device, generator=gen, dtype=torch.bfloat16)
+    with torch.inference_mode(False):
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(48, h, 64, device=device, generator=gen, dtype=torch.bfloat16).requires_grad_()
+                   for h in (4, 2, 2))
+        cu = torch.tensor([0, 16, 48], device=device, dtype=torch.int32)
+        grad_out = torch.randn(48, 4, 64, device=device, generator=gen, dtype=torch.bfloat16)
 
     def run(k_in, v_in):
         out = varlen_attn(q, k_in, v_in, cu, cu, 32, 32, window_size=(-1, 0))
         return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
 
     try:
-        grouped = run(k, v)
-        expanded = run(k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1))
+        # the first packed forward may come under no_grad (old or reference logprobs) or inference mode (an
+        # engine built there): the check needs gradients either way
+        with torch.inference_mode(False), torch.enable_grad():
+            grouped = run(k, v)
+            expanded = run(k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1))
         ok = all(a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2)
                  for a, b in zip(grouped, expanded, strict=True))
     except RuntimeError:  # a kernel that checks the head counts

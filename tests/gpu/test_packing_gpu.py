@@ -58,6 +58,12 @@ def test_grouped_kv_heads_equal_expanded_heads(monkeypatch):
     model, seqs = _model(torch.bfloat16), _sequences()
     packing.prepare_flash(torch.device("cuda"))
     assert packed_attention.GROUPED_KV["native"] is not None  # decided on the first CUDA packed forward
+    decided = packed_attention.GROUPED_KV["native"]
+    for context in (torch.no_grad, torch.inference_mode):  # the first call may come there: the same answer
+        monkeypatch.setitem(packed_attention.GROUPED_KV, "native", None)
+        with context():
+            packing.prepare_flash(torch.device("cuda"))
+        assert packed_attention.GROUPED_KV["native"] == decided
     if not packed_attention.GROUPED_KV["native"]:
         pytest.skip("this torch's varlen attention expands KV heads")
     for share in (False, True):
