@@ -1,8 +1,8 @@
 """The update's non-matmul kernels in isolation, on the bench workload's shapes (one GPU).
 
-    PYTHONPATH=src:. python3 bench/update_kernels.py [--tokens 23000] [--skip-autotune]
+    PYTHONPATH=src:bench:. python3 bench/update_kernels.py [--tokens 23000] [--skip-autotune]
 
-Rows (device time of each, CUDA events, median of --repeats after warm-up):
+Rows (device time of each, CUDA events, median of --repeats after warm-up; `engine_profile.gpu_ms`):
 - the logprob backward's elementwise pass over one chunk of logits ([--chunk, 151936] bf16): torch.compile's
   fused function (`cohort.logprobs._grad_fused`) against the Triton kernel (`cohort.triton_logprobs.grad`),
   with the bandwidth each moves (one read and one write of the chunk);
@@ -16,26 +16,10 @@ Rows (device time of each, CUDA events, median of --repeats after warm-up):
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
-
-
-def timed(fn, repeats: int, warmup: int = 3) -> float:
-    """Median milliseconds of `fn()` on the device."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from engine_profile import gpu_ms  # bench/ is the script's folder, so on sys.path
 
 
 def logprob_rows(chunk: int, vocab: int, repeats: int) -> list[str]:
@@ -57,7 +41,7 @@ def logprob_rows(chunk: int, vocab: int, repeats: int) -> list[str]:
     out = [f"| logprob gradient, [{chunk}, {vocab}] bf16 | ms | GB/s (read + write) |", "| --- | ---: | ---: |"]
     for name, fn in (("torch.compile (until now)", lambda: compiled(logits, labels, lse, ent, gl, ge, 1.0)),
                      ("Triton, in place", lambda: triton_logprobs.grad(buffer, labels, lse, ent, gl, ge, 1.0))):
-        ms = timed(fn, repeats)
+        ms = gpu_ms(fn, repeats)
         out.append(f"| {name} | {ms:.3f} | {gbytes / ms * 1e3:,.0f} |")
     out.append(f"(largest difference of the two gradients: {diff:.3g})")
 
@@ -71,7 +55,7 @@ def logprob_rows(chunk: int, vocab: int, repeats: int) -> list[str]:
         def run(block=block, warps=warps, entropy=entropy):
             triton_logprobs._stats_kernel[(n,)](logits, labels, chosen, lse2, ent2, logits.stride(0), 1.0,
                                                  VOCAB=vocab, ENTROPY=entropy, BLOCK=block, num_warps=warps)
-        ms = timed(run, repeats)
+        ms = gpu_ms(run, repeats)
         ok = torch.allclose(lse2, lse, atol=1e-4) and (not entropy or torch.allclose(ent2, ent, atol=1e-3))
         default = block == triton_logprobs.BLOCK_V and warps == 8 and entropy
         out.append(f"| block {block}, {warps} warps{'' if entropy else ', no entropy'}{' (default)' if default else ''}"
@@ -117,7 +101,7 @@ def mlp_rows(tokens: int, repeats: int, autotune: bool) -> list[str]:
         step()
         torch.cuda.synchronize()
         compile_s = time.perf_counter() - start
-        ms = timed(step, repeats)
+        ms = gpu_ms(step, repeats)
         out.append(f"| {name} | {ms:.2f} | {flops / ms / 1e9:.0f} | {compile_s:.1f} |")
     return out
 
