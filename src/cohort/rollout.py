@@ -61,6 +61,17 @@ class RolloutBatch:
         mask = self.completion_masks[i] if self.completion_masks is not None else None
         return [1] * n if mask is None else list(mask)
 
+    def loss_token_count(self, i: int) -> int:
+        """sum(token_mask(i)) without building the list (the update counts every row's tokens up front)."""
+        if not self.loss_mask_keep[i]:
+            return 0
+        mask = self.completion_masks[i] if self.completion_masks is not None else None
+        return len(self.completion_ids[i]) if mask is None else int(sum(mask))
+
+    def all_tokens_trained(self, i: int) -> bool:
+        """Whether token_mask(i) is all 1 (a kept single-turn completion)."""
+        return bool(self.loss_mask_keep[i]) and (self.completion_masks is None or self.completion_masks[i] is None)
+
 
 def decode_completions(tokenizer, completions: Sequence[Completion], conversational: bool) -> list[Any]:
     texts = batch_decode(tokenizer, [c.token_ids for c in completions])  # batch_decode's text, in one Rust call

@@ -66,7 +66,8 @@ def pack_shared_layout(sequences) -> SharedLayout | None:
     groups = prompt_groups(prompts)
     if all(len(g) == 1 for g in groups):
         return None
-    c_len = np.asarray([len(c) for _, c in sequences], dtype=np.int64)
+    completions = [np.asarray(c, dtype=np.int64) for _, c in sequences]  # converted once: rows and labels
+    c_len = np.asarray([len(c) for c in completions], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(c_len)])
     hidden_idx = np.empty(int(offsets[-1]), dtype=np.int64)
     ids: list[np.ndarray] = []
@@ -92,7 +93,7 @@ def pack_shared_layout(sequences) -> SharedLayout | None:
             raise ValueError(f"sequence {group[0]} has an empty prompt: the first completion token needs a context")
         if len(group) == 1:  # alone: the plain [prompt completion] segment
             i = group[0]
-            tokens = np.concatenate([prompt, np.asarray(sequences[i][1], dtype=np.int64)])
+            tokens = np.concatenate([prompt, completions[i]])
             first = segment(tokens, 0, np.arange(row, row + len(tokens), dtype=np.int64))
             hidden_idx[offsets[i]:offsets[i + 1]] = first + p - 1 + np.arange(c_len[i])
             continue
@@ -102,17 +103,17 @@ def pack_shared_layout(sequences) -> SharedLayout | None:
             if c_len[i] == 0:  # nothing to predict: no segment (a zero-length one would reach the kernels)
                 continue
             own = np.arange(row, row + c_len[i], dtype=np.int64)
-            first = segment(np.asarray(sequences[i][1], dtype=np.int64), p, np.concatenate([prompt_rows, own]))
+            first = segment(completions[i], p, np.concatenate([prompt_rows, own]))
             # the first completion token is predicted by the prompt's last row, the others by their predecessor
             hidden_idx[offsets[i]] = prompt_rows[-1]
             hidden_idx[offsets[i] + 1:offsets[i + 1]] = first + np.arange(c_len[i] - 1)
     k_lens = np.asarray([len(k) for k in keys], dtype=np.int64)
     flat_ids = np.concatenate(ids)
-    labels = np.concatenate([np.asarray(c, dtype=np.int64) for _, c in sequences])
+    labels = np.concatenate(completions)
     return SharedLayout(
         ids=flat_ids, positions=np.concatenate(positions),
         cu_q=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64),
         cu_k=np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int64),
-        kv_index=np.concatenate(keys), hidden_idx=hidden_idx, labels=labels.astype(np.int64),
+        kv_index=np.concatenate(keys), hidden_idx=hidden_idx, labels=labels,
         offsets=offsets.tolist(), max_q=int(max(q_lens)), max_k=int(k_lens.max()),
     )

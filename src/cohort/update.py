@@ -133,7 +133,7 @@ class PolicyUpdater:
         per micro-batch: nothing in the micro-batch loop waits for the GPU.
         """
         # normalisers of the whole mini-batch, summed over data-parallel ranks
-        num_tokens = distributed.all_sum(sum(sum(batch.token_mask(r)) for r in rows))
+        num_tokens = distributed.all_sum(sum(batch.loss_token_count(r) for r in rows))
         num_sequences = int(distributed.all_sum(len(rows)))
         self.on_update("update_begin")
         self.policy.train()
@@ -249,7 +249,7 @@ class PolicyUpdater:
         host = np.zeros((2 * b + 1, cols), dtype=np.float32)
         for i, r in enumerate(idx):
             n = len(batch.completion_ids[r])
-            host[i, :n] = batch.token_mask(r)
+            host[i, :n] = 1.0 if batch.all_tokens_trained(r) else batch.token_mask(r)
             host[b + i, :n] = batch.sampling_logprobs[r]
         host[-1, :b] = batch.advantages[idx].detach().float().cpu().numpy()
         both = host_to_device(host, self.device)
