@@ -69,7 +69,8 @@ class RolloutBatch:
         return len(self.completion_ids[i]) if mask is None else int(sum(mask))
 
     def all_tokens_trained(self, i: int) -> bool:
-        """Whether token_mask(i) is all 1 (a kept single-turn completion)."""
+        """True when token_mask(i) is all 1 by construction (kept, no per-token mask: a single-turn completion),
+        so the update can fill its row without building the list; False says nothing (read token_mask)."""
         return bool(self.loss_mask_keep[i]) and (self.completion_masks is None or self.completion_masks[i] is None)
 
 
