@@ -1,14 +1,17 @@
 """The update's packed attention, forward + backward, under torch's flash-attention implementations (one GPU).
 
-    PYTHONPATH=src:. python3 bench/attn_train.py [--direct] [--impl FA4]
+    PYTHONPATH=src:. python3 bench/attn_train.py [--direct] [--impl FA4] [--cudnn]
 
-The training forward's attention (`cohort.packed_attention._flash_varlen`: torch's `varlen_attn`, KV heads
-expanded where this torch lacks `enable_gqa`) on the bench workload's micro-batches: Qwen2.5-0.5B (14 query /
+The training forward's attention (`cohort.packed_attention._flash_varlen`: torch's `varlen_attn`, grouped KV
+heads as they are where `prepare_flash` found the kernel takes them, expanded otherwise; this script runs before
+that check, so it expands) on the bench workload's micro-batches: Qwen2.5-0.5B (14 query /
 2 KV heads of 64, 86 sequences of 128 + 256 tokens = the fast row's 33,024-token micro-batch) and 1.5B (12 / 2
 of 128, 32 sequences = 12,288 tokens), each also with completions of 1-256 tokens. First with torch's built-in
 FlashAttention-2, then, with --impl, after `torch.nn.attention.activate_flash_attention_impl(impl)` (FA4 needs
 the flash-attn-4 package and the CUTLASS DSL), which routes the same aten flash ops to that implementation,
-and with --direct FA4 through its own varlen function (grouped query heads in the kernel, no KV expansion).
+with --direct FA4 through its own varlen function (grouped query heads in the kernel, no KV expansion), and
+with --cudnn cuDNN's attention through its aten op (`cudnn_varlen`; written for the next measurement, not yet
+run on a GPU).
 
 Each row: the device time of one forward + backward (the sum of its kernels under torch.profiler, so the host's
 launch time does not count), TFLOP/s on the causal FLOPs (forward 4 x sum(L^2 / 2) x heads x head size,
@@ -58,6 +61,19 @@ def fa4_direct(q, k, v, cu, max_len, scale):
     return out[0] if isinstance(out, tuple) else out
 
 
+def cudnn_varlen(q, k, v, cu, max_len, scale):
+    """cuDNN's attention on the same packed rows (`aten._cudnn_attention_forward` with cumulative sequence
+    lengths, the THD layout; torch's `varlen_attn` keeps this backend switched off), KV heads expanded (no GQA
+    there). Causal within each sequence: query and key segments are the same here, so the mask's alignment does
+    not matter (it would for a shared-prompt row)."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    out = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False,
+                                                  scale=scale)
+    return out[0]
+
+
 def run(impl: str, results: dict, repeats: int, attend=None) -> None:
     from cohort.packed_attention import _flash_varlen
 
@@ -104,6 +120,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--direct", action="store_true",
                    help="also FA4 through flash_attn.cute.flash_attn_varlen_func (needs flash-attn-4)")
+    p.add_argument("--cudnn", action="store_true", help="also cuDNN's attention through its aten op (cudnn_varlen)")
     args = p.parse_args()
     import torch.nn.attention as tna
 
@@ -115,6 +132,8 @@ def main() -> None:
     run("FA2 (torch built-in)", results, args.repeats)
     if args.direct:
         run("FA4 (flash_attn.cute, GQA in the kernel)", results, args.repeats, fa4_direct)
+    if args.cudnn:
+        run("cuDNN (aten._cudnn_attention_forward, THD)", results, args.repeats, cudnn_varlen)
     if args.impl:
         try:
             tna.activate_flash_attention_impl(args.impl)
