@@ -1,8 +1,9 @@
 """triton_logprobs.stats (one pass over each row: chosen logprob, logsumexp, entropy) and triton_logprobs.grad
 (the backward's gradient of the logits, written over them) against the eager code of cohort.logprobs on the CPU
 under TRITON_INTERPRET=1: random rows, peaked rows (entropy near 0, where lse - E[z] would cancel), rows with
--inf logits, a vocabulary that is not a multiple of the block, and temperatures other than 1. The interpreter must be on when the module is first imported, so the kernel runs
-in a child process (this file as a script). Skips without Triton (not a project dependency)."""
+-inf logits, a vocabulary that is not a multiple of the block, and temperatures other than 1. The interpreter
+must be on when the module is first imported, so the kernel runs in a child process (this file as a script).
+Skips without Triton (not a project dependency)."""
 
 from __future__ import annotations
 
