@@ -125,6 +125,20 @@ def prepare_flash(device) -> None:
     GROUPED_KV["native"] = ok
 
 
+def grouped_kv(query, key, value, kwargs: dict):
+    """(key, value) for varlen_attn on [T, H, D] tensors with fewer KV heads than query heads: as they are where
+    GROUPED_KV says the kernel takes them (adding enable_gqa=True to `kwargs` where the keyword exists), else
+    expanded to the query heads. Shared by the packed forward and the engine's prefill."""
+    if query.shape[1] == key.shape[1]:
+        return key, value
+    if GROUPED_KV["native"]:
+        if GROUPED_KV["keyword"]:
+            kwargs["enable_gqa"] = True
+        return key, value
+    rep = query.shape[1] // key.shape[1]
+    return key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+
+
 def _flash_varlen(query, key, value, cu_q, cu_k, max_q, max_k, scaling, window=None):
     """varlen_attn on [T, H, D] tensors, grouped KV heads as they are where torch takes them (GROUPED_KV), else
     expanded. window W (sliding-window layers): each query sees its own and the W - 1 previous keys. A query
@@ -133,12 +147,7 @@ def _flash_varlen(query, key, value, cu_q, cu_k, max_q, max_k, scaling, window=N
     from torch.nn.attention.varlen import varlen_attn
 
     kwargs = {"scale": scaling, "window_size": (-1 if window is None else window - 1, 0)}  # (-1, 0): causal
-    if query.shape[1] != key.shape[1]:
-        if GROUPED_KV["native"] and GROUPED_KV["keyword"]:
-            kwargs["enable_gqa"] = True
-        elif not GROUPED_KV["native"]:
-            rep = query.shape[1] // key.shape[1]
-            key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    key, value = grouped_kv(query, key, value, kwargs)
     return varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, **kwargs)
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from cohort.packed_attention import GROUPED_KV
+from cohort.packed_attention import grouped_kv
 
 
 @dataclass
@@ -224,13 +224,7 @@ def prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnC
         raise NotImplementedError("this torch's varlen_attn has no window_size argument")
     elif "is_causal" in params:
         kwargs["is_causal"] = True
-    if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        elif not GROUPED_KV["native"]:  # (cohort.packed_attention: torch 2.11's kernel groups query heads itself)
-            groups = q.shape[1] // k.shape[1]
-            k = k.repeat_interleave(groups, 1)
-            v = v.repeat_interleave(groups, 1)
+    k, v = grouped_kv(q, k, v, kwargs)  # as they are where the kernel takes them (AttentionOps checked), else expanded
     cu = ctx.cu_seqlens
     assert cu is not None  # set on every prefill context
     out = varlen_attn(q, k, v, cu, cu, ctx.max_seqlen, ctx.max_seqlen, **kwargs)
