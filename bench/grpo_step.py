@@ -362,6 +362,79 @@ def _train_cohort(args, lowmem: bool, model, tok, device) -> dict:
             **phase_peaks.overall()}
 
 
+class _HostTimes:
+    """Wall time of the update's host-side preparation while entered: micro-batch cutting, masks and engine
+    logprobs, the shared-prompt layout (the GPU idles while the first micro-batch's are built)."""
+
+    TARGETS = (("cohort.update", "PolicyUpdater", "_micro_batches"), ("cohort.update", "PolicyUpdater", "_host_tensors"),
+               ("cohort.packing", None, "pack_shared_layout"), ("cohort.packing", None, "pack_layout"))
+
+    def __enter__(self):
+        import importlib
+
+        self.calls: list[tuple[str, float, float]] = []  # (name, start, ms)
+        self.start, self._undo = time.perf_counter(), []
+        for module_name, cls, name in self.TARGETS:
+            owner = importlib.import_module(module_name)
+            owner = getattr(owner, cls) if cls else owner
+            original = getattr(owner, name)
+
+            def timed(*a, _f=original, _n=name, **k):
+                t = time.perf_counter()
+                try:
+                    return _f(*a, **k)
+                finally:
+                    self.calls.append((_n, (t - self.start) * 1e3, (time.perf_counter() - t) * 1e3))
+            setattr(owner, name, timed)
+            self._undo.append((owner, name, original))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, original in self._undo:
+            setattr(owner, name, original)
+
+    def __str__(self) -> str:
+        return ", ".join(f"{n} at +{at:.1f} ms took {ms:.2f} ms" for n, at, ms in self.calls) or "none"
+
+
+class _GcPauses:
+    """Python's garbage-collector passes while it is entered: how many of each generation and the time they held
+    the host (a pass over a large heap can leave the GPU idle for milliseconds), with the number of objects the
+    collector tracks."""
+
+    def __enter__(self):
+        import gc
+
+        self.passes: list[tuple[int, float]] = []
+        self.at: list[float] = []  # when each pass began, ms after entering
+        self._start = self.entered = time.perf_counter()
+        self.tracked = len(gc.get_objects())
+        gc.callbacks.append(self._callback)
+        return self
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.passes.append((info["generation"], (time.perf_counter() - self._start) * 1e3))
+            self.at.append((self._start - self.entered) * 1e3)
+
+    def __exit__(self, *exc) -> None:
+        import gc
+
+        gc.callbacks.remove(self._callback)
+
+    def __str__(self) -> str:
+        import gc
+
+        by_gen = {g: [ms for gen, ms in self.passes if gen == g] for g in (0, 1, 2)}
+        parts = [f"gen {g}: {len(v)} passes, {sum(v):.2f} ms (largest {max(v, default=0.0):.2f})"
+                 for g, v in by_gen.items()]
+        when = ", ".join(f"gen {g} {ms:.2f} ms at +{at:.1f}" for (g, ms), at in zip(self.passes, self.at) if ms > 0.5)
+        return (f"{'; '.join(parts)}; {self.tracked:,} objects tracked at its start, thresholds {gc.get_threshold()}"
+                + (f"; passes over 0.5 ms: {when}" if when else ""))
+
+
 def _profiling(args) -> bool:
     return bool(args.profile_update or getattr(args, "profile_generate", False))
 
@@ -388,7 +461,8 @@ def _profile_last_call(owner, method: str, last_step: int, label: str, size: str
         from torch.profiler import ProfilerActivity, profile
 
         cuda = torch.cuda.is_available()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, \
+        pauses, host = _GcPauses(), _HostTimes()
+        with pauses, host, profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, \
                 warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if cuda:  # every host-device synchronisation of the phase, by the line that caused it
@@ -413,6 +487,8 @@ def _profile_last_call(owner, method: str, last_step: int, label: str, size: str
             gaps = "\nthe host's work in the idle gaps of >= 0.5 ms:\n" + trace_gaps.host_ops_in_gaps(trace, 500.0)
         print(f"PROFILE-BEGIN {label}\n" + table + "\n" + trace_gaps.summary(prof, f"{label} timeline")
               + f"\nsynchronising calls in the {label}:\n" + ("\n".join(lines) or "  none") + gaps
+              + f"\nPython's garbage collector in the {label}: {pauses}"
+              + f"\nthe update's host-side preparation in the {label}: {host}"
               + "\nPROFILE-END", flush=True)
         return out
 

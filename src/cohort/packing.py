@@ -139,6 +139,44 @@ def _decoder(model):
     return body
 
 
+@dataclass
+class PackedRow:
+    """One micro-batch's packed row on the device, built on the host by `pack_row` (layout and one asynchronous
+    copy) and run by `packed_forward_logprobs(..., row=...)`. Building it is host work the GPU would wait
+    for, so the update builds the next micro-batch's row while the GPU runs the current one's forward."""
+
+    tensors: tuple  # the packed pass's positional inputs: ids, positions, cu (query segments), hidden index, labels
+    options: dict[str, Any]  # max_len, and for a shared-prompt row cu_k, kv_index, max_len_k
+    offsets: list[int]
+    sequences: int  # how many (prompt, completion) pairs
+
+
+def pack_row(model, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], *, attn: str = "varlen",
+             share_prompts: bool = False) -> PackedRow | None:
+    """The packed row of `sequences` on the model's device (see packed_forward_logprobs for the arguments);
+    None for prompts with images, whose row the vision forward builds itself."""
+    if attn not in ("varlen", "native"):
+        raise ValueError(f"attn={attn!r} is not one of 'varlen', 'native'")
+    if not sequences:
+        raise ValueError("packed_forward_logprobs got no sequences")
+    if any(hasattr(prompt, "vision_inputs") for prompt, _ in sequences):  # prompts with images (cohort.vision)
+        return None
+    device = model.get_input_embeddings().weight.device
+    shared = pack_shared_layout(sequences) if share_prompts and _routes_varlen(model, attn) else None
+    if shared is not None:
+        ids_t, pos_t, cu_q, cu_k, kv_t, hidden_t, labels_t = _to_device(
+            device, shared.ids, shared.positions, shared.cu_q, shared.cu_k, shared.kv_index, shared.hidden_idx,
+            shared.labels)
+        return PackedRow((ids_t.view(1, -1), pos_t.view(1, -1), cu_q.to(torch.int32), hidden_t, labels_t),
+                         {"max_len": shared.max_q, "cu_k": cu_k.to(torch.int32), "kv_index": kv_t,
+                          "max_len_k": shared.max_k}, shared.offsets, len(sequences))
+    input_ids, position_ids, cu, hidden_idx, labels, offsets = pack_layout(sequences, device)
+    # the longest sequence, from the host's lists: reading it off `cu` would make the host wait for the GPU
+    max_len = max(len(prompt) + len(completion) for prompt, completion in sequences)
+    return PackedRow((input_ids, position_ids, cu, hidden_idx, labels), {"max_len": max_len}, offsets,
+                     len(sequences))
+
+
 def packed_forward_logprobs(
     model,
     sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
@@ -150,6 +188,7 @@ def packed_forward_logprobs(
     lm_head_grad_fp32: bool = True,
     keep_logits: bool = False,
     share_prompts: bool = False,
+    row: PackedRow | None = None,
 ) -> PackedLogprobs:
     """Logprobs (and entropy) of each completion token, all sequences in one padding-free row.
 
@@ -161,38 +200,26 @@ def packed_forward_logprobs(
     share_prompts: sequences with the same prompt share one copy of it in the row (cohort.shared_prompts); taken
     when attn="varlen" routes the model's attention through cohort.packed_attention, else the plain row (with a
     warning once when the model's own flash attention is what prevents it).
+    row: the row `pack_row` built for these sequences with the same attn and share_prompts (built here if None).
     """
-    if attn not in ("varlen", "native"):
-        raise ValueError(f"attn={attn!r} is not one of 'varlen', 'native'")
-    if not sequences:
-        raise ValueError("packed_forward_logprobs got no sequences")
-    if any(hasattr(prompt, "vision_inputs") for prompt, _ in sequences):  # prompts with images (cohort.vision)
+    if row is None:
+        row = pack_row(model, sequences, attn=attn, share_prompts=share_prompts)
+    if row is None:  # prompts with images
         from cohort.vision.forward import vision_packed_logprobs
 
         return vision_packed_logprobs(model, sequences, temperature=temperature, compute_entropy=compute_entropy,
                                       chunk_tokens=chunk_tokens, attn=attn, lm_head_grad_fp32=lm_head_grad_fp32,
                                       keep_logits=keep_logits)
-    device = model.get_input_embeddings().weight.device
+    if row.sequences != len(sequences):
+        raise ValueError(f"packed_forward_logprobs: the row was packed for {row.sequences} sequences, got "
+                         f"{len(sequences)}")
     # a sharded (FSDP) policy registers the pass as a forward method on its root, so that calling it gathers
     # the root's parameters (embeddings, LM head) and hooks the backward as a root forward would
     run = getattr(model, "cohort_packed_pass", None) or functools.partial(packed_pass, model)
-    options: dict[str, Any] = {"temperature": temperature, "compute_entropy": compute_entropy,
-                               "chunk_tokens": chunk_tokens, "attn": attn, "lm_head_grad_fp32": lm_head_grad_fp32,
-                               "keep_logits": keep_logits}
-    shared = pack_shared_layout(sequences) if share_prompts and _routes_varlen(model, attn) else None
-    if shared is not None:
-        ids_t, pos_t, cu_q, cu_k, kv_t, hidden_t, labels_t = _to_device(
-            device, shared.ids, shared.positions, shared.cu_q, shared.cu_k, shared.kv_index, shared.hidden_idx,
-            shared.labels)
-        logprobs, entropy = run(ids_t.view(1, -1), pos_t.view(1, -1), cu_q.to(torch.int32), hidden_t, labels_t,
-                                max_len=shared.max_q, cu_k=cu_k.to(torch.int32), kv_index=kv_t,
-                                max_len_k=shared.max_k, **options)
-        return PackedLogprobs(logprobs, entropy, shared.offsets)
-    input_ids, position_ids, cu, hidden_idx, labels, offsets = pack_layout(sequences, device)
-    # the longest sequence, from the host's lists: reading it off `cu` would make the host wait for the GPU
-    max_len = max(len(prompt) + len(completion) for prompt, completion in sequences)
-    logprobs, entropy = run(input_ids, position_ids, cu, hidden_idx, labels, max_len=max_len, **options)
-    return PackedLogprobs(logprobs, entropy, offsets)
+    logprobs, entropy = run(*row.tensors, temperature=temperature, compute_entropy=compute_entropy,
+                            chunk_tokens=chunk_tokens, attn=attn, lm_head_grad_fp32=lm_head_grad_fp32,
+                            keep_logits=keep_logits, **row.options)
+    return PackedLogprobs(logprobs, entropy, row.offsets)
 
 
 _WARNED_NO_SHARING: set[int] = set()
