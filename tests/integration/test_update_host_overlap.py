@@ -8,8 +8,8 @@ the order on the CPU (the same code path) and that a row built ahead is the row 
 from __future__ import annotations
 
 import pytest
-from tests.integration.test_token_mask import _Capture, _no_timer, make_batch
 from tests.integration.engine_models import tiny_model
+from tests.integration.test_token_mask import _Capture, _no_timer, make_batch
 
 import cohort.packing
 import cohort.update
