@@ -8,6 +8,8 @@ Rows (device time of each, CUDA events, median of --repeats after warm-up; `engi
   with the bandwidth each moves (one read and one write of the chunk);
 - the logprob forward's statistics over the same chunk: the Triton one-pass kernel at several block sizes and
   warp counts (the default first, then the same without the entropy);
+- Qwen2.5-0.5B's input projections (q, k, v; gate, up) as separate GEMMs against one GEMM over concatenated
+  weights, forward + backward;
 - Qwen2.5-0.5B's MLP (gate and up 896 -> 4864, SiLU * up, down 4864 -> 896) forward + backward on --tokens
   rows: eager, torch.compile (the trainer's compiled layers) and torch.compile in max-autotune mode (Triton
   matmul templates that may take the SiLU * up into their epilogue), with its compile time.
@@ -106,6 +108,47 @@ def mlp_rows(tokens: int, repeats: int, autotune: bool) -> list[str]:
     return out
 
 
+def projection_rows(tokens: int, repeats: int) -> list[str]:
+    """Qwen2.5-0.5B's input projections, forward + backward (input and weight gradients), eager: q, k and v as
+    three GEMMs (896 -> 896, 128, 128, with biases, as the HF model runs them) against one GEMM over the
+    concatenated weights, and gate and up as two GEMMs against one (896 -> 9,728)."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def rand(*shape):
+        return (torch.randn(*shape, device=dev, generator=gen) * 0.02).bfloat16().requires_grad_()
+
+    x = rand(tokens, 896)
+    out = [f"| Qwen2.5-0.5B projections forward + backward, {tokens} tokens | ms | TFLOP/s |", "| --- | ---: | ---: |"]
+    for title, sizes, bias in (("q, k, v", (896, 128, 128), True), ("gate, up", (4864, 4864), False)):
+        weights = [rand(n, 896) for n in sizes]
+        biases = [rand(n) for n in sizes] if bias else [None] * len(sizes)
+        grads = [torch.randn(tokens, n, device=dev, generator=gen).bfloat16() for n in sizes]
+        flops = 3 * 2 * tokens * 896 * sum(sizes)
+
+        def clear(weights=weights, biases=biases):
+            for t in (x, *weights, *biases):
+                if t is not None:
+                    t.grad = None
+
+        def separate(weights=weights, biases=biases, grads=grads):
+            clear()
+            outs = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]
+            torch.autograd.backward(outs, grads)
+
+        def fused(weights=weights, biases=biases, grads=grads, sizes=sizes):
+            clear()
+            w = torch.cat(weights)
+            b = torch.cat(biases) if biases[0] is not None else None
+            outs = torch.nn.functional.linear(x, w, b).split(list(sizes), dim=-1)
+            torch.autograd.backward(list(outs), grads)
+
+        for name, fn in ((f"{title}: {len(sizes)} GEMMs", separate), (f"{title}: one GEMM, weights concatenated", fused)):
+            ms = gpu_ms(fn, repeats)
+            out.append(f"| {name} | {ms:.3f} | {flops / ms / 1e9:.0f} |")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--chunk", type=int, default=7340, help="logits rows (the fast row's chunk of a micro-batch)")
@@ -116,6 +159,7 @@ def main() -> None:
     args = p.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
     print("\n".join(logprob_rows(args.chunk, args.vocab, args.repeats)) + "\n", flush=True)
+    print("\n".join(projection_rows(args.tokens, args.repeats)) + "\n", flush=True)
     print("\n".join(mlp_rows(args.tokens, args.repeats, not args.skip_autotune)), flush=True)
 
 
