@@ -47,8 +47,9 @@ checkpointing, bf16 AdamW states, 8 completions per micro-batch, so 32 accumulat
 (GRPOTrainer as a TRL user with a big GPU would set it: 32 completions per micro-batch (`--trl-tuned-micro`),
 so 8 accumulation steps, gradient checkpointing off, dynamic cache, no continuous batching; see
 bench/grpo_step_trl.py); `cohort` (fast: no checkpointing, fp32 master
-weights and AdamW, packed micro-batches of `--token-budget` tokens (32768 on 0.5B, 12288 on 1.5B, rounded up to whole completions per
-micro-batch: 33,024 and 12,288 on the bench workload, see even_budget), logprob
+weights and AdamW, packed micro-batches of `--token-budget` tokens (34,816 on 0.5B: the step's 32 groups of a
+128-token prompt and 8 x 256 completion tokens as 2 shared-prompt rows of 16 groups, 51 GiB peak; 12,288 on 1.5B;
+rounded up to whole completions per plain micro-batch, see even_budget), logprob
 chunks of 8192 tokens, train.keep_logits=true (the LM-head logits kept for the backward, not recomputed; this
 row only, not bench/scale.py's or bench/serve.py's), KV pool sized to the workload, decoder layers compiled with
 cohort.packing.compile_decoder_layers on CUDA, retried eager if that fails; train.share_prompts at its default,
@@ -95,7 +96,7 @@ SIZES = {
     "1.5b": {"hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
              "intermediate_size": 8960, "vocab_size": 151936},
 }
-FAST_TOKEN_BUDGET = {"tiny": 256, "0.5b": 32768, "1.5b": 12288}
+FAST_TOKEN_BUDGET = {"tiny": 256, "0.5b": 34816, "1.5b": 12288}
 FAST_CHUNK_TOKENS = {"0.5b": 8192, "1.5b": 8192}  # logprob chunk of the fast row (else the trainer's default)
 PEAK_FLOPS = 989e12  # H100 SXM, dense bf16
 QWEN_EOS = 151643

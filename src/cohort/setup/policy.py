@@ -103,15 +103,8 @@ def shard_for_fsdp(cfg: CohortConfig, policy, reference, device: torch.device):
 
 
 def compile_layers(cfg: CohortConfig, policy, reference, device: torch.device, *, sharded: bool) -> None:
-    """On a GPU: the packed training forward's q/k/v projections as one GEMM (cohort.fused_qkv; not on sharded
-    models, whose weights are gathered per layer by FSDP), then with model.compile_layers torch.compile each
-    decoder layer (bench/grpo_step.py's fast row); the sharded policy compiles its forward only."""
-    if device.type == "cuda" and not sharded:
-        from cohort.fused_qkv import fuse_qkv_projections
-
-        for model in (policy, reference):
-            if model is not None:
-                fuse_qkv_projections(model)
+    """model.compile_layers on a GPU: torch.compile each decoder layer (bench/grpo_step.py's fast row); the
+    sharded policy compiles its forward only."""
     if cfg.model.compile_layers and device.type == "cuda":
         from cohort.packing import compile_decoder_layers
 
