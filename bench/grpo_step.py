@@ -406,8 +406,7 @@ class _GcPauses:
     def __enter__(self):
         import gc
 
-        self.passes: list[tuple[int, float]] = []
-        self.at: list[float] = []  # when each pass began, ms after entering
+        self.passes: list[tuple[int, float, float]] = []  # (generation, ms, when it began: ms after entering)
         self._start = self.entered = time.perf_counter()
         self.tracked = len(gc.get_objects())
         gc.callbacks.append(self._callback)
@@ -417,8 +416,8 @@ class _GcPauses:
         if phase == "start":
             self._start = time.perf_counter()
         else:
-            self.passes.append((info["generation"], (time.perf_counter() - self._start) * 1e3))
-            self.at.append((self._start - self.entered) * 1e3)
+            self.passes.append((info["generation"], (time.perf_counter() - self._start) * 1e3,
+                                (self._start - self.entered) * 1e3))
 
     def __exit__(self, *exc) -> None:
         import gc
@@ -428,10 +427,10 @@ class _GcPauses:
     def __str__(self) -> str:
         import gc
 
-        by_gen = {g: [ms for gen, ms in self.passes if gen == g] for g in (0, 1, 2)}
+        by_gen = {g: [ms for gen, ms, _ in self.passes if gen == g] for g in (0, 1, 2)}
         parts = [f"gen {g}: {len(v)} passes, {sum(v):.2f} ms (largest {max(v, default=0.0):.2f})"
                  for g, v in by_gen.items()]
-        when = ", ".join(f"gen {g} {ms:.2f} ms at +{at:.1f}" for (g, ms), at in zip(self.passes, self.at) if ms > 0.5)
+        when = ", ".join(f"gen {g} {ms:.2f} ms at +{at:.1f}" for g, ms, at in self.passes if ms > 0.5)
         return (f"{'; '.join(parts)}; {self.tracked:,} objects tracked at its start, thresholds {gc.get_threshold()}"
                 + (f"; passes over 0.5 ms: {when}" if when else ""))
 
@@ -462,8 +461,10 @@ def _profile_last_call(owner, method: str, last_step: int, label: str, size: str
         from torch.profiler import ProfilerActivity, profile
 
         cuda = torch.cuda.is_available()
-        pauses, host = _GcPauses(), _HostTimes()
-        with pauses, host, profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, \
+        # entered after the profiler has started, so their times count from the phase's own start
+        pauses = _GcPauses()
+        host = _HostTimes() if label == "update" else contextlib.nullcontext()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, pauses, host, \
                 warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if cuda:  # every host-device synchronisation of the phase, by the line that caused it
@@ -489,7 +490,7 @@ def _profile_last_call(owner, method: str, last_step: int, label: str, size: str
         print(f"PROFILE-BEGIN {label}\n" + table + "\n" + trace_gaps.summary(prof, f"{label} timeline")
               + f"\nsynchronising calls in the {label}:\n" + ("\n".join(lines) or "  none") + gaps
               + f"\nPython's garbage collector in the {label}: {pauses}"
-              + f"\nthe update's host-side preparation in the {label}: {host}"
+              + (f"\nthe update's host-side preparation: {host}" if isinstance(host, _HostTimes) else "")
               + "\nPROFILE-END", flush=True)
         return out
 

@@ -75,6 +75,16 @@ def pad_rows(rows: Sequence[torch.Tensor], width: int, value: float = 0.0) -> to
     return out
 
 
+def _members(rows: list[int], micro_batches: list[list[int]]) -> list[list[int]]:
+    """Each micro-batch's rows of the batch; an empty micro-batch runs over the first row (its result unused)."""
+    return [[rows[i] for i in micro] or rows[:1] for micro in micro_batches]
+
+
+def _pairs(batch: RolloutBatch, idx: list[int]) -> list[tuple]:
+    """The (prompt ids, completion ids) of rows `idx`: what a packed row is built from."""
+    return [(batch.prompt_ids[r], batch.completion_ids[r]) for r in idx]
+
+
 class PolicyUpdater:
     def __init__(self, policy, optimizer, scheduler, loss_fn, settings: UpdateSettings, *, reference=None,
                  device: torch.device | str = "cpu", grad_reducer=None, on_update=None):
@@ -115,14 +125,13 @@ class PolicyUpdater:
     def _logprobs_of(self, model, batch: RolloutBatch, rows: list[int]) -> dict[int, torch.Tensor]:
         out: dict[int, torch.Tensor] = {}
         micro_batches = self._micro_batches(batch, rows)
-        row = self._row(model, batch, rows, micro_batches, 0)
-        for m, micro in enumerate(micro_batches):
-            idx = [rows[i] for i in micro] or rows[:1]  # an empty micro-batch: a pass whose result is dropped
+        members = _members(rows, micro_batches)  # an empty micro-batch: a pass whose result is dropped
+        row = self._row(model, batch, members, 0)
+        for m, (micro, idx) in enumerate(zip(micro_batches, members, strict=True)):
             packed = packed_forward_logprobs(
-                model, [(batch.prompt_ids[r], batch.completion_ids[r]) for r in idx],
-                temperature=self.s.temperature, compute_entropy=False, chunk_tokens=self.s.chunk_tokens,
-                share_prompts=self.s.share_prompts, row=row)
-            row = self._row(model, batch, rows, micro_batches, m + 1)  # while the GPU runs this forward
+                model, _pairs(batch, idx), temperature=self.s.temperature, compute_entropy=False,
+                chunk_tokens=self.s.chunk_tokens, share_prompts=self.s.share_prompts, row=row)
+            row = self._row(model, batch, members, m + 1)  # while the GPU runs this forward
             if micro:
                 out.update({r: lp.float() for r, (lp, _) in zip(idx, packed.split())})
         return out
@@ -144,12 +153,11 @@ class PolicyUpdater:
         parts: list[dict] = []
         finite = torch.ones((), dtype=torch.bool, device=self.device)  # read once, after the last backward
         micro_batches = self._micro_batches(batch, rows)
-        row = self._row(self.policy, batch, rows, micro_batches, 0)
-        for m, micro in enumerate(micro_batches):
-            idx = [rows[i] for i in micro] or rows[:1]  # empty (sharded padding): a zero-weight pass
+        members = _members(rows, micro_batches)  # an empty micro-batch (sharded padding): a zero-weight pass
+        row = self._row(self.policy, batch, members, 0)
+        for m, (micro, idx) in enumerate(zip(micro_batches, members, strict=True)):
             packed = packed_forward_logprobs(
-                self.policy, [(batch.prompt_ids[r], batch.completion_ids[r]) for r in idx],
-                temperature=self.s.temperature, compute_entropy=True, chunk_tokens=self.s.chunk_tokens,
+                self.policy, _pairs(batch, idx), temperature=self.s.temperature, compute_entropy=True, chunk_tokens=self.s.chunk_tokens,
                 lm_head_grad_fp32=self.s.lm_head_grad_fp32, keep_logits=self.s.keep_logits,
                 share_prompts=self.s.share_prompts, row=row)
             # Host work while the GPU runs this forward (its kernels are queued): this micro-batch's loss inputs
@@ -157,7 +165,7 @@ class PolicyUpdater:
             # micro-batch for the 0.5B bench update on an H100 host).
             width = max(len(batch.completion_ids[r]) for r in idx)
             mask, sampling, advantages = self._host_tensors(batch, idx, width)
-            row = self._row(self.policy, batch, rows, micro_batches, m + 1)
+            row = self._row(self.policy, batch, members, m + 1)
             inputs = LossInputs(
                 logprobs=packed.padded("logprobs"),
                 old_logprobs=None if old is None else pad_rows([old[r] for r in idx], width),
@@ -249,14 +257,11 @@ class PolicyUpdater:
             distributed.sum_gradients(self.params)
         return torch.nn.utils.clip_grad_norm_(self.params, self.s.max_grad_norm)
 
-    def _row(self, model, batch: RolloutBatch, rows: list[int], micro_batches: list[list[int]],
-             m: int) -> PackedRow | None:
+    def _row(self, model, batch: RolloutBatch, members: list[list[int]], m: int) -> PackedRow | None:
         """The packed row of micro-batch m (None past the last one, or for prompts with images)."""
-        if m >= len(micro_batches):
+        if m >= len(members):
             return None
-        idx = [rows[i] for i in micro_batches[m]] or rows[:1]
-        return pack_row(model, [(batch.prompt_ids[r], batch.completion_ids[r]) for r in idx],
-                        share_prompts=self.s.share_prompts)
+        return pack_row(model, _pairs(batch, members[m]), share_prompts=self.s.share_prompts)
 
     def _host_tensors(self, batch: RolloutBatch, idx: list[int],
                       width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

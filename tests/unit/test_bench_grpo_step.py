@@ -217,5 +217,5 @@ def test_cohort_child_profiles_last_generate_and_update_on_cpu(bench, no_reasoni
     assert out.count("PROFILE-BEGIN generate") == 1 and out.count("PROFILE-BEGIN update") == 1
     assert "generate timeline" in out and "update timeline" in out
     # the update's host preparation, timed call by call, and the garbage collector's passes
-    assert "the update's host-side preparation in the update: _micro_batches at +" in out
+    assert "the update's host-side preparation: _micro_batches at +" in out
     assert "_host_tensors at +" in out and "Python's garbage collector in the update: gen 0:" in out
