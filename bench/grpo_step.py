@@ -488,6 +488,7 @@ def _profile_last_call(owner, method: str, last_step: int, label: str, size: str
             trace_gaps.save(prof, trace)
             gaps = "\nthe host's work in the idle gaps of >= 0.5 ms:\n" + trace_gaps.host_ops_in_gaps(trace, 500.0)
         print(f"PROFILE-BEGIN {label}\n" + table + "\n" + trace_gaps.summary(prof, f"{label} timeline")
+              + f"\n{label} device time by kernel kind:\n" + trace_gaps.categories(prof)
               + f"\nsynchronising calls in the {label}:\n" + ("\n".join(lines) or "  none") + gaps
               + f"\nPython's garbage collector in the {label}: {pauses}"
               + (f"\nthe update's host-side preparation: {host}" if isinstance(host, _HostTimes) else "")

@@ -3,7 +3,8 @@
 `summary(prof)` reads the profiler's device events (kernels, copies, memsets), merges their intervals and
 prints the span from the first to the last, the time some kernel ran, the idle time, and the largest idle
 gaps with the kernels on either side (which phase of the step the host was slow in). `save(prof, path)`
-writes the Chrome trace gzipped, for a closer look where the device run came back from.
+writes the Chrome trace gzipped, for a closer look where the device run came back from. `categories(prof)`
+sums the device time by what the kernels do (matmuls, attention, SiLU, logprob, norms, optimizer, ...).
 Used by bench/engine_profile.py (the engine loop without per-step synchronisation) and bench/grpo_step.py
 (`--profile-update`: the update).
 """
@@ -17,10 +18,14 @@ import tempfile
 
 
 def _device_events(prof) -> list[tuple[int, int, str]]:
-    """(start ns, end ns, name) of every device-side event, sorted by start."""
+    """(start ns, end ns, name) of every device-side event, sorted by start. Not the device-side copies of
+    user annotations (`Optimizer.step#...` and the like): they span the kernels they hold."""
+    events = list(prof.profiler.kineto_results.events())
+    # a device-side annotation carries the name of its host-side record_function range
+    annotations = {e.name() for e in events if e.is_user_annotation()}
     out = []
-    for e in prof.profiler.kineto_results.events():
-        if str(e.device_type()).endswith("CUDA") and e.duration_ns() > 0:
+    for e in events:
+        if str(e.device_type()).endswith("CUDA") and e.duration_ns() > 0 and e.name() not in annotations:
             out.append((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()))
     return sorted(out)
 
@@ -50,6 +55,55 @@ def summary(prof, label: str, top: int = 12, min_gap_us: float = 5.0) -> str:
     for gap, before, after in sorted(gaps, reverse=True)[:top]:
         lines.append(f"| {gap / 1000:.0f} | {before[:70]} | {after[:70]} |")
     return "\n".join(lines)
+
+
+# Device kernels by what they do, first match wins (names as the profiler reports them on an H100 with torch
+# 2.11: cuBLAS's nvjet/cutlass GEMMs, torch's FlashAttention-2, inductor's fused Triton kernels named after the
+# ops they fuse, cohort's Triton logprob kernels, the fused AdamW's multi-tensor kernels).
+CATEGORIES = (
+    ("attention", ("flash", "fmha", "cudnn", "attention")),  # before matmul: FA2's names hold cutlass types
+    ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "splitk")),
+    ("SiLU-and-multiply", ("silu",)),
+    ("logprob", ("_stats_kernel", "_grad_kernel", "logprob", "arange_eq_exp")),
+    ("norm", ("rsqrt", "pow_sum", "mean_mul_pow")),
+    ("rotary", ("neg_slice", "neg_select", "mul_neg")),
+    ("optimizer", ("multi_tensor_apply", "adam", "_master")),
+    ("copy and fill", ("memcpy", "memset", "copy", "fill", "cat", "gather", "index")),
+    ("add and cast", ("add", "to_copy", "convert", "elementwise", "reduce", "sum")),
+)
+
+
+def category(kernel_name: str) -> str:
+    """The CATEGORIES entry a device kernel belongs to ("other" when none matches)."""
+    name = kernel_name.lower()
+    for label, keys in CATEGORIES:
+        if any(k in name for k in keys):
+            return label
+    return "other"
+
+
+def category_table(events) -> str:
+    """Device time by category from (start ns, end ns, name) events: ms, share, kernel count, and the kernel of
+    most time in each (to check what a category holds)."""
+    from collections import Counter
+
+    totals: dict[str, Counter] = {}
+    for start, end, name in events:
+        totals.setdefault(category(name), Counter())[name] += end - start
+    counts = Counter(category(name) for _, _, name in events)
+    whole = sum(sum(c.values()) for c in totals.values()) or 1
+    lines = ["| kernels | ms | share | count | largest |", "| --- | ---: | ---: | ---: | --- |"]
+    for label, names in sorted(totals.items(), key=lambda kv: -sum(kv[1].values())):
+        ns = sum(names.values())
+        top = names.most_common(1)[0][0][:60]
+        lines.append(f"| {label} | {ns / 1e6:.1f} | {100 * ns / whole:.1f}% | {counts[label]} | {top} |")
+    lines.append(f"| all | {whole / 1e6:.1f} | 100% | {len(events)} | |")
+    return "\n".join(lines)
+
+
+def categories(prof) -> str:
+    """`category_table` of a profiler run's device events."""
+    return category_table(_device_events(prof))
 
 
 def save(prof, path: str) -> None:
