@@ -1,11 +1,12 @@
 """The floor of the bench's 0.5B update on this GPU, and the update MFU that floor allows.
 
-    PYTHONPATH=src:bench:. python3 bench/update_floor.py --attention-ms MS [--update-s S]
+    PYTHONPATH=src:bench:. python3 bench/update_floor.py --attention-ms MS [--step-matmul-ms MS] [--update-s S]
 
 The floor is the update with every matmul as fast as cuBLAS runs it alone, every elementwise pass moving only
 the bytes it must at the device's copy bandwidth, and no idle time. Its parts:
 
-- **matmuls, measured**: each GEMM of the update at the bench's shapes (CUDA events, median of --repeats). Per
+- **matmuls, measured**: each GEMM of the update at the bench's shapes (median of --repeats replays of a CUDA
+  graph of 10 calls, so that launches and events do not weigh on the thin GEMMs). Per
   decoder layer and micro-batch: q, k, v (with bias), o, gate, up and down, each as forward, input gradient and
   weight gradient; q, k and v also as one GEMM over concatenated weights (the faster counts). Per logprob chunk:
   the LM head's three GEMMs on the completion tokens. A large square GEMM (8192^3) gives the device's best rate.
@@ -15,9 +16,11 @@ the bytes it must at the device's copy bandwidth, and no idle time. Its parts:
 - **attention, given**: --attention-ms, FlashAttention-2's forward and backward in the update as the step's
   profile measures them (`--profile-update`'s "device time by kernel kind"), and at FlashAttention-4's kernel
   time ratio against FlashAttention-2 (0.646, measured 2026-11-26, docs/benchmarks.md).
+- **the step's own matmuls**, optionally: --step-matmul-ms (the profile's "matmul"), less what q, k and v as one
+  GEMM would save, as a second floor, for when the GEMMs run faster in the step than alone.
 
 Not counted: gradient accumulation across micro-batches (a GEMM can add into the gradient), the embedding's
-backward, the shared prompts' K/V gather, the loss. So the floor is optimistic: the real update can only be
+X
 slower. Shapes default to the bench's fast 0.5B row: 256 sequences of 128 + 256 tokens, 8 completions sharing
 each prompt, packed as 2 micro-batches of 34,816 tokens (32,768 of them completion tokens), logprobs in chunks
 of 8,192 tokens.
@@ -28,7 +31,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from engine_profile import gpu_ms  # bench/ is the script's folder, so on sys.path
+from engine_profile import gpu_ms, graph_ms  # bench/ is the script's folder, so on sys.path
 from flops import update_flops
 
 PEAK_FLOPS = 989e12  # H100 SXM dense bf16, as grpo_step.py's MFU
@@ -53,8 +56,9 @@ def gemm_ms(m: int, n: int, k: int, repeats: int, bias: bool = False) -> dict[st
     dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
     b = torch.randn(n, device=dev, dtype=torch.bfloat16) if bias else None
     forward = (lambda: torch.addmm(b, x, w.t())) if bias else (lambda: x @ w.t())
-    return {"forward": gpu_ms(forward, repeats), "input grad": gpu_ms(lambda: dy @ w, repeats),
-            "weight grad": gpu_ms(lambda: dy.t() @ x, repeats)}
+    # replayed from a CUDA graph: the thin GEMMs (45 us) would otherwise carry launch and event overhead
+    return {"forward": graph_ms(forward, repeats), "input grad": graph_ms(lambda: dy @ w, repeats),
+            "weight grad": graph_ms(lambda: dy.t() @ x, repeats)}
 
 
 def copy_tb_s(repeats: int) -> float:
@@ -90,6 +94,8 @@ def main() -> None:
     p.add_argument("--attention-ms", type=float, required=True,
                    help="FlashAttention-2 forward + backward in the update, ms (the step profile's 'attention')")
     p.add_argument("--update-s", type=float, default=None, help="the measured update, s (for its MFU)")
+    p.add_argument("--step-matmul-ms", type=float, default=None,
+                   help="the step profile's matmul ms: also the floor with the step's own matmul time")
     p.add_argument("--tokens", type=int, default=34816, help="tokens per micro-batch")
     p.add_argument("--completion-tokens", type=int, default=32768, help="completion tokens per micro-batch")
     p.add_argument("--micro-batches", type=int, default=2)
@@ -128,34 +134,53 @@ def main() -> None:
     square = 2 * 8192**3 / gemm_ms(8192, 8192, 8192, args.repeats)["forward"] / 1e9
     print("\n".join(rows) + f"\n\nlarge square GEMM (8192^3, forward): {square:.0f} TFLOP/s\n", flush=True)
 
-    qkv = min(per_layer["q"] + per_layer["k"] + per_layer["v"], per_layer["q, k, v as one"])
+    apart = per_layer["q"] + per_layer["k"] + per_layer["v"]
+    qkv = min(apart, per_layer["q, k, v as one"])
     layer_ms = qkv + per_layer["o"] + per_layer["gate"] + per_layer["up"] + per_layer["down"]
     matmul_ms = mbs * (layers * layer_ms + chunks * sum(head.values()))
     bw = copy_tb_s(args.repeats)
     moved = elementwise_bytes(spec, t, args.completion_tokens, params)
-    pass_ms = {name: b * (1 if name == "optimizer" else mbs) / bw / 1e9 for name, b in moved.items()}
+    pass_gb = {name: b * (1 if name == "optimizer" else mbs) / 1e9 for name, b in moved.items()}
+    step_matmul = None
+    if args.step_matmul_ms is not None:  # the step runs q, k, v apart: take off what one GEMM would save
+        step_matmul = args.step_matmul_ms - mbs * layers * (apart - qkv)
+    print("\n".join(floor_rows(
+        flops=flops, matmul_ms=matmul_ms, pass_gb=pass_gb, tb_s=bw, attention_ms=args.attention_ms,
+        square_matmul_ms=_at_rate(spec, t, args.chunk, mbs, chunks, square), step_matmul_ms=step_matmul,
+        update_ms=args.update_s * 1e3 if args.update_s else None)), flush=True)
 
+
+def floor_rows(*, flops: float, matmul_ms: float, pass_gb: dict[str, float], tb_s: float, attention_ms: float,
+               square_matmul_ms: float, step_matmul_ms: float | None = None,
+               update_ms: float | None = None) -> list[str]:
+    """The floor's parts and the update MFU of each floor, as markdown rows (pure: tested on the CPU).
+
+    matmul_ms: cuBLAS alone at the update's shapes; pass_gb: the elementwise passes' least traffic, moved at
+    tb_s; attention_ms: FlashAttention-2 as the step measured it (FlashAttention-4 at FA4_RATIO of it);
+    square_matmul_ms: the matmul FLOPs at the square GEMM's rate; step_matmul_ms: the step's own matmul time
+    (its profile), less what q, k, v as one GEMM would save."""
     def mfu(ms: float) -> str:
         return f"{100 * flops / (ms / 1e3) / PEAK_FLOPS:.1f}%"
 
+    passes = {name: gb / tb_s for name, gb in pass_gb.items()}
     out = ["| part of the update | floor ms | how |", "| --- | ---: | --- |",
-           f"| matmuls | {matmul_ms:.1f} | cuBLAS alone at these shapes, {mbs} x ({layers} layers + "
-           f"{chunks:g} LM head chunks); q, k, v {'as one GEMM' if qkv < per_layer['q'] + per_layer['k'] + per_layer['v'] else 'apart'} |"]
-    for name, ms in pass_ms.items():
-        out.append(f"| {name} | {ms:.1f} | {moved[name] * (1 if name == 'optimizer' else mbs) / 1e9:.1f} GB "
-                   f"at {bw:.2f} TB/s (copy) |")
-    rest = matmul_ms + sum(pass_ms.values())
-    fa4 = args.attention_ms * FA4_RATIO
-    ideal = rest - matmul_ms + _at_rate(spec, t, args.chunk, mbs, chunks, square) + fa4
-    out.append(f"| attention, FlashAttention-2 | {args.attention_ms:.1f} | the step's profile |")
-    out += ["", "| floor | update ms | update MFU |", "| --- | ---: | ---: |",
-            f"| with FlashAttention-2 | {rest + args.attention_ms:.1f} | {mfu(rest + args.attention_ms)} |",
-            f"| with FlashAttention-4 ({FA4_RATIO} x) | {rest + fa4:.1f} | {mfu(rest + fa4)} |",
-            f"| every matmul at the square GEMM's rate, FlashAttention-4 | {ideal:.1f} | {mfu(ideal)} |",
-            f"| 50% MFU needs | {flops / (0.5 * PEAK_FLOPS) * 1e3:.1f} | 50.0% |"]
-    if args.update_s:
-        out.append(f"| measured update | {args.update_s * 1e3:.1f} | {mfu(args.update_s * 1e3)} |")
-    print("\n".join(out), flush=True)
+           f"| matmuls | {matmul_ms:.1f} | cuBLAS alone at these shapes, q, k, v as the faster of one GEMM or three |"]
+    out += [f"| {name} | {ms:.1f} | {pass_gb[name]:.1f} GB at {tb_s:.2f} TB/s (copy) |" for name, ms in passes.items()]
+    out.append(f"| attention, FlashAttention-2 | {attention_ms:.1f} | the step's profile |")
+    other = sum(passes.values())
+    fa4 = attention_ms * FA4_RATIO
+    floors = [("cuBLAS alone, FlashAttention-2", matmul_ms + other + attention_ms),
+              (f"cuBLAS alone, FlashAttention-4 ({FA4_RATIO} x)", matmul_ms + other + fa4)]
+    if step_matmul_ms is not None:
+        floors += [("the step's matmuls, q, k, v as one GEMM, FlashAttention-2", step_matmul_ms + other + attention_ms),
+                   ("the step's matmuls, q, k, v as one GEMM, FlashAttention-4", step_matmul_ms + other + fa4)]
+    floors.append(("every matmul at the square GEMM's rate, FlashAttention-4", square_matmul_ms + other + fa4))
+    out += ["", "| floor | update ms | update MFU |", "| --- | ---: | ---: |"]
+    out += [f"| {name} | {ms:.1f} | {mfu(ms)} |" for name, ms in floors]
+    out.append(f"| 50% MFU needs | {flops / (0.5 * PEAK_FLOPS) * 1e3:.1f} | 50.0% |")
+    if update_ms:
+        out.append(f"| measured update | {update_ms:.1f} | {mfu(update_ms)} |")
+    return out
 
 
 def _at_rate(spec: dict, tokens: int, chunk: int, mbs: int, chunks: float, tflops: float) -> float:
