@@ -4,26 +4,13 @@ refused before anything launches (it once failed only inside the server rows' to
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "bench"
+from tests.helpers.bench_modules import load_bench
 
 
 @pytest.fixture(scope="module")
 def serve():
-    sys.path.insert(0, str(BENCH))  # serve.py imports its sibling scale.py
-    try:
-        spec = importlib.util.spec_from_file_location("serve_bench", BENCH / "serve.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(BENCH))
+    return load_bench("serve.py", "serve_bench")  # serve.py imports its sibling scale.py
 
 
 @pytest.mark.parametrize(("gpus", "engines", "prompts"), [(2, 1, 64), (4, 1, 132), (4, 2, 128), (4, 3, 128)])

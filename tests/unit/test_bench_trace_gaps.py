@@ -3,15 +3,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from tests.helpers.bench_modules import load_bench
 
-PATH = Path(__file__).resolve().parents[2] / "bench" / "trace_gaps.py"
-spec = importlib.util.spec_from_file_location("trace_gaps", PATH)
-trace_gaps = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(trace_gaps)
+trace_gaps = load_bench("trace_gaps.py", "trace_gaps_bench")
 
 
 @pytest.mark.parametrize("name, kind", [

@@ -3,25 +3,13 @@ elementwise pass must move) and the floor rows, against hand-derived numbers."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.helpers.bench_modules import load_bench
 
 
 @pytest.fixture(scope="module")
 def floor():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("update_floor", BENCH / "update_floor.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(BENCH))
+    return load_bench("update_floor.py", "update_floor_bench")
 
 
 def test_qwen25_05b_parameters(floor):
