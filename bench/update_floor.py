@@ -20,10 +20,12 @@ the bytes it must at the device's copy bandwidth, and no idle time. Its parts:
   GEMM would save, as a second floor, for when the GEMMs run faster in the step than alone.
 
 Not counted: gradient accumulation across micro-batches (a GEMM can add into the gradient), the embedding's
-X
-slower. Shapes default to the bench's fast 0.5B row: 256 sequences of 128 + 256 tokens, 8 completions sharing
-each prompt, packed as 2 micro-batches of 34,816 tokens (32,768 of them completion tokens), logprobs in chunks
-of 8,192 tokens.
+backward, the shared prompts' K/V gather, the loss. So the floor is optimistic: with these kernels (no
+elementwise work moved into the GEMMs) the real update can only be slower.
+
+Shapes default to the bench's fast 0.5B row: 256 sequences of 128 + 256 tokens, 8 completions sharing each
+prompt, packed as 2 micro-batches of 34,816 tokens (32,768 of them completion tokens), logprobs in chunks of
+8,192 tokens.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def elementwise_bytes(spec: dict, tokens: int, completion: int, params: int) -> 
         "rotary": layers * 4 * tokens * (h + kv) * 2,
         # statistics read the logits once; the gradient reads them and writes over them
         "logprob": 3 * completion * v * 2,
-        # counted once per update, not per micro-batch (see update_floor): bf16 gradient read, fp32 master weight
+        # once per update, not per micro-batch (main scales the others): bf16 gradient read, fp32 master weight
         # and two moments read and written, bf16 weight written
         "optimizer": params * (2 + 8 + 16 + 2),
     }
@@ -109,6 +111,7 @@ def main() -> None:
     h, i, v, layers = spec["hidden_size"], spec["intermediate_size"], spec["vocab_size"], spec["num_hidden_layers"]
     kv = spec["num_key_value_heads"] * h // spec["num_attention_heads"]
     params = qwen2_params(spec)
+    # the bench workload's FLOPs (grpo_step.py's defaults), whatever the micro-batch shapes given here
     flops = update_flops(spec, num_params=params, tied=True, sequences=256, prompt_len=128, completion_len=256,
                          shared=8)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {mbs} micro-batches of {t} tokens "
