@@ -88,9 +88,11 @@ def category_table(events) -> str:
     from collections import Counter
 
     totals: dict[str, Counter] = {}
+    counts: Counter = Counter()
     for start, end, name in events:
-        totals.setdefault(category(name), Counter())[name] += end - start
-    counts = Counter(category(name) for _, _, name in events)
+        label = category(name)
+        totals.setdefault(label, Counter())[name] += end - start
+        counts[label] += 1
     whole = sum(sum(c.values()) for c in totals.values()) or 1
     lines = ["| kernels | ms | share | count | largest |", "| --- | ---: | ---: | ---: | --- |"]
     for label, names in sorted(totals.items(), key=lambda kv: -sum(kv[1].values())):

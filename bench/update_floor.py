@@ -34,12 +34,11 @@ import argparse
 
 import torch
 from engine_profile import gpu_ms, graph_ms  # bench/ is the script's folder, so on sys.path
-from flops import update_flops
+from flops import decoder_params, head_params, update_flops
+from grpo_step import PEAK_FLOPS, SIZES
 
-PEAK_FLOPS = 989e12  # H100 SXM dense bf16, as grpo_step.py's MFU
 FA4_RATIO = 0.646  # FlashAttention-4 / FlashAttention-2 kernel time, 0.5B packed layer (docs/benchmarks.md)
-SPEC = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
-        "intermediate_size": 4864, "vocab_size": 151936}  # Qwen2.5-0.5B, as grpo_step.SIZES["0.5b"]
+SPEC = SIZES["0.5b"]  # Qwen2.5-0.5B
 
 
 def qwen2_params(spec: dict) -> int:
@@ -188,10 +187,8 @@ def floor_rows(*, flops: float, matmul_ms: float, pass_gb: dict[str, float], tb_
 
 def _at_rate(spec: dict, tokens: int, chunk: int, mbs: int, chunks: float, tflops: float) -> float:
     """ms of the update's matmul FLOPs at `tflops` (the square GEMM's rate)."""
-    h, i, v = spec["hidden_size"], spec["intermediate_size"], spec["vocab_size"]
-    kv = spec["num_key_value_heads"] * h // spec["num_attention_heads"]
-    per_token = spec["num_hidden_layers"] * h * (2 * h + 2 * kv + 3 * i)
-    total = 6 * (mbs * tokens * per_token + mbs * chunks * chunk * v * h)
+    body = decoder_params(qwen2_params(spec), spec, tied=True)
+    total = 6 * mbs * (tokens * body + chunks * chunk * head_params(spec))
     return total / tflops / 1e9
 
 

@@ -157,7 +157,8 @@ class PolicyUpdater:
         row = self._row(self.policy, batch, members, 0)
         for m, (micro, idx) in enumerate(zip(micro_batches, members, strict=True)):
             packed = packed_forward_logprobs(
-                self.policy, _pairs(batch, idx), temperature=self.s.temperature, compute_entropy=True, chunk_tokens=self.s.chunk_tokens,
+                self.policy, _pairs(batch, idx), temperature=self.s.temperature, compute_entropy=True,
+                chunk_tokens=self.s.chunk_tokens,
                 lm_head_grad_fp32=self.s.lm_head_grad_fp32, keep_logits=self.s.keep_logits,
                 share_prompts=self.s.share_prompts, row=row)
             # Host work while the GPU runs this forward (its kernels are queued): this micro-batch's loss inputs
