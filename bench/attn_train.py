@@ -2,7 +2,7 @@
 
     PYTHONPATH=src:. python3 bench/attn_train.py [--direct] [--impl FA4] [--cudnn]
 
-The training forward's attention (`cohort.packed_attention._flash_varlen`: torch's `varlen_attn`, grouped KV
+The training forward's attention (`cohort.forward.packed_attention._flash_varlen`: torch's `varlen_attn`, grouped KV
 heads as they are where `prepare_flash` found the kernel takes them, expanded otherwise; this script runs that
 check first, as the trainer does) on the bench workload's micro-batches: Qwen2.5-0.5B (14 query /
 2 KV heads of 64, 86 sequences of 128 + 256 tokens = the fast row's 33,024-token micro-batch) and 1.5B (12 / 2
@@ -121,7 +121,7 @@ def cudnn_alignment() -> None:
 
 
 def run(impl: str, results: dict, repeats: int, attend=None) -> None:
-    from cohort.packed_attention import _flash_varlen
+    from cohort.forward.packed_attention import _flash_varlen
 
     attend = attend or _flash_varlen
 
@@ -174,7 +174,7 @@ def main() -> None:
     print(f"torch {torch.__version__}; flash-attention implementations this torch can activate: {listed}")
     print("| model | micro-batch | flash attention | fwd + bwd device ms | TFLOP/s | max diff out / grads vs FA2 |")
     print("| --- | --- | --- | ---: | ---: | --- |")
-    from cohort.packed_attention import GROUPED_KV, prepare_flash
+    from cohort.forward.packed_attention import GROUPED_KV, prepare_flash
 
     prepare_flash("cuda")
     print(f"grouped KV heads into torch's FA2: {GROUPED_KV['native']}")

@@ -14,7 +14,7 @@ import time
 import torch
 
 from cohort.config import load_config
-from cohort.packing import packed_forward_logprobs
+from cohort.forward.packing import packed_forward_logprobs
 from cohort.setup import build_components
 
 

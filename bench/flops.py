@@ -1,7 +1,7 @@
 """The FLOPs a GRPO update needs, for the benchmarks' MFU (model FLOPs utilisation).
 
 The usual "6 N per token" counts the LM head on every token. A GRPO update takes logprobs of completion tokens
-only: cohort (cohort.packing: the hidden states of completion positions go through the LM head) and TRL
+only: cohort (cohort.forward.packing: the hidden states of completion positions go through the LM head) and TRL
 (`logits_to_keep`) both skip the prompt positions' logits, so counting them credits work nobody does (9% of
 the 0.5B bench update's FLOPs). What is counted here, per sequence of S = P + C tokens:
 

@@ -1,5 +1,5 @@
 """Build a Gemma-3-270M model folder from its GGUF where this transformers converts the GGUF's tokenizer
-wrongly (5.17 builds a character-level one; cohort.model.convert_gguf refuses it), using tokenizer files
+wrongly (5.17 builds a character-level one; cohort.policy.model.convert_gguf refuses it), using tokenizer files
 converted by a transformers that does it right (5.24, `bench/stage_gemma.sh` leaves them in .gemma/tok/).
 
     python3 bench/gemma_model_folder.py OUT_DIR TOKENIZER_DIR
@@ -21,7 +21,7 @@ def main() -> None:
     out, tok = Path(sys.argv[1]), Path(sys.argv[2])
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from cohort.model import default_cache_dir, gemma3_270m_gguf_path
+    from cohort.policy.model import default_cache_dir, gemma3_270m_gguf_path
 
     gguf = gemma3_270m_gguf_path(default_cache_dir())
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)

@@ -52,8 +52,8 @@ weights and AdamW, packed micro-batches of `--token-budget` tokens (34,816 on 0.
 rounded up to whole completions per plain micro-batch, see even_budget), logprob
 chunks of 8192 tokens, train.keep_logits=true (the LM-head logits kept for the backward, not recomputed; this
 row only, not bench/scale.py's or bench/serve.py's), KV pool sized to the workload, decoder layers compiled with
-cohort.packing.compile_decoder_layers on CUDA, retried eager if that fails; train.share_prompts at its default,
-true: each micro-batch row holds a prompt once with its completions after it, cohort.shared_prompts);
+cohort.forward.packing.compile_decoder_layers on CUDA, retried eager if that fails; train.share_prompts at its default,
+true: each micro-batch row holds a prompt once with its completions after it, cohort.forward.shared_prompts);
 `cohort-plain` (the fast row with train.share_prompts=false: every completion with its own copy of the prompt,
 the layout of earlier rounds; opt-in); `cohort-fa4` (the fast row with
 model.packed_attention=fa4: the update's packed attention through FlashAttention-4, `pip install flash-attn-4`;
@@ -248,7 +248,7 @@ def _cohort_config(args, lowmem: bool, kv_fraction: float, token_budget: int):
 
 
 def _lowmem_estimate(args, model, token_budget: int):
-    from cohort.memory import estimate_memory
+    from cohort.policy.memory import estimate_memory
 
     return estimate_memory(model.config, dtype="bf16", master_weights_fp32=False, lm_head_grad_fp32=False,
                            token_budget=token_budget, gradient_checkpointing=True,
@@ -332,8 +332,8 @@ def _train_cohort(args, lowmem: bool, model, tok, device) -> dict:
                 logprob_chunk_tokens=cfg.train.logprob_chunk_tokens, keep_logits=cfg.train.keep_logits,
                 gradient_checkpointing=lowmem,
                 release_kv_during_update=cfg.generation.release_kv_during_update, compiled_layers=0)
-    if args.compile_layers:  # cohort.packing.compile_decoder_layers (model.compile_layers): fused elementwise work
-        from cohort.packing import compile_decoder_layers
+    if args.compile_layers:  # cohort.forward.packing.compile_decoder_layers (model.compile_layers): fused elementwise work
+        from cohort.forward.packing import compile_decoder_layers
 
         compile_decoder_layers(model)  # idempotent: setup did it on CUDA; the CPU smoke test compiles here
         info["compiled_layers"] = sum(bool(getattr(layer, "_cohort_compiled", False)) for layer in model.model.layers)
@@ -368,7 +368,7 @@ class _HostTimes:
     logprobs, the shared-prompt layout (the GPU idles while the first micro-batch's are built)."""
 
     TARGETS = (("cohort.update", "PolicyUpdater", "_micro_batches"), ("cohort.update", "PolicyUpdater", "_host_tensors"),
-               ("cohort.packing", None, "pack_shared_layout"), ("cohort.packing", None, "pack_layout"))
+               ("cohort.forward.packing", None, "pack_shared_layout"), ("cohort.forward.packing", None, "pack_layout"))
 
     def __enter__(self):
         import importlib

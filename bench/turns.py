@@ -117,7 +117,7 @@ def build(args):
     from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 
     from cohort.agents.templates import apply_chat_template_override
-    from cohort.model import resolve_model_path
+    from cohort.policy.model import resolve_model_path
 
     path = args.model or resolve_model_path("smollm2-135m-instruct")
     tokenizer = apply_chat_template_override(AutoTokenizer.from_pretrained(path), "chatml_tools")

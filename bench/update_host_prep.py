@@ -16,8 +16,8 @@ import time
 
 import torch
 
+from cohort.forward.shared_prompts import pack_shared_layout
 from cohort.rollout import RolloutBatch
-from cohort.shared_prompts import pack_shared_layout
 from cohort.update import PolicyUpdater, UpdateSettings
 
 

@@ -4,7 +4,7 @@
 
 Rows (device time of each, CUDA events, median of --repeats after warm-up; `engine_profile.gpu_ms`):
 - the logprob backward's elementwise pass over one chunk of logits ([--chunk, 151936] bf16): torch.compile's
-  fused function (`cohort.logprobs._grad_fused`) against the Triton kernel (`cohort.triton_logprobs.grad`),
+  fused function (`cohort.forward.logprobs._grad_fused`) against the Triton kernel (`cohort.forward.triton_logprobs.grad`),
   with the bandwidth each moves (one read and one write of the chunk);
 - the logprob forward's statistics over the same chunk: the Triton one-pass kernel at several block sizes and
   warp counts (the default first, then the same without the entropy);
@@ -25,7 +25,7 @@ from engine_profile import gpu_ms  # bench/ is the script's folder, so on sys.pa
 
 
 def logprob_rows(chunk: int, vocab: int, repeats: int) -> list[str]:
-    from cohort import logprobs, triton_logprobs
+    from cohort.forward import logprobs, triton_logprobs
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)

@@ -175,9 +175,9 @@ def run_hf_rollout(model, prompts, args, device):
 
 def run_train_step(model, prompts, groups, args, device):
     from cohort.algorithms import build_policy_loss
-    from cohort.optim import build_optimizer, build_scheduler
+    from cohort.policy.optim import build_optimizer, build_scheduler
     from cohort.rollout import RolloutBatch
-    from cohort.timing import PhaseTimer
+    from cohort.run.timing import PhaseTimer
     from cohort.update import PolicyUpdater, UpdateSettings
     from cohort.vision.model import freeze_vision
 

@@ -25,7 +25,7 @@ from cohort.errors import CohortError, ConfigError
 def _train(args: argparse.Namespace) -> int:
     from cohort import distributed
     from cohort.config import dump_config, load_config
-    from cohort.preflight import check_paths
+    from cohort.config.preflight import check_paths
     from cohort.trainer import train
 
     cfg = load_config(args.recipe, args.overrides)
@@ -56,7 +56,7 @@ def _train(args: argparse.Namespace) -> int:
         print("held-out before -> after: " + "  ".join(
             f"{k} {result.eval_before.get(k, float('nan')):.3f} -> {v:.3f}" for k, v in result.eval_after.items()))
     try:
-        from cohort.plot import plot_run
+        from cohort.run.plot import plot_run
 
         for path in plot_run(result.run_dir):
             print(f"curves: {path}")
@@ -79,7 +79,7 @@ def continue_command(args: argparse.Namespace, *, resume: bool = True) -> str:
 def interrupted_message(cfg, args: argparse.Namespace) -> str:
     """What Ctrl-C prints: the newest checkpoint (if any) and the exact command that continues the run."""
     from cohort.checkpointing import latest_checkpoint
-    from cohort.run_dir import run_has_progress
+    from cohort.run.directory import run_has_progress
 
     out = Path(cfg.run.output_dir).expanduser()
     latest = latest_checkpoint(out) if out.is_dir() else None
@@ -95,8 +95,8 @@ def interrupted_message(cfg, args: argparse.Namespace) -> str:
 
 def _eval(args: argparse.Namespace) -> int:
     from cohort.config import load_config
+    from cohort.config.preflight import check_data_paths, check_model_path
     from cohort.evaluation import evaluate
-    from cohort.preflight import check_data_paths, check_model_path
     from cohort.setup import build_components
 
     cfg = load_config(args.recipe, args.overrides)
@@ -120,7 +120,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from cohort.config import CohortConfig
-    from cohort.model import load_policy
+    from cohort.policy.model import load_policy
     from cohort.setup import (
         build_engine,
         prompt_token_limit,
@@ -154,7 +154,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from cohort.plot import plot_run
+    from cohort.run.plot import plot_run
 
     for path in plot_run(args.run_dir):
         print(path)
@@ -285,7 +285,7 @@ def _argv_with_recipe_fix(argv: list[str]) -> list[str]:
 def _exit_now_if_nccl_aborted() -> None:
     """After an aborted NCCL weight group (a server lost mid-push), leave without the interpreter's teardown,
     which can wait forever on that communicator: exit code 75 (serving.liveness.EXIT_SERVER_LOST)."""
-    liveness = sys.modules.get("cohort.serving.liveness")
+    liveness = sys.modules.get("cohort.remote.liveness")
     if liveness is not None and liveness.nccl_group_aborted():
         sys.stdout.flush()
         sys.stderr.flush()

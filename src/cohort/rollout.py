@@ -23,7 +23,7 @@ import torch
 
 from cohort.algorithms import compute_advantages
 from cohort.data import PromptBatch
-from cohort.detokenize import batch_decode
+from cohort.data.detokenize import batch_decode
 from cohort.types import Completion, RolloutEngine, SamplingParams
 
 

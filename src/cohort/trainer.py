@@ -15,7 +15,6 @@ input (config, model path, dataset) fails in `build_components`, before the run 
 from __future__ import annotations
 
 import dataclasses
-import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,19 +22,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from cohort import checkpointing as ckpt
 from cohort import distributed
 from cohort.config import CohortConfig, dump_config
 from cohort.data import PromptBatch, PromptSampler
 from cohort.evaluation import evaluate
-from cohort.logging import MetricLogger
+from cohort.remote.pipeline import staleness_metrics
 from cohort.rollout import collect_rollouts
-from cohort.run_dir import open_run_dir, write_resolved_config
-from cohort.serving.pipeline import staleness_metrics
+from cohort.run.directory import open_run_dir, write_resolved_config
+from cohort.run.logging import MetricLogger
+from cohort.run.seeding import seed_everything
+from cohort.run.timing import PhaseTimer
 from cohort.setup import Components, build_components
-from cohort.timing import PhaseTimer
 from cohort.types import TrainerState
 from cohort.update import PolicyUpdater, UpdateSettings
 
@@ -64,12 +63,6 @@ Hook = Callable[[str, int, dict], Any]
 
 def _emit(hooks: Sequence[Hook], event: str, step: int, payload: dict | None = None) -> bool:
     return any([bool(hook(event, step, payload if payload is not None else {})) for hook in hooks])
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def describe_schedule(cfg: CohortConfig) -> str:
@@ -291,11 +284,11 @@ def _collect(cfg: CohortConfig, comp: Components, sampler, step: int, gather=Non
 
 def _pipeline(cfg: CohortConfig, comp: Components, sampler, start_step: int):
     """train.max_staleness = k >= 1: the rollouts of steps t+1..t+k are collected in a background thread while
-    step t trains (cohort.serving.pipeline); None for k = 0 (generation in the loop's own thread, on-policy)."""
+    step t trains (cohort.remote.pipeline); None for k = 0 (generation in the loop's own thread, on-policy)."""
     k = cfg.train.max_staleness
     if k == 0:
         return None
-    from cohort.serving.pipeline import RolloutPipeline
+    from cohort.remote.pipeline import RolloutPipeline
 
     # Several ranks: each pipelines its own slice of every step against the server (rank 0 pushes, the others'
     # requests wait for its pushes). The background thread's reward gathers go over a group of their own:

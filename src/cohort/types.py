@@ -120,6 +120,15 @@ class RolloutEngine(Protocol):
     def sync_weights(self) -> None: ...
 
 
+@runtime_checkable
+class PromptWithInputs(Protocol):
+    """A prompt (its token ids, as a list) that carries model inputs besides them: images, for the vision
+    plug-in's `VisionPrompt`. Text-only layers only ask whether a prompt is one; the plug-in that made it
+    registers the forwards that consume it (`cohort.forward.plugins`, `cohort.engine.models.registry`)."""
+
+    def model_inputs(self, device=None) -> dict: ...
+
+
 @dataclass
 class TrainerState:
     """What reward functions receive as `trainer_state`, shaped like TRL's (attribute `global_step`), and

@@ -30,10 +30,15 @@ import torch
 from cohort import distributed
 from cohort.algorithms import LossInputs, reduce_metrics
 from cohort.errors import CohortError
-from cohort.micro_batches import split_grouped_micro_batches, split_micro_batches, spread_micro_batches
-from cohort.packing import PackedRow, host_to_device, pack_row, packed_forward_logprobs
+from cohort.forward.micro_batches import (
+    split_grouped_micro_batches,
+    split_micro_batches,
+    spread_micro_batches,
+)
+from cohort.forward.packing import PackedRow, host_to_device, pack_row, packed_forward_logprobs
+from cohort.forward.plugins import has_extra_inputs
+from cohort.forward.shared_prompts import prompt_groups
 from cohort.rollout import RolloutBatch
-from cohort.shared_prompts import prompt_groups
 
 
 @dataclass
@@ -51,7 +56,7 @@ class UpdateSettings:
     sharded: bool = False  # FSDP: gradients are reduced by FSDP, every rank runs the same number of passes
     reduce_every_micro_batch: bool = True  # FSDP: reduce-scatter after each micro-batch, or after the last only
     max_nonfinite_updates: int = 3  # train.max_nonfinite_updates: skipped updates in a row before the run stops
-    share_prompts: bool = False  # train.share_prompts: one copy of a group's prompt per row (cohort.shared_prompts)
+    share_prompts: bool = False  # train.share_prompts: one copy of a group's prompt per row (cohort.forward.shared_prompts)
 
 
 class NonFiniteUpdateError(CohortError):
@@ -111,7 +116,7 @@ class PolicyUpdater:
         completion_lens = [len(batch.completion_ids[r]) for r in rows]
         lengths = [p + c for p, c in zip(prompt_lens, completion_lens, strict=True)]
         # (the trainer's schedule line says that prompts with images are not shared)
-        if self.s.share_prompts and not any(hasattr(p, "vision_inputs") for p in prompts):
+        if self.s.share_prompts and not has_extra_inputs(prompts):
             micro = split_grouped_micro_batches(prompt_groups(prompts), prompt_lens, completion_lens,
                                                 self.s.token_budget)
         else:

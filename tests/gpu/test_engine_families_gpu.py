@@ -102,8 +102,8 @@ def test_moe_grouped_bf16_matches_loop():
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3", "qwen3_moe"])
 def test_packed_bf16_close_to_unpacked(family):
-    from cohort.packed_attention import disable_packed_attention
-    from cohort.packing import packed_forward_logprobs
+    from cohort.forward.packed_attention import disable_packed_attention
+    from cohort.forward.packing import packed_forward_logprobs
 
     model = tiny_model(family).cuda().to(torch.bfloat16)
     g = torch.Generator().manual_seed(5)

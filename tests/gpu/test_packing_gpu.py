@@ -8,10 +8,10 @@ if not torch.cuda.is_available():
 
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-import cohort.packed_attention as packed_attention
-import cohort.packing as packing
+import cohort.forward.packed_attention as packed_attention
+import cohort.forward.packing as packing
 from cohort.engine.hf_backend import HFGenerateEngine
-from cohort.logprobs import selective_logprobs_and_entropy
+from cohort.forward.logprobs import selective_logprobs_and_entropy
 from cohort.types import SamplingParams
 
 VOCAB = 1000
@@ -194,8 +194,8 @@ def test_hf_generate_logprobs_on_cuda():
 
 
 def test_one_pass_logprob_statistics_match_eager_on_cuda():
-    from cohort import triton_logprobs
-    from cohort.logprobs import _stats_eager
+    from cohort.forward import triton_logprobs
+    from cohort.forward.logprobs import _stats_eager
 
     torch.manual_seed(0)
     logits = (torch.randn(512, 151936, device="cuda") * 4).to(torch.bfloat16)
@@ -209,7 +209,7 @@ def test_one_pass_logprob_statistics_match_eager_on_cuda():
 
 
 def test_chunked_logprobs_and_grads_on_cuda_match_float64():
-    from cohort.logprobs import selective_logprobs_and_entropy
+    from cohort.forward.logprobs import selective_logprobs_and_entropy
 
     torch.manual_seed(0)
     hidden = torch.randn(300, 64, device="cuda", dtype=torch.float32, requires_grad=True)

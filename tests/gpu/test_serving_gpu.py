@@ -17,9 +17,9 @@ from tests.helpers.serving_trainer import TrainerProcess
 from tests.helpers.toy_task import tiny_model, write_toy_workspace
 
 from cohort.engine import CohortEngine
-from cohort.model import load_policy
+from cohort.policy.model import load_policy
+from cohort.remote.liveness import EXIT_SERVER_LOST
 from cohort.serving import RemoteEngine
-from cohort.serving.liveness import EXIT_SERVER_LOST
 from cohort.setup.engine import eos_ids
 from cohort.types import SamplingParams
 

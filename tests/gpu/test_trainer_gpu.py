@@ -29,7 +29,7 @@ def test_resume_is_exact_on_cuda(tmp_path, overrides):
 
 
 def test_host_offloaded_adamw_on_cuda_matches_adamw():
-    from cohort.optim import HostOffloadAdamW
+    from cohort.policy.optim import HostOffloadAdamW
 
     torch.manual_seed(0)
     ref = torch.nn.Linear(64, 64).cuda().bfloat16()

@@ -110,7 +110,7 @@ class _Trainer:
     def __init__(self, model_dir: str) -> None:
         import torch
 
-        from cohort.model import load_policy
+        from cohort.policy.model import load_policy
 
         _, self.tok = load_policy(model_dir, dtype=torch.bfloat16)
         self.policy = None

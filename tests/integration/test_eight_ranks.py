@@ -21,7 +21,7 @@ import torch
 from tests.integration.test_dcp_checkpoint import _init, assert_same, build, snapshot, spawn, train_step
 
 from cohort.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
-from cohort.logging import read_jsonl
+from cohort.run.logging import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "helpers" / "rank_worker.py"

@@ -9,7 +9,7 @@ from tests.helpers.tiny_tokenizer import make_tiny_tokenizer
 from tests.helpers.toy_task import tiny_model
 
 from cohort.engine import CohortEngine
-from cohort.packing import packed_forward_logprobs
+from cohort.forward.packing import packed_forward_logprobs
 from cohort.types import SamplingParams
 
 

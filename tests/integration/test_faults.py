@@ -27,8 +27,8 @@ from cohort import checkpointing as ckpt
 from cohort.checkpointing import CheckpointError, atomic
 from cohort.cli import main
 from cohort.data import load_prompt_dataset
-from cohort.logging import read_jsonl
 from cohort.rewards import RewardRunner
+from cohort.run.logging import read_jsonl
 from cohort.setup import build_components
 from cohort.trainer import train
 from cohort.update import NonFiniteUpdateError

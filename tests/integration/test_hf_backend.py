@@ -6,7 +6,7 @@ from tests.helpers.tiny_tokenizer import make_tiny_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cohort.engine.hf_backend import HFGenerateEngine
-from cohort.packing import packed_forward_logprobs
+from cohort.forward.packing import packed_forward_logprobs
 from cohort.types import RolloutEngine, SamplingParams
 
 

@@ -25,7 +25,7 @@ import pytest
 from tests.helpers.fault_hooks import POINTS
 from tests.helpers.toy_task import write_toy_workspace
 
-from cohort.logging import read_jsonl
+from cohort.run.logging import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4

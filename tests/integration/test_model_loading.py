@@ -7,9 +7,9 @@ import torch
 from tests.helpers.tiny_tokenizer import make_tiny_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from cohort import model as cm
 from cohort.errors import ConfigError
-from cohort.model import load_policy, load_reference, resolve_dtype, resolve_model_path
+from cohort.policy import model as cm
+from cohort.policy.model import load_policy, load_reference, resolve_dtype, resolve_model_path
 
 
 @pytest.fixture

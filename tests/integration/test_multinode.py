@@ -28,8 +28,8 @@ from tests.helpers.toy_task import tiny_model, toy_rows, write_toy_workspace
 from tests.integration.test_trainer_learns import toy_config
 
 from cohort.data import load_prompt_dataset
-from cohort.logging import read_jsonl
 from cohort.rewards import RewardRunner
+from cohort.run.logging import read_jsonl
 from cohort.setup import build_components
 
 REPO = Path(__file__).resolve().parents[2]

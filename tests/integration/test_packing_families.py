@@ -8,8 +8,8 @@ import pytest
 import torch
 from tests.integration.engine_models import VOCAB, WINDOW, tiny_model
 
-from cohort.packed_attention import disable_packed_attention
-from cohort.packing import packed_forward_logprobs
+from cohort.forward.packed_attention import disable_packed_attention
+from cohort.forward.packing import packed_forward_logprobs
 
 FAMILIES = ["mistral", "qwen2_sliding", "gemma3", "qwen3_moe"]
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from cohort.packed_attention import disable_packed_attention
-from cohort.packing import compile_decoder_layers, packed_forward_logprobs
+from cohort.forward.packed_attention import disable_packed_attention
+from cohort.forward.packing import compile_decoder_layers, packed_forward_logprobs
 
 VOCAB = 97
 
@@ -56,7 +56,7 @@ def _grads(model):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("attn", ["varlen", "native", "varlen+checkpointing"])
 def test_packed_equals_padded(arch, attn, monkeypatch):
-    import cohort.packed_attention as packed_attention
+    import cohort.forward.packed_attention as packed_attention
 
     calls = []
     real = packed_attention._segment_sdpa
@@ -133,7 +133,7 @@ def test_packed_forward_skips_transformers_packed_sequence_search():
     so the 'native' packed path (a block-diagonal mask from the position ids) still gets its sequence ids."""
     from transformers import masking_utils
 
-    from cohort.packed_attention import _PACKED_MASKS
+    from cohort.forward.packed_attention import _PACKED_MASKS
 
     model = _tiny("qwen2")
     packed_forward_logprobs(model, _sequences(), attn="varlen")  # installs the wrapper

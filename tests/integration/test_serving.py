@@ -20,7 +20,7 @@ from tests.helpers.tiny_models import tiny_llama
 from tests.helpers.toy_task import tiny_model, write_toy_workspace
 
 from cohort.engine import CohortEngine
-from cohort.model import load_policy
+from cohort.policy.model import load_policy
 from cohort.serving import RemoteEngine, ServerUnavailable, WeightMismatchError
 from cohort.setup.engine import eos_ids
 from cohort.types import SamplingParams
@@ -250,15 +250,15 @@ def test_a_stuck_collective_that_cannot_be_cancelled_exits_the_process_with_the_
     import subprocess
     import sys
 
-    from cohort.serving.liveness import EXIT_SERVER_LOST
+    from cohort.remote.liveness import EXIT_SERVER_LOST
 
     with socket.socket() as s:  # a port nothing listens on: a server that is gone
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     code = f"""
 import threading
-from cohort.serving.client import ServerClient
-from cohort.serving.liveness import run_watched
+from cohort.remote.client import ServerClient
+from cohort.remote.liveness import run_watched
 client = ServerClient("127.0.0.1", {port}, timeout_s=5, connect_timeout_s=1)
 run_watched(lambda cancelled: threading.Event().wait(), client, phase="weight push", timeout_s=1.0, poll_s=0.2,
             must_return=True, grace_s=0.5)
@@ -339,8 +339,8 @@ def test_the_version_switch_waits_for_requests_in_flight(workspace):
     reported as the old version); the next request sees the new weights whole."""
     import threading
 
+    from cohort.remote.weights import model_tensors
     from cohort.serving.engine_server import EngineServer, Replica, _Push
-    from cohort.serving.weights import model_tensors
 
     model, tok = load_policy(str(workspace[0]), dtype=torch.float32)
     engine = _local(model, tok)

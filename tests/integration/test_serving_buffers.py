@@ -12,8 +12,8 @@ import torch
 from tests.helpers.toy_task import tiny_model, write_toy_workspace
 
 from cohort.engine import CohortEngine
-from cohort.model import load_policy
-from cohort.serving import weights as W
+from cohort.policy.model import load_policy
+from cohort.remote import weights as W
 from cohort.serving.engine_server import EngineServer, Replica, _Push
 from cohort.setup.engine import eos_ids
 from cohort.types import SamplingParams

@@ -20,7 +20,7 @@ from tests.helpers.toy_task import write_toy_workspace
 from tests.integration.test_fsdp import COMPARED
 from tests.integration.test_trainer_learns import toy_components, toy_config
 
-from cohort.logging import read_jsonl
+from cohort.run.logging import read_jsonl
 from cohort.trainer import train
 
 

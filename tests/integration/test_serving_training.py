@@ -15,7 +15,7 @@ from tests.integration.test_trainer_learns import toy_config
 from cohort.config import CohortConfig
 from cohort.data import load_prompt_dataset
 from cohort.errors import CohortError, ConfigError
-from cohort.model import load_policy
+from cohort.policy.model import load_policy
 from cohort.rewards import RewardRunner
 from cohort.serving import RemoteEngine
 from cohort.setup import build_components
@@ -181,7 +181,7 @@ def test_two_served_ranks_equal_one_colocated_rank(request, tmp_path, served):
     import torch.multiprocessing as mp
     from tests.integration.test_distributed import COMPARED
 
-    from cohort.logging import read_jsonl
+    from cohort.run.logging import read_jsonl
 
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
@@ -213,7 +213,7 @@ def test_two_ranks_pipeline_their_own_prompts_at_most_k_behind(request, tmp_path
 
     import torch.multiprocessing as mp
 
-    from cohort.logging import read_jsonl
+    from cohort.run.logging import read_jsonl
 
     steps, k = 3, 1
     mp.spawn(_rank, args=(2, str(tmp_path), str(tmp_path / "init"), served[1].address, k, steps), nprocs=2,

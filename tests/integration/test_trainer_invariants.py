@@ -12,7 +12,7 @@ from tests.integration.test_trainer_learns import toy_components, toy_config
 
 from cohort.config import apply_overrides
 from cohort.rollout import collect_rollouts
-from cohort.timing import PhaseTimer
+from cohort.run.timing import PhaseTimer
 from cohort.update import PolicyUpdater, UpdateSettings
 
 
@@ -49,7 +49,7 @@ def test_micro_batching_gives_the_whole_batch_gradient(tmp_path, loss_type, monk
                              comp.reward_runner, advantage_kwargs=comp.advantage_kwargs, trainer_state={})
     assert batch.advantages.abs().sum() > 0
     assert cfg.generation.num_generations > 1  # groups share their prompts in the shared layout
-    from cohort import packing
+    from cohort.forward import packing
 
     layouts = []
     real = packing.pack_shared_layout

@@ -8,7 +8,7 @@ import pytest
 from tests.integration.test_trainer_learns import toy_components, toy_config
 
 from cohort.config import apply_overrides
-from cohort.logging import read_jsonl
+from cohort.run.logging import read_jsonl
 from cohort.trainer import train
 
 VOLATILE = ("time", "step_time", "time/", "train_time")

@@ -166,7 +166,7 @@ def test_schedulers_are_transformers_own(kind_):
     import torch
     from transformers import get_scheduler
 
-    from cohort.optim import build_scheduler
+    from cohort.policy.optim import build_scheduler
 
     kwargs = {"cosine_with_min_lr": {"min_lr_rate": 0.1}, "warmup_stable_decay": {"num_decay_steps": 3}}.get(kind_, {})
     lrs = []

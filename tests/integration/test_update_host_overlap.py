@@ -1,7 +1,7 @@
 """The update builds each micro-batch's host inputs while the GPU runs the previous forward.
 
 Host work between two queued forwards leaves the GPU idle, so `PolicyUpdater` launches micro-batch m's forward
-first, then builds m's loss inputs and micro-batch m + 1's packed row (`cohort.packing.pack_row`). This checks
+first, then builds m's loss inputs and micro-batch m + 1's packed row (`cohort.forward.packing.pack_row`). This checks
 the order on the CPU (the same code path) and that a row built ahead is the row the forward gets.
 """
 
@@ -11,7 +11,7 @@ import pytest
 from tests.integration.engine_models import tiny_model
 from tests.integration.test_token_mask import _Capture, _no_timer, make_batch
 
-import cohort.packing
+import cohort.forward.packing
 import cohort.update
 from cohort.algorithms import build_policy_loss
 from cohort.update import PolicyUpdater, UpdateSettings
@@ -20,8 +20,8 @@ from cohort.update import PolicyUpdater, UpdateSettings
 @pytest.mark.parametrize("share_prompts", [False, True])
 def test_next_row_is_packed_after_the_forward_is_launched(monkeypatch, share_prompts):
     events: list[tuple[str, int]] = []
-    built: list[cohort.packing.PackedRow] = []
-    real_pack, real_pass = cohort.packing.pack_row, cohort.packing.packed_pass
+    built: list[cohort.forward.packing.PackedRow] = []
+    real_pack, real_pass = cohort.forward.packing.pack_row, cohort.forward.packing.packed_pass
 
     def pack_row(model, sequences, **kw):
         row = real_pack(model, sequences, **kw)
@@ -36,7 +36,7 @@ def test_next_row_is_packed_after_the_forward_is_launched(monkeypatch, share_pro
         return real_pass(model, *tensors, **kw)
 
     monkeypatch.setattr(cohort.update, "pack_row", pack_row)
-    monkeypatch.setattr(cohort.packing, "packed_pass", packed_pass)
+    monkeypatch.setattr(cohort.forward.packing, "packed_pass", packed_pass)
     model = tiny_model("llama").train()
     capture = _Capture(list(model.parameters()))
     settings = UpdateSettings(mini_batches=1, num_iterations=1, token_budget=24, temperature=1.0,

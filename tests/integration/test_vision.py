@@ -13,7 +13,7 @@ import pytest
 import torch
 from tests.helpers.tiny_vlms import build, solid
 
-from cohort.packing import packed_forward_logprobs
+from cohort.forward.packing import packed_forward_logprobs
 from cohort.types import SamplingParams
 from cohort.vision import VisionGroupEngine, encode_vision_prompt
 from cohort.vision.model import image_token_id

@@ -1,4 +1,4 @@
-"""cohort.detokenize.batch_decode gives exactly `tokenizer.batch_decode(ids, skip_special_tokens=True)`, through the
+"""cohort.data.detokenize.batch_decode gives exactly `tokenizer.batch_decode(ids, skip_special_tokens=True)`, through the
 Rust backend's decode_batch only where transformers adds nothing to the backend's text."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 import pytest
 from tests.helpers.tiny_tokenizer import make_tiny_tokenizer
 
-from cohort import detokenize
+from cohort.data import detokenize
 
 
 def _ids(tok, n: int = 12, length: int = 40, seed: int = 0) -> list[list[int]]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from cohort import model as model_mod
 from cohort.errors import ConfigError
+from cohort.policy import model as model_mod
 
 
 class _Tok:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cohort.errors import ConfigError
-from cohort.logging import MetricLogger, read_jsonl, resolve_report_to, truncate_jsonl
+from cohort.run.logging import MetricLogger, read_jsonl, resolve_report_to, truncate_jsonl
 
 
 def test_jsonl_rows_hold_step_time_and_every_metric(tmp_path):
@@ -96,7 +96,7 @@ def test_report_to_selection_and_errors(monkeypatch):
     assert resolve_report_to(None)[:2] == ["console", "jsonl"]
     with pytest.raises(ConfigError, match="did you mean 'tensorboard'"):
         resolve_report_to(["tensorbord"])
-    monkeypatch.setattr("cohort.logging._installed", lambda name: name != "wandb")
+    monkeypatch.setattr("cohort.run.logging._installed", lambda name: name != "wandb")
     with pytest.raises(ConfigError, match=r"`wandb` is not installed: pip install wandb"):
         resolve_report_to(["jsonl", "wandb"])
     assert "wandb" not in resolve_report_to("all")
@@ -116,7 +116,7 @@ def test_wandb_like_tracker_receives_scalars_and_table(tmp_path, monkeypatch):
         Table=Table,
     )
     monkeypatch.setitem(sys.modules, "trackio", fake)
-    monkeypatch.setattr("cohort.logging._installed", lambda name: True)
+    monkeypatch.setattr("cohort.run.logging._installed", lambda name: True)
     with MetricLogger(
         tmp_path, total_steps=2, report_to=["trackio"], run_name="r1", config={"lr": 1e-6}
     ) as lg:

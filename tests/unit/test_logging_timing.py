@@ -2,7 +2,7 @@
 
 import pytest
 
-from cohort.timing import PhaseTimer
+from cohort.run.timing import PhaseTimer
 
 
 class FakeClock:

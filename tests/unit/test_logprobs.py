@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-import cohort.logprobs as lp_mod
-from cohort.logprobs import full_logprobs_and_entropy, selective_logprobs_and_entropy
+import cohort.forward.logprobs as lp_mod
+from cohort.forward.logprobs import full_logprobs_and_entropy, selective_logprobs_and_entropy
 
 
 def _inputs(n=37, d=16, v=50, seed=0, dtype=torch.float64):

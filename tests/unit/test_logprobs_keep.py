@@ -10,9 +10,9 @@ import weakref
 import pytest
 import torch
 
-import cohort.logprobs as lp_mod
-import cohort.packing as packing
-from cohort.logprobs import selective_logprobs_and_entropy
+import cohort.forward.logprobs as lp_mod
+import cohort.forward.packing as packing
+from cohort.forward.logprobs import selective_logprobs_and_entropy
 
 
 def _inputs(dtype, n=37, d=16, v=50, seed=0):

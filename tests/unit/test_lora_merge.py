@@ -11,8 +11,8 @@ import torch
 from tests.helpers.tiny_models import tiny_llama
 
 from cohort.errors import ConfigError
-from cohort.serving import weights as W
-from cohort.serving.lora_merge import MergedWeight
+from cohort.remote import weights as W
+from cohort.remote.lora_merge import MergedWeight
 
 
 def _lora(model):

@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from cohort.errors import ConfigError
-from cohort.memory import GIB, check_fits, count_parameters, estimate_memory
+from cohort.policy.memory import GIB, check_fits, count_parameters, estimate_memory
 
 # H=64, L=2, I=128, 4 heads of 16, 2 KV heads -> K = 32, vocab 100, untied.
 CFG = LlamaConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -115,7 +115,7 @@ def test_memory_plan_passes_train_keep_logits():
     from tests.helpers.tiny_models import tiny_llama
 
     from cohort.config import CohortConfig
-    from cohort.memory_plan import micro_batch_tokens, plan_memory
+    from cohort.setup.memory_plan import micro_batch_tokens, plan_memory
 
     ests = []
     for keep in (False, True):

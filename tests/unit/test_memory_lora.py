@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cohort.errors import ConfigError
-from cohort.memory import GIB, count_lora_parameters, count_parameters, estimate_memory
+from cohort.policy.memory import GIB, count_lora_parameters, count_parameters, estimate_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from cohort.optim import MasterWeightAdamW, build_optimizer, build_scheduler
+from cohort.policy.optim import MasterWeightAdamW, build_optimizer, build_scheduler
 
 
 def test_master_weights_follow_fp32_adamw_and_keep_tiny_updates():
@@ -76,7 +76,7 @@ def test_no_master_weights_keeps_adam_state_in_the_weight_dtype():
 def test_host_offloaded_adamw_equals_adamw_and_round_trips():
     """Moments on the host, stepped in buckets: the same trajectory as one AdamW, through a state-dict
     round trip in the middle (resume)."""
-    from cohort.optim import HostOffloadAdamW
+    from cohort.policy.optim import HostOffloadAdamW
 
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-import cohort.packed_attention as pa
+import cohort.forward.packed_attention as pa
 from cohort.config import load_config
 from cohort.errors import ConfigError
 
@@ -147,7 +147,7 @@ def test_fa4_path_passes_boundaries_window_and_grouped_heads(monkeypatch, window
 def test_fa4_ops_backward_is_exact_attention_gradient(monkeypatch, window):
     """The custom ops' autograd: FA4's backward gets the forward's out and lse, and the gradients reaching
     q, k and v are those of exact attention."""
-    from cohort.fa4_attention import fa4_varlen
+    from cohort.forward.fa4_attention import fa4_varlen
 
     calls: list[dict] = []
     _fake_fa4(monkeypatch, calls)
@@ -168,7 +168,7 @@ def test_fa4_ops_backward_is_exact_attention_gradient(monkeypatch, window):
 def test_fa4_ops_compile_into_one_graph(monkeypatch):
     """Inside torch.compile the ops are opaque nodes with fake shapes: fullgraph compiles (no graph break),
     forward and backward match eager."""
-    from cohort.fa4_attention import fa4_varlen, fa4_varlen_fwd
+    from cohort.forward.fa4_attention import fa4_varlen, fa4_varlen_fwd
 
     calls: list[dict] = []
     _fake_fa4(monkeypatch, calls)

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from cohort.micro_batches import split_micro_batches
+from cohort.forward.micro_batches import split_micro_batches
 
 
 def _check(lengths, budget, bins):
@@ -49,7 +49,7 @@ def test_empty_and_bad_budget():
 def test_pack_layout_hand_example():
     import torch
 
-    from cohort.packing import pack_layout
+    from cohort.forward.packing import pack_layout
 
     ids, pos, cu, hidden_idx, labels, offsets = pack_layout([([5, 6], [7, 8, 9]), ([1], []), ([2, 3], [4])], "cpu")
     assert ids.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4]]
@@ -64,7 +64,7 @@ def test_pack_layout_hand_example():
 def test_padded_scatters_values_and_gathers_gradients():
     import torch
 
-    from cohort.packing import PackedLogprobs
+    from cohort.forward.packing import PackedLogprobs
 
     flat = torch.tensor([1.0, 2.0, 3.0, 4.0], requires_grad=True)
     packed = PackedLogprobs(flat, None, [0, 3, 3, 4])

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from cohort.errors import ConfigError
-from cohort.plot import load_series, plot_run, select_keys, smooth
+from cohort.run.plot import load_series, plot_run, select_keys, smooth
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from cohort.errors import ConfigError
-from cohort.run_dir import (
+from cohort.run.directory import (
     atomic_write_text,
     open_run_dir,
     prepare_run_dir,
@@ -129,7 +129,7 @@ def test_write_resolved_config_round_trips_and_rejects_objects(tmp_path):
 
 def test_atomic_write_text_leaves_no_temporary_on_failure(tmp_path, monkeypatch):
     target = atomic_write_text(tmp_path / "x.txt", "one")
-    import cohort.run_dir as rd
+    import cohort.run.directory as rd
 
     def boom(*a):
         raise OSError("simulated")
@@ -147,7 +147,7 @@ def test_crash_and_resume_flow_keeps_files_consistent(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from cohort.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
-    from cohort.logging import MetricLogger, read_jsonl
+    from cohort.run.logging import MetricLogger, read_jsonl
 
     config = LlamaConfig(
         vocab_size=32,

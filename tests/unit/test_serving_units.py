@@ -10,11 +10,9 @@ import pytest
 import torch
 
 from cohort.errors import ConfigError
-from cohort.serving import openai_api
-from cohort.serving.client import parse_address
-from cohort.serving.engine_server import RWLock
-from cohort.serving.pipeline import staleness_metrics
-from cohort.serving.weights import (
+from cohort.remote.client import parse_address
+from cohort.remote.pipeline import staleness_metrics
+from cohort.remote.weights import (
     TensorSpec,
     WeightMismatchError,
     check_manifest,
@@ -22,6 +20,8 @@ from cohort.serving.weights import (
     manifest_of,
     plan_buckets,
 )
+from cohort.serving import openai_api
+from cohort.serving.engine_server import RWLock
 
 
 def _spec(name, shape, dtype="float32"):
@@ -144,7 +144,7 @@ class _Client:
         self.probes = 0
 
     def request(self, method, path, body=None, *, phase, timeout_s=None):
-        from cohort.serving.client import ServerUnavailable
+        from cohort.remote.client import ServerUnavailable
 
         self.probes += 1
         if not self.alive.is_set():
@@ -153,8 +153,8 @@ class _Client:
 
 
 def test_a_watched_push_returns_its_result_or_its_error_and_names_a_server_gone_silent():
-    from cohort.serving.client import ServerUnavailable
-    from cohort.serving.liveness import run_watched
+    from cohort.remote.client import ServerUnavailable
+    from cohort.remote.liveness import run_watched
 
     client = _Client()
     assert run_watched(lambda cancelled: 7, client, phase="weight push", timeout_s=1.0, poll_s=0.05) == 7
@@ -195,8 +195,8 @@ def test_the_cli_leaves_with_exit_75_and_no_teardown_after_an_aborted_nccl_group
     """A server frozen mid-push: the NCCL group was aborted and the error raised, but the interpreter's teardown
     can wait forever on that communicator (measured on 2 H100s), so the CLI prints the error and os._exit(75)s."""
     from cohort import cli
-    from cohort.serving import liveness
-    from cohort.serving.client import ServerUnavailable
+    from cohort.remote import liveness
+    from cohort.remote.client import ServerUnavailable
 
     def lost(args):
         raise ServerUnavailable("cohort server at 127.0.0.1:1 stopped answering during weight push")

@@ -6,9 +6,10 @@ import pytest
 import torch
 from tests.helpers.tiny_models import tiny_llama
 
-from cohort import memory_plan, setup
+from cohort import setup
 from cohort.config import CohortConfig
 from cohort.errors import ConfigError
+from cohort.setup import memory_plan
 
 GIB = 2**30
 
@@ -40,7 +41,7 @@ def test_plenty_of_memory_keeps_the_configured_fraction(monkeypatch):
 
 
 def test_tight_memory_lowers_the_fraction(monkeypatch):
-    from cohort.memory import estimate_memory
+    from cohort.policy.memory import estimate_memory
 
     need = _need(estimate_memory)
     free = int(need / 0.8)  # the update leaves about a tenth of free memory, less than the 0.3 asked for
@@ -49,7 +50,7 @@ def test_tight_memory_lowers_the_fraction(monkeypatch):
 
 
 def test_no_room_for_the_kv_cache_is_a_clear_error(monkeypatch):
-    from cohort.memory import estimate_memory
+    from cohort.policy.memory import estimate_memory
 
     need = _need(estimate_memory)
     with pytest.raises(ConfigError, match=r"token_budget"):

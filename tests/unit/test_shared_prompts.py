@@ -1,4 +1,4 @@
-"""Shared-prompt rows (cohort.shared_prompts): the layout worked out by hand, the grouped micro-batch planner,
+"""Shared-prompt rows (cohort.forward.shared_prompts): the layout worked out by hand, the grouped micro-batch planner,
 and the packed forward on every family equal to the plain row (logprobs, entropy, gradients), sliding windows
 and soft-capping included."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 from tests.integration.engine_models import VOCAB, WINDOW, tiny_model
 
-from cohort.micro_batches import split_grouped_micro_batches
-from cohort.packed_attention import disable_packed_attention
-from cohort.packing import packed_forward_logprobs
-from cohort.shared_prompts import pack_shared_layout, prompt_groups
+from cohort.forward.micro_batches import split_grouped_micro_batches
+from cohort.forward.packed_attention import disable_packed_attention
+from cohort.forward.packing import packed_forward_logprobs
+from cohort.forward.shared_prompts import pack_shared_layout, prompt_groups
 
 
 def layout_tokens(prompt_lens, completion_lens, groups) -> int:
@@ -112,7 +112,7 @@ def test_shared_row_equals_plain_row(family, monkeypatch):
     seqs = _group_sequences()
     weights = [torch.linspace(-1, 1, len(c)) for _, c in seqs]
     plain, plain_grads = _run(model, seqs, False, weights)
-    from cohort import packing
+    from cohort.forward import packing
 
     rows = []
     real = packing.packed_pass
@@ -131,7 +131,7 @@ def test_shared_row_equals_plain_row(family, monkeypatch):
 
 def test_shared_row_is_not_the_plain_row_without_prompt_keys(monkeypatch):
     """Guard: completions that did not see their prompt's keys would give other logprobs."""
-    from cohort import packed_attention
+    from cohort.forward import packed_attention
 
     model = tiny_model("llama")
     seqs = _group_sequences()
@@ -173,7 +173,7 @@ def test_models_with_their_own_flash_packing_keep_the_plain_row_and_say_so():
     import types
     import warnings
 
-    from cohort import packing
+    from cohort.forward import packing
 
     model = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="flash_attention_2"))
     with pytest.warns(UserWarning, match="model.attn_implementation=sdpa"):

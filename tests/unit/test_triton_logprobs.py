@@ -1,5 +1,5 @@
 """triton_logprobs.stats (one pass over each row: chosen logprob, logsumexp, entropy) and triton_logprobs.grad
-(the backward's gradient of the logits, written over them) against the eager code of cohort.logprobs on the CPU
+(the backward's gradient of the logits, written over them) against the eager code of cohort.forward.logprobs on the CPU
 under TRITON_INTERPRET=1: random rows, peaked rows (entropy near 0, where lse - E[z] would cancel), rows with
 -inf logits, a vocabulary that is not a multiple of the block, and temperatures other than 1. The interpreter
 must be on when the module is first imported, so the kernel runs in a child process (this file as a script).
@@ -13,8 +13,8 @@ from tests.helpers.triton_interpreter import run_interpreted
 
 
 def _check() -> None:
-    from cohort import triton_logprobs
-    from cohort.logprobs import _stats_eager
+    from cohort.forward import triton_logprobs
+    from cohort.forward.logprobs import _stats_eager
 
     g = torch.Generator().manual_seed(0)
     for vocab, dtype in ((3000, torch.bfloat16), (2048, torch.float32), (777, torch.float32)):
@@ -52,8 +52,8 @@ def _check() -> None:
 def _check_grad(logits, labels, inv_t: float, g: torch.Generator) -> None:
     """The gradient kernel == the eager one, with and without an entropy term, in the logits' dtype and in
     place; on rows with -inf logits as well (their p is 0: gradient 0 there)."""
-    from cohort import triton_logprobs
-    from cohort.logprobs import _grad_eager, _stats_eager
+    from cohort.forward import triton_logprobs
+    from cohort.forward.logprobs import _grad_eager, _stats_eager
 
     rows = logits.shape[0]
     _, lse, entropy = _stats_eager(logits.clone(), labels, inv_t, True)

@@ -11,7 +11,7 @@ Layout of one checkpoint, `run_dir/checkpoints/step-000100/`:
     rng.pt                                Python `random`, NumPy, torch CPU and every CUDA generator
     trainer_state.json                    step plus whatever JSON the trainer passes (data position, ...)
 
-A policy sharded with FSDP2 (`fully_shard`, see `cohort.distributed.dcp`) is saved collectively, by every
+A policy sharded with FSDP2 (`fully_shard`, see `cohort.checkpointing.dcp`) is saved collectively, by every
 rank, and its folder differs in two ways: `dcp/` replaces optimizer.pt (model and optimizer shards written by
 torch.distributed.checkpoint, loadable on any number of ranks), and each rank r > 0 adds `rng-{r}.pt` beside
 rank 0's rng.pt (also written as rng-0.pt). The Hugging Face files are still there, gathered by rank 0.
@@ -32,7 +32,9 @@ and PEFT adapters into a live model), `rng` (generator state), `contents` (size,
 
 from cohort.checkpointing.contents import checkpoint_size, describe_size, has_optimizer_state
 from cohort.checkpointing.errors import CheckpointError
-from cohort.checkpointing.layout import (
+from cohort.checkpointing.loading import load_checkpoint
+from cohort.checkpointing.saving import save_checkpoint
+from cohort.run.layout import (
     LATEST_FILE,
     OPTIMIZER_FILE,
     RNG_FILE,
@@ -41,8 +43,6 @@ from cohort.checkpointing.layout import (
     checkpoint_path,
     latest_checkpoint,
 )
-from cohort.checkpointing.loading import load_checkpoint
-from cohort.checkpointing.saving import save_checkpoint
 
 __all__ = [
     "LATEST_FILE",

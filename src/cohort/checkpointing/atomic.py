@@ -17,10 +17,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cohort.checkpointing.layout import LATEST_FILE, TMP_PREFIX, TRAINER_STATE_FILE
 from cohort.checkpointing.retention import prune
 from cohort.errors import ConfigError
-from cohort.run_dir import atomic_write_text, fsync_dir
+from cohort.run.directory import atomic_write_text, fsync_dir
+from cohort.run.layout import LATEST_FILE, TMP_PREFIX, TRAINER_STATE_FILE
 
 
 def temporary_dir(root: Path, final: Path) -> Path:

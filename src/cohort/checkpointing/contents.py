@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from cohort.checkpointing.layout import OPTIMIZER_FILE
+from cohort.run.layout import OPTIMIZER_FILE
 
 
 def checkpoint_size(path: str | os.PathLike) -> dict[str, int]:

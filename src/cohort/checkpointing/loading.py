@@ -15,16 +15,16 @@ from typing import Any
 import torch
 
 from cohort.checkpointing.errors import CheckpointError, damaged
-from cohort.checkpointing.layout import (
+from cohort.checkpointing.rng import set_rng_state
+from cohort.checkpointing.weights import load_model_weights, read_full_weights, unwrap_model
+from cohort.errors import ConfigError
+from cohort.run.layout import (
     OPTIMIZER_FILE,
     RNG_FILE,
     SCHEDULER_FILE,
     TRAINER_STATE_FILE,
     rank_rng_file,
 )
-from cohort.checkpointing.rng import set_rng_state
-from cohort.checkpointing.weights import load_model_weights, read_full_weights, unwrap_model
-from cohort.errors import ConfigError
 
 
 def load_checkpoint(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from cohort.checkpointing.layout import complete_checkpoints
 from cohort.errors import ConfigError
+from cohort.run.layout import complete_checkpoints
 
 
 def check_keep_last(keep_last: int | None) -> None:

@@ -23,18 +23,18 @@ from cohort.checkpointing.atomic import (
     trainer_state_json,
 )
 from cohort.checkpointing.errors import CheckpointError
-from cohort.checkpointing.layout import (
+from cohort.checkpointing.retention import check_keep_last
+from cohort.checkpointing.rng import rng_state
+from cohort.checkpointing.sharded_saving import save_sharded
+from cohort.checkpointing.weights import unwrap_model
+from cohort.run.directory import CHECKPOINTS_DIR
+from cohort.run.layout import (
     OPTIMIZER_FILE,
     RNG_FILE,
     SCHEDULER_FILE,
     checkpoint_path,
     latest_checkpoint,
 )
-from cohort.checkpointing.retention import check_keep_last
-from cohort.checkpointing.rng import rng_state
-from cohort.checkpointing.sharded_saving import save_sharded
-from cohort.checkpointing.weights import unwrap_model
-from cohort.run_dir import CHECKPOINTS_DIR
 
 
 def save_checkpoint(

@@ -1,4 +1,4 @@
-"""The collective save of an FSDP2-sharded policy (see `cohort.distributed.dcp` for the shards themselves).
+"""The collective save of an FSDP2-sharded policy (see `cohort.checkpointing.dcp` for the shards themselves).
 
 Its folder differs from an unsharded one in two ways: `dcp/` replaces optimizer.pt (model and optimizer shards
 written by torch.distributed.checkpoint, loadable on any number of ranks), and each rank r > 0 adds
@@ -26,9 +26,9 @@ from cohort.checkpointing.atomic import (
     trainer_state_json,
 )
 from cohort.checkpointing.errors import CheckpointError
-from cohort.checkpointing.layout import RNG_FILE, SCHEDULER_FILE, checkpoint_path, rank_rng_file
 from cohort.checkpointing.rng import rng_state
-from cohort.run_dir import CHECKPOINTS_DIR
+from cohort.run.directory import CHECKPOINTS_DIR
+from cohort.run.layout import RNG_FILE, SCHEDULER_FILE, checkpoint_path, rank_rng_file
 
 
 def save_sharded(run_dir: str | os.PathLike, step: int, model: Any, tokenizer: Any, optimizer: Any,

@@ -167,7 +167,7 @@ def validate_fields(cfg: CohortConfig) -> None:
              run.eval_num_samples, "use 1 (greedy) or more completions per eval prompt")
     _require(run.eval_max_prompts is None or (isinstance(run.eval_max_prompts, int) and run.eval_max_prompts >= 1),
              "run.eval_max_prompts", run.eval_max_prompts, "use a positive number, or leave it unset (null)")
-    from cohort.logging import resolve_report_to
+    from cohort.run.logging import resolve_report_to
 
     try:
         resolve_report_to(run.report_to)
@@ -187,7 +187,7 @@ def _check_placement(cfg: CohortConfig) -> None:
              "train.max_staleness", t.max_staleness,
              "use 0 (on-policy, synchronous) or a positive number of policy versions a completion may lag")
     if g.placement == "server":
-        from cohort.serving.client import parse_address
+        from cohort.remote.client import parse_address
 
         _require(g.server_address is not None, "generation.server_address", g.server_address,
                  "generation.placement=server needs the server's host:port, e.g. 127.0.0.1:8000 (what `cohort "

@@ -157,7 +157,7 @@ class TrainConfig:
     # the completion tokens of a micro-batch x vocab x weight-dtype bytes (Qwen2.5, 16k tokens: ~4.6 GiB in bf16)
     keep_logits: bool = False
     # pack each prompt once per micro-batch with its completions after it (they attend to it; exact, and the
-    # prompt's G - 1 copies skip the model: a third fewer decoder FLOPs at 128 + 256 tokens); cohort.shared_prompts
+    # prompt's G - 1 copies skip the model: a third fewer decoder FLOPs at 128 + 256 tokens); cohort.forward.shared_prompts
     share_prompts: bool = True
     optimizer_offload: bool = False  # Adam moments in host memory, streamed per bucket in the step
     # none: every rank holds the whole model (data parallel); fsdp: FSDP2 shards weights, gradients and Adam

@@ -4,7 +4,7 @@
    build (cohort.algorithms);
 2. every field's range and enum (cohort.config.checks.validate_fields);
 3. the inputs those fields name: data options against the source, reward names and kwargs, tool import paths
-   (cohort.preflight.check_inputs).
+   (cohort.config.preflight.check_inputs).
 
 Each error names the field, the value and the fix. `CohortConfig.validate` is the entry point.
 """
@@ -96,6 +96,6 @@ def validate_config(cfg: CohortConfig) -> None:
     _require(weights is None or len(weights) == len(cfg.reward.funcs), "reward.reward_weights", weights,
              f"give one weight per reward function ({len(cfg.reward.funcs)})")
     validate_fields(cfg)
-    from cohort.preflight import check_inputs
+    from cohort.config.preflight import check_inputs
 
     check_inputs(cfg)  # data options against the source, reward names and kwargs, tool import paths

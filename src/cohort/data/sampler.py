@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from cohort.data.dataset import PromptDataset, prompt_key
+from cohort.data.images import images_key  # rows with the same text over different images differ
 from cohort.errors import ConfigError
 
 
@@ -103,7 +104,6 @@ def drop_overlap(dataset: PromptDataset, reference: PromptDataset) -> tuple[Prom
 
     Use it to keep a held-out set's problems out of training: `train_ds, n = drop_overlap(train_ds, eval_ds)`.
     """
-    from cohort.vision.inputs import images_key  # rows with the same text over different images differ
 
     seen = {(prompt_key(r["prompt"]), images_key(r)) for r in reference.rows}
     keep = [i for i, r in enumerate(dataset.rows) if (prompt_key(r["prompt"]), images_key(r)) not in seen]

@@ -203,7 +203,7 @@ def shard_model(model: nn.Module, *, device: torch.device, master_weights: bool,
 def _register_packed_pass(model: nn.Module) -> None:
     from torch.distributed.fsdp import register_fsdp_forward_method
 
-    from cohort.packing import packed_pass
+    from cohort.forward.packing import packed_pass
 
     setattr(model, PACKED_METHOD, types.MethodType(packed_pass, model))
     register_fsdp_forward_method(model, PACKED_METHOD)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from cohort.packed_attention import grouped_kv
+from cohort.forward.packed_attention import grouped_kv
 
 
 @dataclass
@@ -251,7 +251,7 @@ class AttentionOps:
 
         self.use_varlen = varlen_available(device, dtype) if use_varlen is None else use_varlen
         if self.use_varlen:
-            from cohort.packed_attention import prepare_flash
+            from cohort.forward.packed_attention import prepare_flash
 
             prepare_flash(device)  # before any graph capture: whether grouped KV heads go to the kernel as they are
         if use_triton is None:

@@ -33,7 +33,7 @@ from cohort.engine.models.decoder import engine_supports, unwrap_model
 from cohort.engine.sampler import Sampler, needs_processing
 from cohort.engine.scheduler import Scheduler
 from cohort.engine.sequence import PrefillUnit, Sequence, Status
-from cohort.types import Completion, SamplingParams, TurnCallback, TurnEnd
+from cohort.types import Completion, PromptWithInputs, SamplingParams, TurnCallback, TurnEnd
 
 # A chained launch keeps rows that ended in the batch (budget 0) while at least this share still decodes.
 MIN_LIVE_SHARE = 0.75
@@ -245,7 +245,7 @@ class CohortEngine:
         seqs = [
             Sequence(seq_id=next(self._ids), token_ids=list(prompt), num_prompt_tokens=len(prompt), params=params,
                      seed=base + index * params.n + j, request_index=(index, j), stop_ids=stop_ids,
-                     multi_turn=multi_turn, vision=prompt if hasattr(prompt, "vision_inputs") else None)
+                     multi_turn=multi_turn, inputs=prompt if isinstance(prompt, PromptWithInputs) else None)
             for j in range(params.n)
         ]
         # A group must fit one step's sequence limit and the cache; split it (losing some sharing) if not.

@@ -231,7 +231,7 @@ class ModelRunner:
                                             bs, dev)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
-        # prompts with images (models/vision_decoder.py): embeddings with image features, multimodal RoPE rows
+        # prompts with images (cohort.vision.engine_forward): embeddings with image features, multimodal RoPE rows
         prefill_inputs = getattr(self.net, "prefill_inputs", None)
         extra = prefill_inputs(units, input_ids, pos_t) if prefill_inputs is not None else None
         hidden = self.net.forward(input_ids, pos_t, ctx, self._cache(), **(extra or {}))

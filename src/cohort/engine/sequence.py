@@ -57,9 +57,10 @@ class Sequence:
     num_cached: int = 0
     turns: int = 1
     turn_start: int = -1
-    # a prompt with images (cohort.vision.VisionPrompt): its prefill embeds them; rope_delta shifts the RoPE
-    # position of every later token (Qwen2-VL: max prompt position + 1 - prompt length)
-    vision: object = None
+    # a prompt with model inputs besides its ids (cohort.types.PromptWithInputs, e.g. images): the registered
+    # family's prefill consumes them; rope_delta shifts the RoPE position of every later token (Qwen2-VL: max
+    # prompt position + 1 - prompt length)
+    inputs: object = None
     rope_delta: int = 0
 
     def __post_init__(self) -> None:

@@ -11,7 +11,7 @@ torch.distributed group) and the trainer's side of it (`RemoteEngine`, the bound
 docs/serving.md describes the protocol, the commands and the settings.
 """
 
-from cohort.serving.client import RemoteEngine, ServerError, ServerUnavailable, parse_address
-from cohort.serving.weights import WeightMismatchError
+from cohort.remote.client import RemoteEngine, ServerError, ServerUnavailable, parse_address
+from cohort.remote.weights import WeightMismatchError
 
 __all__ = ["RemoteEngine", "ServerError", "ServerUnavailable", "WeightMismatchError", "parse_address"]

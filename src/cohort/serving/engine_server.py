@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from cohort.errors import CohortError
-from cohort.serving import weights as W
+from cohort.remote import weights as W
 from cohort.serving.coalesce import Coalescer
 from cohort.types import Completion, SamplingParams
 

@@ -26,14 +26,10 @@ from typing import Any
 import torch
 
 from cohort.errors import CohortError
+from cohort.remote.weights import WeightMismatchError
 from cohort.serving import openai_api
 from cohort.serving.engine_server import EngineServer, Replica, StaleVersion
-from cohort.serving.weights import WeightMismatchError
 from cohort.types import Completion, SamplingParams
-
-
-def params_to_json(params: SamplingParams) -> dict:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(params).items()}
 
 
 def params_from_json(data: dict) -> SamplingParams:
@@ -179,14 +175,14 @@ def _devices(device: str, replicas: int) -> list[torch.device]:
 
 
 def _load(model: str, device: torch.device, dtype: str, load_format: str):
-    from cohort.model import load_policy
+    from cohort.policy.model import load_policy
     from cohort.setup.policy import resolve_dtype
 
     torch_dtype = resolve_dtype(dtype, device)
     if load_format == "dummy":  # random weights from the config: the trainer's first push replaces them
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-        from cohort.model import _with_pad_token
+        from cohort.policy.model import _with_pad_token
 
         config = AutoConfig.from_pretrained(model)
         with device:

@@ -27,8 +27,8 @@ import torch
 from cohort import distributed
 from cohort.algorithms import build_policy_loss
 from cohort.config import CohortConfig
-from cohort.memory_plan import engine_memory, plan_memory
-from cohort.optim import build_optimizer, build_scheduler
+from cohort.policy.optim import build_optimizer, build_scheduler
+from cohort.run.seeding import seed_everything
 from cohort.setup.data import fit_to_context, load_run_data
 from cohort.setup.engine import build_engine, build_run_engine, sampling_params_for
 from cohort.setup.lengths import (
@@ -38,6 +38,7 @@ from cohort.setup.lengths import (
     model_context,
     prompt_token_limit,
 )
+from cohort.setup.memory_plan import engine_memory, plan_memory
 from cohort.setup.policy import (
     compile_layers,
     frozen_copy,
@@ -80,7 +81,7 @@ class Components:
     last_samples: list[dict] = field(default_factory=list)
     turn_loop: Any = None  # agent.tools: multi-turn tool-calling rollouts (cohort.agents.rollout_loop.TurnLoop)
     processor: Any = None  # a vision-language model's processor (saved with checkpoints); None for text models
-    memory_estimate: Any = None  # cohort.memory.MemoryEstimate printed at start (None: architecture not readable)
+    memory_estimate: Any = None  # cohort.policy.memory.MemoryEstimate printed at start (None: architecture not readable)
 
 
 def _optimization(cfg: CohortConfig, policy):
@@ -98,8 +99,6 @@ def _optimization(cfg: CohortConfig, policy):
 def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_runner=None,
                      train_data=None, eval_data=None, echo=print) -> Components:
     cfg.validate()
-    from cohort.trainer import seed_everything
-
     # train.seed decides what setup draws too (LoRA's initial A matrices), as TRL seeds before get_peft_model;
     # train() seeds again, so the training stream itself does not depend on what setup drew
     seed_everything(cfg.train.seed)

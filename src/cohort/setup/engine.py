@@ -30,7 +30,7 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
 
     g = cfg.generation
     if g.placement == "server":  # a `cohort serve` process samples; rank 0 pushes the weights after each step
-        from cohort.serving import RemoteEngine
+        from cohort.remote.client import RemoteEngine
 
         echo(f"generation: on the cohort server at {g.server_address} (generation.placement=server)")
         return RemoteEngine(str(g.server_address), policy, timeout_s=g.server_timeout_s,

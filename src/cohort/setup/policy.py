@@ -11,8 +11,8 @@ import torch
 
 from cohort.config import CohortConfig
 from cohort.errors import ConfigError
-from cohort.model import load_policy
-from cohort.model import resolve_dtype as model_dtype
+from cohort.policy.model import load_policy
+from cohort.policy.model import resolve_dtype as model_dtype
 
 
 def resolve_device(name: str) -> torch.device:
@@ -35,7 +35,7 @@ def prepare_policy(cfg: CohortConfig, policy, tokenizer, *, device: torch.device
     """The policy ready to train: loaded from model.name_or_path unless handed in (facade, tests), checked and
     prepared for vision, wrapped in LoRA, with the chat template override and gradient checkpointing applied.
     Returns (policy, tokenizer, processor); the processor is None for text models."""
-    from cohort.packed_attention import use_packed_kernel
+    from cohort.forward.packed_attention import use_packed_kernel
     from cohort.vision import setup as vision
 
     use_packed_kernel(cfg.model.packed_attention, device)  # before the model loads: a missing package fails fast
@@ -106,7 +106,7 @@ def compile_layers(cfg: CohortConfig, policy, reference, device: torch.device, *
     """model.compile_layers on a GPU: torch.compile each decoder layer (bench/grpo_step.py's fast row); the
     sharded policy compiles its forward only."""
     if cfg.model.compile_layers and device.type == "cuda":
-        from cohort.packing import compile_decoder_layers
+        from cohort.forward.packing import compile_decoder_layers
 
         compile_decoder_layers(policy, forward_only=sharded)
         if reference is not None:

@@ -154,7 +154,7 @@ def _vllm(a, cfg, value, **_):
     if not (value and mode == "server"):
         return
     if a.vllm_server_base_url:
-        from cohort.serving.client import parse_address
+        from cohort.remote.client import parse_address
 
         host, port = parse_address(a.vllm_server_base_url)
     else:

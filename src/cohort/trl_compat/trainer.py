@@ -95,7 +95,7 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------------- build
     def _components(self):
-        from cohort.model import load_policy
+        from cohort.policy.model import load_policy
         from cohort.setup import build_components, resolve_device, resolve_dtype
 
         cfg = self.config
@@ -135,7 +135,7 @@ class GRPOTrainer:
                                                 state=self.state)
         comp = build_components(cfg, policy=policy, tokenizer=tok, train_data=train, eval_data=evald)
         if self.optimizer is not None:  # optimizers=(optimizer, scheduler), as in transformers' Trainer
-            from cohort.optim import build_scheduler
+            from cohort.policy.optim import build_scheduler
 
             comp.optimizer = self.optimizer
             comp.scheduler = self.lr_scheduler or build_scheduler(
@@ -183,7 +183,7 @@ class GRPOTrainer:
                                       "without it to start over, or pass a checkpoint folder.")
             cfg.run.resume = True if path is True else str(path)
         elif not cfg.run.resume:
-            from cohort.run_dir import is_run_dir
+            from cohort.run.directory import is_run_dir
 
             cfg.run.overwrite = True  # TRL writes into an existing output_dir
             if Path(cfg.run.output_dir).is_dir() and is_run_dir(Path(cfg.run.output_dir)):

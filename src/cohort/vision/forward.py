@@ -1,6 +1,6 @@
 """The trainer's packed forward for vision-language models: images in, completion logprobs out.
 
-Same contract as `cohort.packing.packed_forward_logprobs` (which hands prompts with images over to here):
+Same contract as `cohort.forward.packing.packed_forward_logprobs` (which hands prompts with images over to here):
 every (prompt, completion) pair of a micro-batch sits in one padding-free row, attention never crosses a
 sequence boundary (the same cu_seqlens attention on the language model), and only completion tokens are
 scored through the chunked logprob kernel. What images add:
@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
-from cohort.logprobs import DEFAULT_CHUNK_TOKENS, selective_logprobs_and_entropy
-from cohort.packing import pack_layout
+from cohort.forward.logprobs import DEFAULT_CHUNK_TOKENS, selective_logprobs_and_entropy
+from cohort.forward.packing import pack_layout
 from cohort.vision.model import image_token_id, inner_model, language_model, unwrap, uses_mrope
 
 
@@ -119,8 +119,8 @@ def vision_packed_logprobs(model, sequences, *, temperature: float = 1.0, comput
                            chunk_tokens: int = DEFAULT_CHUNK_TOKENS, attn: str = "varlen",
                            lm_head_grad_fp32: bool = True, keep_logits: bool = False):
     """`packed_forward_logprobs` for prompts with images (see the module docstring) -> PackedLogprobs."""
-    from cohort.packed_attention import _PACKED_MASKS, enable_packed_attention, prepare_flash
-    from cohort.packing import PackedLogprobs
+    from cohort.forward.packed_attention import _PACKED_MASKS, enable_packed_attention, prepare_flash
+    from cohort.forward.packing import PackedLogprobs
 
     if attn not in ("varlen", "native"):
         raise ValueError(f"attn={attn!r} is not one of 'varlen', 'native'")

@@ -26,42 +26,11 @@ from typing import Any
 import torch
 
 from cohort.data.dataset import EncodeStats, PromptDataset, is_conversational
+from cohort.data.images import IMAGE_COLUMNS, row_images
 from cohort.errors import DataError
 
-IMAGE_COLUMNS = ("image", "images")
 # Prompts whose pixel tensors stay in memory (the step's prompts are reused by the engine and the update).
 _CACHE_SIZE = 256
-
-
-def row_images(row: Mapping[str, Any]) -> list[Any]:
-    """The row's image values (not yet loaded): [] without image columns."""
-    if row.get("images") is not None:
-        value = row["images"]
-        return list(value) if isinstance(value, list | tuple) else [value]
-    if row.get("image") is not None:
-        return [row["image"]]
-    return []
-
-
-def images_key(row: Mapping[str, Any]) -> str:
-    """What identifies a row's images when comparing rows (eval/train overlap): paths as written, the sha1
-    of an in-memory image's pixels or of its bytes; "" for a row without images."""
-    import hashlib
-
-    from PIL import Image
-
-    parts = []
-    for value in row_images(row):
-        if isinstance(value, Image.Image):
-            parts.append(hashlib.sha1(value.tobytes() + repr((value.size, value.mode)).encode()).hexdigest())
-        elif isinstance(value, bytes | bytearray):
-            parts.append(hashlib.sha1(value).hexdigest())
-        elif isinstance(value, Mapping):
-            data = value.get("bytes")
-            parts.append(hashlib.sha1(data).hexdigest() if data else str(value.get("path")))
-        else:
-            parts.append(str(value))
-    return "|".join(parts)
 
 
 def has_image_column(dataset: PromptDataset) -> bool:
@@ -123,6 +92,10 @@ class VisionPrompt(list[int]):
 
     def __reduce__(self):  # pickling (multiprocessing, deepcopy): keep the ids and images
         return (VisionPrompt, (list(self), self.images, self.processor, self.text))
+
+    def model_inputs(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        """`cohort.types.PromptWithInputs`: what the text-only layers know of this prompt."""
+        return self.vision_inputs(device)
 
     def vision_inputs(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
         """The processor's image tensors for this prompt (pixel_values, image_grid_thw, pixel_attention_mask,

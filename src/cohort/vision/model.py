@@ -114,8 +114,8 @@ def load_vision_policy(path: str, *, dtype: Any = "auto", device: Any = None, tr
     """A VLM and its processor -> (model, processor). The processor's tokenizer gets a pad token."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from cohort.model import _from_pretrained, _with_pad_token
-    from cohort.model import resolve_dtype as model_dtype
+    from cohort.policy.model import _from_pretrained, _with_pad_token
+    from cohort.policy.model import resolve_dtype as model_dtype
 
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     processor = _from_pretrained(AutoProcessor, path, "processor", **kwargs)

@@ -40,7 +40,7 @@ def split_processor(obj: Any) -> tuple[Any, Any]:
 
 def load_model(cfg, *, dtype, device):
     """(policy, tokenizer, processor) for a VLM checkpoint; None when model.name_or_path is not one."""
-    from cohort.model import resolve_model_path
+    from cohort.policy.model import resolve_model_path
 
     m = cfg.model
     path = resolve_model_path(m.name_or_path, gguf_file=m.gguf_file)

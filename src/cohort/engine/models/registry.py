@@ -5,10 +5,12 @@
 | llama, mistral, qwen2, qwen3 | DecoderForward | decoder.py |
 | gemma3_text (Gemma3ForCausalLM) | Gemma3Forward | gemma3.py |
 | qwen3_moe | Qwen3MoeForward | qwen3_moe.py |
-| qwen2_vl, qwen2_5_vl, idefics3, smolvlm (their language model) | VisionDecoderForward | vision_decoder.py |
+| qwen2_vl, qwen2_5_vl, idefics3, smolvlm (their language model) | VisionDecoderForward | cohort.vision.engine_forward, registered by `cohort.vision` |
 
 `engine_supports(model)` answers (ok, reason) without building anything: the trainer uses the reason to
 say why it falls back to the Hugging Face backend. `build_forward` constructs the family's forward.
+A family defined above the engine (the vision plug-in) adds itself with `register_family`: the engine never
+imports it.
 """
 
 from __future__ import annotations
@@ -19,9 +21,18 @@ from cohort.engine.attention import AttentionOps
 from cohort.engine.models.decoder import DecoderForward, unwrap_model
 from cohort.engine.models.gemma3 import Gemma3Forward
 from cohort.engine.models.qwen3_moe import Qwen3MoeForward
-from cohort.engine.models.vision_decoder import VisionDecoderForward
 
-FAMILIES: tuple[type[DecoderForward], ...] = (DecoderForward, Gemma3Forward, Qwen3MoeForward, VisionDecoderForward)
+FAMILIES: list[type[DecoderForward]] = [DecoderForward, Gemma3Forward, Qwen3MoeForward]
+
+
+def register_family(cls: type[DecoderForward]) -> None:
+    """Add an engine forward for the model types `cls.model_types` (idempotent)."""
+    taken = {t for family in FAMILIES if family is not cls for t in family.model_types}
+    clash = sorted(taken & set(cls.model_types))
+    if clash:
+        raise ValueError(f"{cls.__name__}: model types {clash} already have an engine forward")
+    if cls not in FAMILIES:
+        FAMILIES.append(cls)
 
 
 def supported_model_types() -> list[str]:

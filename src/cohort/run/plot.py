@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cohort.errors import ConfigError
-from cohort.logging import read_jsonl
-from cohort.run_dir import METRICS_FILE
+from cohort.run.directory import METRICS_FILE
+from cohort.run.logging import read_jsonl
 
 CURVES_FILE = "curves.png"
 # The default panels, in order; globs pick up per-function rewards, eval metrics and clipping statistics.

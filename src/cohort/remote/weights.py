@@ -78,7 +78,7 @@ def model_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     differently from the trainer's engine and forward (measured: the greedy tokens of a toy model after a
     perturbation differed in 11 of 40 trials); with them pushed, the server computes the trainer's model.
     A peft LoRA policy pushes the plain model's names, adapted weights merged when packed (lora_merge.py)."""
-    from cohort.serving.lora_merge import is_peft_model, merged_tensors
+    from cohort.remote.lora_merge import is_peft_model, merged_tensors
 
     if is_peft_model(model):
         return merged_tensors(model)  # type: ignore[return-value]  # MergedWeight: shape, dtype, detach()

@@ -1,4 +1,4 @@
-"""Where checkpoints live in a run directory, and which one is the newest complete one.
+"""Where a run directory's files live (config, metrics, checkpoints), and which checkpoint is the newest complete one.
 
 `run_dir/checkpoints/` holds one `step-NNNNNN/` folder per saved step, a `latest` file naming the newest, and,
 while a save is in flight (or after one crashed), hidden `.tmp-*` folders that are never picked up. A step
@@ -11,7 +11,9 @@ import os
 import re
 from pathlib import Path
 
-from cohort.run_dir import CHECKPOINTS_DIR
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINTS_DIR = "checkpoints"
 
 LATEST_FILE = "latest"
 TRAINER_STATE_FILE = "trainer_state.json"

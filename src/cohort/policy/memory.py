@@ -4,7 +4,7 @@ The estimate is arithmetic on the model config, not a measurement; its job is to
 message that says which setting to lower, instead of an out-of-memory error twenty minutes in.
 
 What it is for: the peak of a run whose completions all reach max_completion_length. T, the tokens of the
-largest forward/backward, is then the biggest micro-batch the update cuts (cohort.memory_plan.micro_batch_tokens: a
+largest forward/backward, is then the biggest micro-batch the update cuts (cohort.setup.memory_plan.micro_batch_tokens: a
 step smaller than train.token_budget is one micro-batch of its size); shorter completions pack more sequences
 into a micro-batch, up to train.token_budget. docs/memory.md compares it with measured peaks (bench/memory.py).
 
@@ -235,7 +235,7 @@ def estimate_memory(
     shards=N: the per-rank figure of a run sharded with FSDP over N ranks (N=1 is FSDP on one process).
     lora_params: LoRA adapter parameters (count_lora_parameters gives them from the config); 0: every
     parameter of the model trains. keep_logits: the logprob kernel keeps all its logits for the backward.
-    shared_key_rows: keys a shared-prompt row's attention gathers beyond its tokens (cohort.shared_prompts), each
+    shared_key_rows: keys a shared-prompt row's attention gathers beyond its tokens (cohort.forward.shared_prompts), each
     keeping a K and a V row per layer for the backward."""
     if optimizer not in _OPTIMIZERS:
         raise ConfigError(f"memory estimate optimizer={optimizer!r} is not known; use one of {list(_OPTIMIZERS)}")

@@ -18,6 +18,7 @@ weight group, pushes its current weights, and retries.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import threading
 import time
@@ -29,8 +30,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from cohort.errors import CohortError, ConfigError
-from cohort.serving import weights as W
-from cohort.serving.liveness import run_watched
+from cohort.remote import weights as W
+from cohort.remote.liveness import run_watched
 from cohort.types import Completion, SamplingParams, TurnCallback
 
 
@@ -48,6 +49,11 @@ class StaleServer(ServerError):
     def __init__(self, message: str, server_id: str | None) -> None:
         super().__init__(message)
         self.server_id = server_id
+
+
+def params_to_json(params: SamplingParams) -> dict:
+    """SamplingParams as a /generate request carries them (the server's `params_from_json` reads them back)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(params).items()}
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -143,8 +149,6 @@ class RemoteEngine:
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams]) -> list[list[Completion]]:
         """`params.n` completions per prompt from the server; `params` may be one per prompt."""
-        from cohort.serving.server import params_to_json
-
         wire = (params_to_json(params) if isinstance(params, SamplingParams)
                 else [params_to_json(p) for p in params])
         body = {"prompts": [list(map(int, p)) for p in prompts], "params": wire,
@@ -278,7 +282,7 @@ class RemoteEngine:
         group, self._group = self._group, None
         if group is not None:
             if group[1].type == "cuda":  # an NCCL group: see liveness.mark_nccl_aborted
-                from cohort.serving.liveness import mark_nccl_aborted
+                from cohort.remote.liveness import mark_nccl_aborted
 
                 mark_nccl_aborted()
             group[0].abort()

@@ -1,6 +1,6 @@
 """How a packed row's attention sees only its own sequence.
 
-A packed row is many (prompt, completion) sequences laid end to end (`cohort.packing`), with
+A packed row is many (prompt, completion) sequences laid end to end (`cohort.forward.packing`), with
 `cu_seq_lens` marking where each begins. `enable_packed_attention` routes the model's attention (once,
 permanently) through `varlen_attention_forward`, registered with transformers' `AttentionInterface` as
 VARLEN_IMPL:
@@ -9,7 +9,7 @@ VARLEN_IMPL:
   over each sequence elsewhere (exact, cheap enough on the CPU). The CUDA kernel is `model.packed_attention`:
   "torch" (default) is torch's built-in FlashAttention-2 (`torch.nn.attention.varlen.varlen_attn`); "fa4" is
   FlashAttention-4 (the `flash-attn-4` package, `flash_attn.cute`; Hopper and Blackwell) through the custom
-  ops of `cohort.fa4_attention`, with the query heads grouped over the KV heads inside the kernel;
+  ops of `cohort.forward.fa4_attention`, with the query heads grouped over the KV heads inside the kernel;
 - without them (generate, ordinary forwards): the model's previous implementation, unchanged.
 
 Sliding-window layers (Mistral, Gemma 3's local layers, Qwen with use_sliding_window) hand their window to
@@ -153,8 +153,8 @@ def _flash_varlen(query, key, value, cu_q, cu_k, max_q, max_k, scaling, window=N
 
 def _fa4_varlen(query, key, value, cu_q, cu_k, max_q, max_k, scaling, window=None):
     """FlashAttention-4's varlen attention on [T, H, D] tensors, grouped query heads in the kernel, through
-    the custom ops of cohort.fa4_attention (one opaque op inside a compiled layer, not a graph break)."""
-    from cohort.fa4_attention import fa4_varlen
+    the custom ops of cohort.forward.fa4_attention (one opaque op inside a compiled layer, not a graph break)."""
+    from cohort.forward.fa4_attention import fa4_varlen
 
     return fa4_varlen(query, key, value, cu_q, max_q, scaling, window, cu_k=cu_k, max_len_k=max_k)
 
@@ -219,7 +219,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
                                   "the packed attention; packed_forward_logprobs(attn='native') uses the model's own")
     window = kwargs.get("sliding_window")
     window = int(window) if window else None
-    # a shared-prompt row (cohort.shared_prompts): each key segment gathers its prompt's rows and its own
+    # a shared-prompt row (cohort.forward.shared_prompts): each key segment gathers its prompt's rows and its own
     kv_index = kwargs.get("cohort_kv_index")
     cu_k = cu if kv_index is None else kwargs["cu_seq_lens_k"]
     if kv_index is not None:

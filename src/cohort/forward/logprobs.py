@@ -18,7 +18,7 @@ Gradients, with z = logits / T, log p = z - lse and H = -sum(p log p) saved from
   d H / dz           = -p * (log p + H)
 and dz / d(raw logits) = 1 / T. Because lse and H are saved, the backward is one elementwise pass over the
 recomputed (or kept) logits, no reduction, written over them. On CUDA both per-chunk passes are Triton kernels
-(cohort.triton_logprobs: the statistics in one read of the row, the gradient in one read and one write);
+(cohort.forward.triton_logprobs: the statistics in one read of the row, the gradient in one read and one write);
 COHORT_TRITON_LOGPROBS=0 takes torch.compile'd versions of the same functions instead (the unfused eager code
 makes ~8 passes over [chunk, vocab] fp32 and costs more than the three matmuls), and COHORT_COMPILE_LOGPROBS=0
 with it the eager code. The CPU runs the in-place eager code.
@@ -31,7 +31,7 @@ import warnings
 
 import torch
 
-from cohort import triton_logprobs
+from cohort.forward import triton_logprobs
 
 DEFAULT_CHUNK_TOKENS = 4096
 
@@ -114,7 +114,7 @@ def _eager(which: int, args, keep_input: bool):
 def _call(which: int, device, *args, keep_input: bool = False):
     """Run a kernel; if compilation fails once, warn and use the eager code from then on. On CUDA the forward
     statistics (one pass) and the backward's gradient (written over the logits) are Triton kernels
-    (cohort.triton_logprobs) unless COHORT_TRITON_LOGPROBS=0, which takes the torch.compile'd functions.
+    (cohort.forward.triton_logprobs) unless COHORT_TRITON_LOGPROBS=0, which takes the torch.compile'd functions.
     keep_input: the caller keeps the logits (args[0]) after the statistics, which must not change them."""
     if triton_logprobs.available(device) and os.environ.get("COHORT_TRITON_LOGPROBS", "1") != "0":
         return (triton_logprobs.stats, triton_logprobs.grad)[which](*args)

@@ -1,6 +1,6 @@
 """A run's memory plan: the estimate sized from its config and its loaded model, the fit check, the KV share.
 
-`cohort.memory` is the arithmetic on an architecture; this module feeds it what a run will actually do (the
+`cohort.policy.memory` is the arithmetic on an architecture; this module feeds it what a run will actually do (the
 largest micro-batch the update cuts, LoRA's trainable share, the rollout engine's pool as built) and decides,
 on a GPU, whether the run fits and how much free memory the engine's KV cache may take.
 """
@@ -14,7 +14,7 @@ import torch
 from cohort import distributed
 from cohort.config import CohortConfig
 from cohort.errors import ConfigError
-from cohort.memory import check_fits, estimate_memory
+from cohort.policy.memory import check_fits, estimate_memory
 
 
 def plan_memory(cfg: CohortConfig, policy, device: torch.device, with_reference: bool, echo, *,
@@ -22,7 +22,7 @@ def plan_memory(cfg: CohortConfig, policy, device: torch.device, with_reference:
     """Print what training will need; on a GPU, stop before any work when it cannot fit. Returns the share of
     free memory the engine may take for its KV cache *after* the trainer's needs (at most
     generation.kv_cache_fraction), so the engine's pool never starves the update into an out-of-memory, and
-    the estimate (cohort.memory.MemoryEstimate, its kv_cache term the pool that share buys; None when the
+    the estimate (cohort.policy.memory.MemoryEstimate, its kv_cache term the pool that share buys; None when the
     architecture cannot be read)."""
     fraction = cfg.generation.kv_cache_fraction
     tokens, completion_tokens, shared_key_rows = micro_batch_shape(cfg, longest_prompt)
@@ -76,7 +76,7 @@ def micro_batch_tokens(cfg: CohortConfig, longest_prompt: int | None = None) -> 
     generation.max_completion_length and every prompt is as long as the longest encoded one
     (data.max_prompt_length when not known): the activations and logprob chunk the memory estimate sizes.
     A mini-batch's rollouts are spread evenly over as few micro-batches of train.token_budget tokens as hold them
-    (cohort.micro_batches.split_micro_batches), so a step smaller than the budget is one micro-batch of its size."""
+    (cohort.forward.micro_batches.split_micro_batches), so a step smaller than the budget is one micro-batch of its size."""
     tokens, completion, _ = micro_batch_shape(cfg, longest_prompt)
     return tokens, completion
 
@@ -85,7 +85,7 @@ def micro_batch_shape(cfg: CohortConfig, longest_prompt: int | None = None) -> t
     """micro_batch_tokens, and the key rows that the attention of a shared-prompt row gathers besides
     (train.share_prompts: every completion reads its prompt's keys again; 0 without sharing). With shared
     prompts a unit is a prompt and as many of its completions as fit the budget
-    (cohort.micro_batches.split_grouped_micro_batches), so a micro-batch carries more completion tokens."""
+    (cohort.forward.micro_batches.split_grouped_micro_batches), so a micro-batch carries more completion tokens."""
     g, t = cfg.generation, cfg.train
     ranks = max(1, distributed.current().world_size)
     prompts = max(1, -(-t.prompts_per_step // (ranks * t.mini_batches)))

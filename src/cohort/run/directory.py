@@ -27,10 +27,8 @@ from typing import Any
 import yaml
 
 from cohort.errors import ConfigError
+from cohort.run.layout import CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE, latest_checkpoint
 
-CONFIG_FILE = "config.yaml"
-METRICS_FILE = "metrics.jsonl"
-CHECKPOINTS_DIR = "checkpoints"
 # Any of these marks a directory as a cohort run directory that --overwrite may delete.
 _RUN_MARKERS = (CONFIG_FILE, METRICS_FILE, CHECKPOINTS_DIR, "samples.jsonl", "tensorboard")
 
@@ -128,8 +126,6 @@ def run_has_progress(path: str | os.PathLike) -> bool:
     metrics = path / METRICS_FILE
     if metrics.is_file() and metrics.stat().st_size > 0:
         return True
-    from cohort.checkpointing import latest_checkpoint  # late import: checkpointing imports this module
-
     return latest_checkpoint(path) is not None
 
 

@@ -1,4 +1,4 @@
-"""Triton kernels of the chunked logprob (cohort.logprobs): the forward statistics in one pass, and the
+"""Triton kernels of the chunked logprob (cohort.forward.logprobs): the forward statistics in one pass, and the
 backward's gradient of the logits written over them.
 
 Per row of raw logits x (a chunk of h @ W^T, the weights' dtype) and z = x / T it returns the chosen token's

@@ -1,6 +1,6 @@
 """One copy of a group's prompt in the packed training forward (train.share_prompts).
 
-GRPO trains on G completions of every prompt. The plain packed row `[p c1 p c2 ... p cG]` (cohort.packing) runs
+GRPO trains on G completions of every prompt. The plain packed row `[p c1 p c2 ... p cG]` (cohort.forward.packing) runs
 the same prompt through every layer G times, in the forward and in the backward; with a 128-token prompt and
 256-token completions that is a third of the update's decoder FLOPs spent on G - 1 identical copies. Here the
 row holds each prompt once, followed by the completions that share it:
@@ -18,9 +18,9 @@ the G completions' gradients into the one prompt copy, which is what the G copie
 and gradients equal the plain layout's up to floating-point summation order (tests/unit/test_shared_prompts.py,
 tests/gpu/test_packing_gpu.py). Attention FLOPs are unchanged; the weights' FLOPs of the G - 1 copies are gone.
 
-Only the varlen attention path (`cohort.packed_attention`) understands the layout; `packed_forward_logprobs`
+Only the varlen attention path (`cohort.forward.packed_attention`) understands the layout; `packed_forward_logprobs`
 uses it when the model routes attention there, and falls back to the plain row otherwise (see there).
-`cohort.micro_batches.split_grouped_micro_batches` keeps a group in one micro-batch where the budget allows.
+`cohort.forward.micro_batches.split_grouped_micro_batches` keeps a group in one micro-batch where the budget allows.
 """
 
 from __future__ import annotations

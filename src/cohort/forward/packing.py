@@ -4,17 +4,17 @@ TRL pads every micro-batch to its longest sequence; with completions of 20 to 10
 compute goes to padding. Here a micro-batch is one row `[p0 c0 p1 c1 ...]` whose position ids restart at
 every sequence (`pack_layout`), and attention never crosses a sequence boundary:
 
-- attn="varlen" (default): the model's attention goes through `cohort.packed_attention` (cu_seqlens
+- attn="varlen" (default): the model's attention goes through `cohort.forward.packed_attention` (cu_seqlens
   attention: flash varlen on CUDA, SDPA per sequence elsewhere; sliding windows honoured per sequence).
 - attn="native": the model's own attention (sdpa/eager) with no attention mask; transformers detects the
   restarting position ids and builds a block-diagonal causal mask ([T, T] booleans, fine on the CPU).
 
 Only the final hidden states are computed by the model; logprobs and entropy of the completion tokens go
-through `cohort.logprobs.selective_logprobs_and_entropy`, so [tokens, vocab] logits never exist. A model
+through `cohort.forward.logprobs.selective_logprobs_and_entropy`, so [tokens, vocab] logits never exist. A model
 whose config sets `final_logit_softcapping` (logits = c * tanh(logits / c)) takes a chunked path with the
 cap applied (`_softcapped_logprobs`). `compile_decoder_layers` fuses each decoder layer's small kernels.
-Which sequences share a row is decided in `cohort.micro_batches`. With share_prompts, the completions of one
-prompt share a single copy of it in the row (`cohort.shared_prompts`).
+Which sequences share a row is decided in `cohort.forward.micro_batches`. With share_prompts, the completions of one
+prompt share a single copy of it in the row (`cohort.forward.shared_prompts`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from cohort.logprobs import DEFAULT_CHUNK_TOKENS, selective_logprobs_and_entropy
-from cohort.packed_attention import _PACKED_MASKS, VARLEN_IMPL, enable_packed_attention, prepare_flash
-from cohort.shared_prompts import pack_shared_layout
+from cohort.forward.logprobs import DEFAULT_CHUNK_TOKENS, selective_logprobs_and_entropy
+from cohort.forward.packed_attention import _PACKED_MASKS, VARLEN_IMPL, enable_packed_attention, prepare_flash
+from cohort.forward.plugins import has_extra_inputs, row_forward_for
+from cohort.forward.shared_prompts import pack_shared_layout
 
 
 @dataclass
@@ -154,12 +155,12 @@ class PackedRow:
 def pack_row(model, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], *, attn: str = "varlen",
              share_prompts: bool = False) -> PackedRow | None:
     """The packed row of `sequences` on the model's device (see packed_forward_logprobs for the arguments);
-    None for prompts with images, whose row the vision forward builds itself."""
+    None for prompts with inputs besides their ids (images), whose row their plug-in's forward builds."""
     if attn not in ("varlen", "native"):
         raise ValueError(f"attn={attn!r} is not one of 'varlen', 'native'")
     if not sequences:
         raise ValueError("packed_forward_logprobs got no sequences")
-    if any(hasattr(prompt, "vision_inputs") for prompt, _ in sequences):  # prompts with images (cohort.vision)
+    if has_extra_inputs([prompt for prompt, _ in sequences]):  # prompts with images: their plug-in's forward
         return None
     device = model.get_input_embeddings().weight.device
     shared = pack_shared_layout(sequences) if share_prompts and _routes_varlen(model, attn) else None
@@ -196,18 +197,18 @@ def packed_forward_logprobs(
     attn: "varlen" (cu_seqlens attention, see module docstring) or "native" (the model's own attention with
     a block-diagonal mask built by transformers from the position ids).
     Gradients flow into the model's parameters; call under torch.no_grad() for old/reference logprobs.
-    keep_logits: the logprob kernel keeps the LM-head logits for the backward (cohort.logprobs).
-    share_prompts: sequences with the same prompt share one copy of it in the row (cohort.shared_prompts); taken
-    when attn="varlen" routes the model's attention through cohort.packed_attention, else the plain row (with a
+    keep_logits: the logprob kernel keeps the LM-head logits for the backward (cohort.forward.logprobs).
+    share_prompts: sequences with the same prompt share one copy of it in the row (cohort.forward.shared_prompts); taken
+    when attn="varlen" routes the model's attention through cohort.forward.packed_attention, else the plain row (with a
     warning once when the model's own flash attention is what prevents it).
     row: the row `pack_row` built for these sequences with the same attn and share_prompts (built here if None).
     """
     if row is None:
         row = pack_row(model, sequences, attn=attn, share_prompts=share_prompts)
-    if row is None:  # prompts with images
-        from cohort.vision.forward import vision_packed_logprobs
-
-        return vision_packed_logprobs(model, sequences, temperature=temperature, compute_entropy=compute_entropy,
+    if row is None:  # prompts with inputs besides their ids (images): the forward their plug-in registered
+        forward = row_forward_for(sequences)
+        assert forward is not None
+        return forward(model, sequences, temperature=temperature, compute_entropy=compute_entropy,
                                       chunk_tokens=chunk_tokens, attn=attn, lm_head_grad_fp32=lm_head_grad_fp32,
                                       keep_logits=keep_logits)
     if row.sequences != len(sequences):
@@ -226,7 +227,7 @@ _WARNED_NO_SHARING: set[int] = set()
 
 
 def _routes_varlen(model, attn: str) -> bool:
-    """Whether the model's packed attention is cohort.packed_attention, which reads the shared-prompt layout.
+    """Whether the model's packed attention is cohort.forward.packed_attention, which reads the shared-prompt layout.
     Models loaded with a flash-attention implementation read cu_seq_lens themselves and would not gather a
     completion's prompt keys: they keep the plain row, and a warning says so once."""
     if attn != "varlen":
@@ -249,7 +250,7 @@ def packed_pass(model, input_ids, position_ids, cu, hidden_idx, labels, *, tempe
                 max_len_k: int | None = None):
     """The decoder body over one packed row, then the chunked logprobs of the labels (model is the root).
     max_len: the longest sequence of the row, when the caller knows it (else read from `cu`, a device sync).
-    cu_k, kv_index, max_len_k: the key segments of a shared-prompt row (cohort.shared_prompts); `cu` then marks
+    cu_k, kv_index, max_len_k: the key segments of a shared-prompt row (cohort.forward.shared_prompts); `cu` then marks
     its query segments."""
     kwargs = {}
     if attn == "varlen":

@@ -13,7 +13,7 @@ Files in the run directory: `metrics.jsonl` (one JSON object per step: step, wal
 dropped before appending, so the file never holds a step twice. Non-finite numbers are written as null so
 the files stay strict JSON that any tool reads.
 
-This module is `cohort.logging`; with absolute imports (the only kind Python 3 has) it never shadows the
+This module is `cohort.run.logging`; with absolute imports (the only kind Python 3 has) it never shadows the
 standard library's `logging`, which cohort's other modules keep importing as `import logging`.
 """
 
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from cohort.errors import ConfigError
-from cohort.run_dir import METRICS_FILE, atomic_write_text
+from cohort.run.directory import METRICS_FILE, atomic_write_text
 
 SAMPLES_FILE = "samples.jsonl"
 TENSORBOARD_DIR = "tensorboard"

@@ -248,7 +248,7 @@ def check_inputs(cfg: Any) -> None:
 # ------------------------------------------------------------------------------------ the file system (CLI)
 def check_model_path(name_or_path: str, gguf_file: str | None = None) -> None:
     """The model path's mistakes that need no loading: a missing local path, a folder that is no model."""
-    from cohort import model as model_mod
+    from cohort.policy import model as model_mod
 
     name = str(name_or_path)
     path = Path(name).expanduser()
@@ -279,7 +279,7 @@ def check_model_path(name_or_path: str, gguf_file: str | None = None) -> None:
 
 def check_run_dir(cfg: Any) -> None:
     """`run.output_dir`, `run.resume` and `run.overwrite` against what is on disk, without changing it."""
-    from cohort.run_dir import _RUN_MARKERS, is_run_dir
+    from cohort.run.directory import _RUN_MARKERS, is_run_dir
 
     run = cfg.run
     path = Path(run.output_dir).expanduser()

@@ -14,7 +14,7 @@ by the model runner for every prefill step):
   equal, so decode reads the 1D table at `token index + rope_delta` (the runner adds `Sequence.rope_delta`,
   set here: max prompt position + 1 - prompt length, as transformers' `rope_deltas`).
 
-A sequence without images (`Sequence.vision is None`) goes through exactly the text path.
+A sequence without images (`Sequence.inputs is None`) goes through exactly the text path.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class VisionDecoderForward(DecoderForward):
 
     def prefill_inputs(self, units, input_ids: torch.Tensor, positions: torch.Tensor) -> dict | None:
         """Embeddings and cos/sin rows of a prefill step whose leaders carry images (None: none do)."""
-        if not any(getattr(u.leader, "vision", None) is not None for u in units):
+        if not any(getattr(u.leader, "inputs", None) is not None for u in units):
             return None
         from cohort.vision.forward import embed_with_images, mrope_positions
 
@@ -108,7 +108,7 @@ class VisionDecoderForward(DecoderForward):
             seq = unit.leader
             n = len(seq) - seq.num_cached
             ids = input_ids[start:start + n]
-            prompt = seq.vision
+            prompt = seq.inputs
             if prompt is None:
                 embeds.append(self.inner.embed_tokens(ids))
                 pos = positions[start:start + n]

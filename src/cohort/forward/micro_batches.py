@@ -2,7 +2,7 @@
 
 `split_micro_batches` cuts sequences into micro-batches under a token budget with similar token counts;
 `split_grouped_micro_batches` does the same for rows that hold each prompt once (train.share_prompts,
-cohort.shared_prompts), keeping the completions of a prompt together; `spread_micro_batches` re-cuts them into
+cohort.forward.shared_prompts), keeping the completions of a prompt together; `spread_micro_batches` re-cuts them into
 a fixed count, so every rank of sharded training runs the same number of forwards. Pure index arithmetic on
 sequence lengths (no tensors).
 """
@@ -44,7 +44,7 @@ def split_grouped_micro_batches(groups: Sequence[Sequence[int]], prompt_lens: Se
                                 completion_lens: Sequence[int], token_budget: int) -> list[list[int]]:
     """Micro-batches of rows where the completions of one prompt share a single copy of it.
 
-    groups: indices of sequences with the same prompt (cohort.shared_prompts.prompt_groups). A group costs its
+    groups: indices of sequences with the same prompt (cohort.forward.shared_prompts.prompt_groups). A group costs its
     prompt once plus its completions; one that exceeds the budget is cut into runs of members that fit (each
     run paying for the prompt; a member that cannot fit even alone sits alone). The units are then cut as
     `split_micro_batches` cuts sequences, so a row never exceeds the budget that the memory plan sized. Same

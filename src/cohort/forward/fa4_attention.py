@@ -7,7 +7,7 @@ kernels). Wrapped here as two opaque custom ops, a forward returning (out, lse) 
 (dq, dk, dv), with fake implementations that give their output shapes, the compiled layer keeps one graph
 and calls FA4's kernels from inside it. Tensors are [total tokens, heads, head size], the packed sequences
 marked by `cu_seqlens` (int32); KV heads may be fewer than query heads (grouped in the kernel). Keys may have
-their own segments (`cu_k`: a shared-prompt row, cohort.shared_prompts); a shorter query segment is aligned to
+their own segments (`cu_k`: a shared-prompt row, cohort.forward.shared_prompts); a shorter query segment is aligned to
 the end of its key segment, FlashAttention's causal convention.
 
 The ops call FA4's `_flash_attn_fwd` / `_flash_attn_bwd` (flash-attn-4 4.0.0b36's interface, the same calls
