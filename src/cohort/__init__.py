@@ -5,6 +5,7 @@
 """
 
 from cohort.config import CohortConfig, load_config
+from cohort.trainer import train as _train
 from cohort.trl_compat import GRPOConfig, GRPOTrainer
 
 __version__ = "0.1.0"
@@ -12,8 +13,6 @@ __version__ = "0.1.0"
 
 def train(config: CohortConfig):
     """Run `cohort train` from Python; returns the TrainResult (run directory, history, held-out evals)."""
-    from cohort.trainer import train as _train
-
     return _train(config)
 
 

@@ -13,21 +13,37 @@ status 2; it never prints a traceback or leaves a half-written run directory.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
+import runpy
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from cohort import distributed
+from cohort.checkpointing import latest_checkpoint
+from cohort.config import CohortConfig, dump_config, load_config
+from cohort.config.preflight import check_data_paths, check_model_path, check_paths
 from cohort.errors import CohortError, ConfigError
+from cohort.evaluation import evaluate
+from cohort.policy.model import load_policy
+from cohort.run.directory import run_has_progress
+from cohort.run.plot import plot_run
+from cohort.serving.server import serve
+from cohort.setup import (
+    build_components,
+    build_engine,
+    prompt_token_limit,
+    resolve_device,
+    resolve_dtype,
+    sampling_params_for,
+)
+from cohort.trainer import train
 
 
 def _train(args: argparse.Namespace) -> int:
-    from cohort import distributed
-    from cohort.config import dump_config, load_config
-    from cohort.config.preflight import check_paths
-    from cohort.trainer import train
-
     cfg = load_config(args.recipe, args.overrides)
     if args.resume:  # continuing a run never wipes it, whatever the recipe says about overwrite
         cfg.run.resume, cfg.run.overwrite = True, False
@@ -68,8 +84,6 @@ def _train(args: argparse.Namespace) -> int:
 
 def continue_command(args: argparse.Namespace, *, resume: bool = True) -> str:
     """The command line that continues this run: the same recipe and overrides, plus --resume."""
-    import shlex
-
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     head = f"torchrun --nproc-per-node {world} -m cohort.cli train" if world > 1 else "cohort train"
     parts = ([args.recipe] if args.recipe else []) + list(args.overrides or [])
@@ -78,9 +92,6 @@ def continue_command(args: argparse.Namespace, *, resume: bool = True) -> str:
 
 def interrupted_message(cfg, args: argparse.Namespace) -> str:
     """What Ctrl-C prints: the newest checkpoint (if any) and the exact command that continues the run."""
-    from cohort.checkpointing import latest_checkpoint
-    from cohort.run.directory import run_has_progress
-
     out = Path(cfg.run.output_dir).expanduser()
     latest = latest_checkpoint(out) if out.is_dir() else None
     if latest is not None:
@@ -94,11 +105,6 @@ def interrupted_message(cfg, args: argparse.Namespace) -> str:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from cohort.config import load_config
-    from cohort.config.preflight import check_data_paths, check_model_path
-    from cohort.evaluation import evaluate
-    from cohort.setup import build_components
-
     cfg = load_config(args.recipe, args.overrides)
     check_model_path(cfg.model.name_or_path, cfg.model.gguf_file)
     check_data_paths(cfg)
@@ -119,16 +125,6 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from cohort.config import CohortConfig
-    from cohort.policy.model import load_policy
-    from cohort.setup import (
-        build_engine,
-        prompt_token_limit,
-        resolve_device,
-        resolve_dtype,
-        sampling_params_for,
-    )
-
     cfg = CohortConfig()
     cfg.generation.max_completion_length = args.max_tokens
     cfg.generation.temperature = args.temperature
@@ -154,17 +150,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from cohort.run.plot import plot_run
-
     for path in plot_run(args.run_dir):
         print(path)
     return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import runpy
-    from pathlib import Path
-
     script = Path(__file__).resolve().parents[2] / "bench" / f"{args.name}.py"
     if not script.is_file():
         raise CohortError(f"bench name={args.name!r}: no {script}; run it from a source checkout "
@@ -175,8 +166,6 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cohort.serving.server import serve
-
     return serve(args)
 
 
@@ -246,8 +235,6 @@ _FLAGS = {"train": ("--resume", "--overwrite", "--print-config", "-h", "--help")
 
 
 def _check_flag(command: str, flag: str) -> None:
-    import difflib
-
     name = flag.split("=", 1)[0]
     if name not in _FLAGS[command]:
         close = difflib.get_close_matches(name, _FLAGS[command], n=1, cutoff=0.6)

@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 
+from cohort.agents.environments import append_observation
 from cohort.algorithms import compute_advantages
 from cohort.data import PromptBatch
+from cohort.data.dataset import _tokenize_prompt
 from cohort.data.detokenize import batch_decode
 from cohort.types import Completion, RolloutEngine, SamplingParams
 
@@ -107,9 +109,6 @@ def generate_in_environments(turn_loop, engine: RolloutEngine, tokenizer, batch:
     A group whose G resets returned the same text (or None) keeps one prompt encoding and is generated as a
     group (the engine prefills the shared prompt once); a group whose resets differ is encoded per rollout and
     generated as G prompts of one completion each."""
-    from cohort.agents.environments import append_observation
-    from cohort.data.dataset import _tokenize_prompt
-
     envs, g = turn_loop.environments, params.n
     n_prompts = len(_encoded(batch))
     rows = [{"prompt": batch.prompts[i], **{k: v[i] for k, v in batch.columns.items()}}

@@ -27,8 +27,9 @@ from cohort import checkpointing as ckpt
 from cohort import distributed
 from cohort.config import CohortConfig, dump_config
 from cohort.data import PromptBatch, PromptSampler
+from cohort.distributed.grad_sync import GradientReducer
 from cohort.evaluation import evaluate
-from cohort.remote.pipeline import staleness_metrics
+from cohort.remote.pipeline import RolloutPipeline, staleness_metrics
 from cohort.rollout import collect_rollouts
 from cohort.run.directory import open_run_dir, write_resolved_config
 from cohort.run.logging import MetricLogger
@@ -110,8 +111,6 @@ def _grad_reducer(cfg: CohortConfig, comp: Components):
     """Unsharded data parallel: a reducer that sums gradient buckets over ranks while backward runs."""
     if not distributed.current().enabled or cfg.train.sharding == "fsdp":
         return None
-    from cohort.distributed.grad_sync import GradientReducer
-
     return GradientReducer([p for p in comp.policy.parameters() if p.requires_grad])
 
 
@@ -288,8 +287,6 @@ def _pipeline(cfg: CohortConfig, comp: Components, sampler, start_step: int):
     k = cfg.train.max_staleness
     if k == 0:
         return None
-    from cohort.remote.pipeline import RolloutPipeline
-
     # Several ranks: each pipelines its own slice of every step against the server (rank 0 pushes, the others'
     # requests wait for its pushes). The background thread's reward gathers go over a group of their own:
     # on the default group they would interleave with the update's collectives in a different order per rank.

@@ -29,6 +29,7 @@ import torch
 
 from cohort import distributed
 from cohort.algorithms import LossInputs, reduce_metrics
+from cohort.distributed.fsdp import clip_grad_norm
 from cohort.errors import CohortError
 from cohort.forward.micro_batches import (
     split_grouped_micro_batches,
@@ -254,8 +255,6 @@ class PolicyUpdater:
         clipping, as a device scalar (reading it here would make the host wait for the last backward; FSDP's
         clip returns a float)."""
         if self.s.sharded:
-            from cohort.distributed.fsdp import clip_grad_norm
-
             return clip_grad_norm(self.params, self.s.max_grad_norm)
         if self.grad_reducer is not None:
             self.grad_reducer.finish()

@@ -22,12 +22,14 @@ instance of each environment is made up front, to check it has `reset` and to re
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from cohort.agents.tools import Tool, ToolRunner, build_tools
+from cohort.data.sources import import_object
 from cohort.errors import ConfigError
 
 RESERVED_METHODS = ("reset", "get_reward")
@@ -36,8 +38,6 @@ ROUTING_COLUMN = "environment"
 
 def _factory(spec: Any, label: str) -> Callable[[], Any]:
     if isinstance(spec, str):
-        from cohort.data.sources import import_object
-
         spec = import_object(spec)
     if not callable(spec):
         raise ConfigError(f"environment {label!r}: {spec!r} is not a class or a factory; give a class, a "
@@ -195,8 +195,6 @@ def _run_coroutine(coro):
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(_await(coro))
-    import concurrent.futures
-
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
         return ex.submit(asyncio.run, _await(coro)).result()
 

@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from cohort.agents.parsing import _BLOCK, TOOL_CALL_OPEN
 from cohort.agents.tools import Tool, ToolCall, ToolResult, tool_schemas
 from cohort.errors import ConfigError
 
@@ -41,8 +42,6 @@ def tool_result_messages(results: Sequence[ToolResult]) -> list[dict[str, Any]]:
 def assistant_message(text: str, calls: Sequence[ToolCall] = (), tokenizer: Any = None) -> dict[str, Any]:
     """The assistant message for a completion: its text without the tool-call blocks and without the trailing
     end-of-turn token (`<|im_end|>`, the tokenizer's EOS), plus `tool_calls`."""
-    from cohort.agents.parsing import _BLOCK, TOOL_CALL_OPEN
-
     content = _BLOCK.sub("", text)
     if TOOL_CALL_OPEN in content:
         content = content.split(TOOL_CALL_OPEN, 1)[0]

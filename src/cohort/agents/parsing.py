@@ -22,7 +22,7 @@ import json
 import re
 from typing import Any
 
-from cohort.agents.tools import INVALID_TOOL_NAME, ToolCall
+from cohort.agents.tools import INVALID_TOOL_NAME, ToolCall, tool_schemas
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -101,8 +101,6 @@ def _has_response_parser(tokenizer: Any) -> bool:
 
 def _parse_with_tokenizer(text: str, tokenizer: Any, tools: Any) -> list[ToolCall] | None:
     """Calls from `tokenizer.parse_response`; None when it fails (then the ChatML parser reads the text)."""
-    from cohort.agents.tools import tool_schemas
-
     kwargs = {"tools": tool_schemas(tools)} if tools else {}
     try:
         try:

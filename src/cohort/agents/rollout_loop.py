@@ -32,6 +32,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from cohort.agents.messages import (
+    assistant_message,
+    continuation_ids,
+    end_of_turn_markers,
+    tool_result_messages,
+)
+from cohort.agents.parsing import parse_tool_calls
+from cohort.agents.tools import ToolRunner, build_tools
 from cohort.types import Completion, SamplingParams, TurnEnd
 
 
@@ -75,10 +83,6 @@ class TurnLoop:
 
     def __post_init__(self) -> None:
         # the agents package is imported here, not at module level: the engine and rollout never need it
-        from cohort.agents.messages import end_of_turn_markers
-        from cohort.agents.parsing import parse_tool_calls
-        from cohort.agents.tools import ToolRunner, build_tools
-
         self.tools = build_tools(list(self.tools))
         if self.runner is None:
             self.runner = ToolRunner(self.tools, timeout_s=self.tool_timeout_s)
@@ -128,8 +132,6 @@ class TurnLoop:
     def _messages(self, completion: Completion, conv: _Conversation) -> list[dict[str, Any]]:
         """The completion as chat messages: each model turn (with the calls it made), then its tool results.
         Turn k made the k-th round of calls, if any; the last turn's results are absent when they did not fit."""
-        from cohort.agents.messages import assistant_message, tool_result_messages
-
         turns: list[list[int]] = []
         mask = completion.mask or []
         for k, (token, sampled) in enumerate(zip(completion.token_ids, mask)):
@@ -148,8 +150,6 @@ class TurnLoop:
     def _run_tools(self, conv: _Conversation, turn: TurnEnd, calls: list, max_tokens: int,
                    lock: threading.Lock, runner) -> list[int] | None:
         """Runs on the pool: execute the calls, return the continuation ids (None when they do not fit)."""
-        from cohort.agents.messages import assistant_message, continuation_ids, tool_result_messages
-
         results = runner.run(calls)
         with lock:  # counts are per conversation, but keep the increments plainly atomic
             conv.calls += len(results)

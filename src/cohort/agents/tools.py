@@ -30,6 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from transformers.utils import get_json_schema
+
+from cohort.data.sources import import_object
 from cohort.errors import ConfigError
 
 INVALID_TOOL_NAME = "__invalid__"  # the parser's name for a call it could not read (see parsing.py)
@@ -70,8 +73,6 @@ class Tool:
 
 def tool_schema(fn: Callable[..., Any], *, name: str | None = None) -> dict[str, Any]:
     """`get_json_schema(fn)`, with a ConfigError naming the tool and the fix when the function cannot be described."""
-    from transformers.utils import get_json_schema
-
     label = name or getattr(fn, "__qualname__", None) or repr(fn)
     try:
         schema = get_json_schema(fn)
@@ -89,8 +90,6 @@ def tool_schema(fn: Callable[..., Any], *, name: str | None = None) -> dict[str,
 
 def build_tools(funcs: Sequence[Callable[..., Any] | str | Tool] | None) -> list[Tool]:
     """Tools from functions, `Tool`s, or import paths `"pkg.module:function"`; names must be unique."""
-    from cohort.data.sources import import_object
-
     tools: list[Tool] = []
     for item in funcs or []:
         if isinstance(item, Tool):

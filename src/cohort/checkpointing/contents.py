@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from cohort.checkpointing import dcp
 from cohort.run.layout import OPTIMIZER_FILE
 
 
@@ -45,8 +46,6 @@ def has_optimizer_state(path: str | os.PathLike) -> bool:
     path = Path(path)
     if (path / OPTIMIZER_FILE).is_file():
         return True
-    from cohort.distributed import dcp  # imported here: dcp imports this package
-
     if dcp.has_sharded_state(path):
         return any(k.startswith("optim.") for k in dcp._saved_keys(path / dcp.DCP_DIR))
     return False

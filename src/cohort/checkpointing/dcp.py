@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule
 
-from cohort.checkpointing import CheckpointError
+from cohort.checkpointing.errors import CheckpointError
 from cohort.checkpointing.weights import unwrap_model
 
 DCP_DIR = "dcp"

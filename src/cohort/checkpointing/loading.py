@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from cohort.checkpointing import dcp
 from cohort.checkpointing.errors import CheckpointError, damaged
 from cohort.checkpointing.rng import set_rng_state
 from cohort.checkpointing.weights import load_model_weights, read_full_weights, unwrap_model
@@ -52,8 +53,6 @@ def load_checkpoint(
             f"{str(path)!r} is not a complete cohort checkpoint (no {TRAINER_STATE_FILE}); pass a "
             f"checkpoints/step-NNNNNN directory, or a run directory to `latest_checkpoint` first"
         )
-    from cohort.distributed import dcp  # imported here: dcp imports this package
-
     if dcp.has_sharded_state(path):
         dcp.load_sharded_state(path, model, optimizer)
     elif dcp.is_sharded(model):

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from cohort.checkpointing import dcp
 from cohort.checkpointing.atomic import (
     complete_and_publish,
     sweep_temporaries,
@@ -70,8 +71,6 @@ def save_checkpoint(
 
 
 def _sharded(model: Any) -> bool:
-    from cohort.distributed import dcp  # imported here: dcp imports this package
-
     return dcp.is_sharded(model)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cohort.checkpointing import dcp
 from cohort.checkpointing.atomic import (
     complete_and_publish,
     fsync_file,
@@ -40,8 +41,6 @@ def save_sharded(run_dir: str | os.PathLike, step: int, model: Any, tokenizer: A
     0's outcome. A step that fails raises on every rank, and nothing outside the hidden temporary directory
     changes until every rank has written its part.
     """
-    from cohort.distributed import dcp  # imported here: dcp imports this package
-
     rank = dist.get_rank()
     root = Path(run_dir) / CHECKPOINTS_DIR
     final = checkpoint_path(run_dir, step)

@@ -9,15 +9,17 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from transformers import SchedulerType
+
 from cohort.errors import ConfigError
+from cohort.remote.address import parse_address
+from cohort.run.logging import resolve_report_to
 
 if TYPE_CHECKING:
     from cohort.config.tree import CohortConfig
 
 
 def _scheduler_names() -> list[str]:
-    from transformers import SchedulerType
-
     return ["constant", "cosine"] + [s.value for s in SchedulerType if s.value not in ("constant", "cosine")]
 
 
@@ -167,8 +169,6 @@ def validate_fields(cfg: CohortConfig) -> None:
              run.eval_num_samples, "use 1 (greedy) or more completions per eval prompt")
     _require(run.eval_max_prompts is None or (isinstance(run.eval_max_prompts, int) and run.eval_max_prompts >= 1),
              "run.eval_max_prompts", run.eval_max_prompts, "use a positive number, or leave it unset (null)")
-    from cohort.run.logging import resolve_report_to
-
     try:
         resolve_report_to(run.report_to)
     except ConfigError as exc:
@@ -187,8 +187,6 @@ def _check_placement(cfg: CohortConfig) -> None:
              "train.max_staleness", t.max_staleness,
              "use 0 (on-policy, synchronous) or a positive number of policy versions a completion may lag")
     if g.placement == "server":
-        from cohort.remote.client import parse_address
-
         _require(g.server_address is not None, "generation.server_address", g.server_address,
                  "generation.placement=server needs the server's host:port, e.g. 127.0.0.1:8000 (what `cohort "
                  "serve MODEL --port 8000` prints)")

@@ -11,6 +11,7 @@ Every failure is a `ConfigError` naming the field, the value and the fix, with "
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 import os
@@ -18,7 +19,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from cohort.data.sources import REASONING_GYM_PREFIX, import_object, load_prompt_dataset
 from cohort.errors import ConfigError
+from cohort.policy import model as model_mod
+from cohort.rewards import registry
+from cohort.run.directory import _RUN_MARKERS, is_run_dir
 
 # keyword options of load_prompt_dataset that a data source's `options` may set for any source
 PROMPT_OPTIONS = ("columns", "instruction", "conversational", "limit", "seed")
@@ -70,16 +75,12 @@ def _callable_keys(fn: Any) -> list[str] | None:
 
 def source_option_keys(source: Any, field: str = "data.source") -> tuple[list[str] | None, Any]:
     """(the option names `source`'s loader accepts or None for any, the reasoning-gym config class or None)."""
-    from cohort.data.sources import REASONING_GYM_PREFIX, import_object
-
     if not isinstance(source, str):
         if callable(source):
             keys = _callable_keys(source)
             return (None if keys is None else [*PROMPT_OPTIONS, *keys]), None
         return list(PROMPT_OPTIONS), None  # rows, a Dataset, a PromptDataset: only the prompt options
     if source.startswith(REASONING_GYM_PREFIX):
-        import dataclasses
-
         _, config_cls = _reasoning_gym_task(source[len(REASONING_GYM_PREFIX):], field, source)
         names = [f.name for f in dataclasses.fields(config_cls)] if dataclasses.is_dataclass(config_cls) else None
         return (None if names is None else [*PROMPT_OPTIONS, "size", *names]), config_cls
@@ -151,8 +152,6 @@ def _reward_kwarg_keys(target: Any, is_factory: bool) -> list[str] | None:
 
 def _resolve_reward(field: str, name: str) -> tuple[Any, bool]:
     """(the function or factory a reward name means, whether it is a factory), without calling it."""
-    from cohort.rewards import registry
-
     resolved = registry.ALIASES.get(name, name)
     if resolved in registry.FUNCTIONS:
         return registry.FUNCTIONS[resolved], False
@@ -205,8 +204,6 @@ def check_reward_specs(funcs: list[Any]) -> None:
 # -------------------------------------------------------------------------------------------------- tools
 def _import_callable(field: str, value: Any, path: str, fix: str) -> Any:
     """The callable `path` ('package.module:name') names; a ConfigError naming the field otherwise."""
-    from cohort.data.sources import import_object
-
     try:
         target = import_object(path)
     except ConfigError as exc:
@@ -217,8 +214,6 @@ def _import_callable(field: str, value: Any, path: str, fix: str) -> Any:
 
 
 def check_tools(tools: list[Any], tool_parser: str | None) -> None:
-    from cohort.data.sources import import_object
-
     for i, tool in enumerate(tools or []):
         if isinstance(tool, str):
             _import_callable(f"agent.tools[{i}]", tool, tool, "point it at a function with type hints and a docstring")
@@ -248,8 +243,6 @@ def check_inputs(cfg: Any) -> None:
 # ------------------------------------------------------------------------------------ the file system (CLI)
 def check_model_path(name_or_path: str, gguf_file: str | None = None) -> None:
     """The model path's mistakes that need no loading: a missing local path, a folder that is no model."""
-    from cohort.policy import model as model_mod
-
     name = str(name_or_path)
     path = Path(name).expanduser()
     if name.lower() in model_mod.SMOLLM2_NAMES and not path.exists():
@@ -279,8 +272,6 @@ def check_model_path(name_or_path: str, gguf_file: str | None = None) -> None:
 
 def check_run_dir(cfg: Any) -> None:
     """`run.output_dir`, `run.resume` and `run.overwrite` against what is on disk, without changing it."""
-    from cohort.run.directory import _RUN_MARKERS, is_run_dir
-
     run = cfg.run
     path = Path(run.output_dir).expanduser()
     if path.exists() and not path.is_dir():
@@ -317,8 +308,6 @@ def check_data_paths(cfg: Any) -> None:
 def check_local_data(cfg: Any) -> None:
     """Local data files are read once now (cheap next to a model load): a broken line, an empty file or a
     missing prompt column fails before the model loads."""
-    from cohort.data.sources import load_prompt_dataset
-
     d = cfg.data
     for source, options, split in ((d.source, d.options, d.split), (d.eval_source, d.eval_options, "train")):
         if isinstance(source, str) and Path(source).expanduser().is_file():

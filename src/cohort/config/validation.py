@@ -14,7 +14,9 @@ from __future__ import annotations
 import difflib
 from typing import TYPE_CHECKING
 
+from cohort.algorithms import build_policy_loss
 from cohort.config.checks import _require, _require_choice, _scheduler_names, validate_fields
+from cohort.config.preflight import check_inputs
 from cohort.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -66,8 +68,6 @@ def validate_config(cfg: CohortConfig) -> None:
              t.lr_scheduler_type, (f"did you mean '{close[0]}'? " if close else "")
              + "use 'constant' or 'cosine' (cohort's) or one of transformers' "
              f"{', '.join(n for n in _scheduler_names() if n not in ('constant', 'cosine'))}")
-    from cohort.algorithms import build_policy_loss
-
     try:  # unknown loss names and parameters fail here, before any work
         build_policy_loss(cfg.loss.loss_type, cfg.loss.loss_params())
     except ConfigError:
@@ -96,6 +96,4 @@ def validate_config(cfg: CohortConfig) -> None:
     _require(weights is None or len(weights) == len(cfg.reward.funcs), "reward.reward_weights", weights,
              f"give one weight per reward function ({len(cfg.reward.funcs)})")
     validate_fields(cfg)
-    from cohort.config.preflight import check_inputs
-
     check_inputs(cfg)  # data options against the source, reward names and kwargs, tool import paths

@@ -14,6 +14,7 @@ import torch
 
 from cohort.data.dataset import PromptDataset, prompt_key
 from cohort.data.images import images_key  # rows with the same text over different images differ
+from cohort.data.sources import load_prompt_dataset
 from cohort.errors import ConfigError
 
 
@@ -129,8 +130,6 @@ def reasoning_gym_eval_set(
     rarer and harder ones, which biases the held-out accuracy down.)
     `settings` are the task's config and the same prompt options as `load_prompt_dataset`.
     """
-    from cohort.data.sources import load_prompt_dataset
-
     last = max((r.get("metadata") or {}).get("source_index", -1) for r in train.rows)
     seed = train_seed + max(last + 1, len(train))
     held = load_prompt_dataset(f"reasoning_gym:{task}", size=size, seed=seed, **settings)

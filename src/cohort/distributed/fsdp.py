@@ -29,8 +29,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
 
 from cohort.errors import ConfigError
+from cohort.forward.packing import packed_pass
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -112,8 +116,6 @@ class WeightGather:
         return self.seconds
 
     def _gather_unit(self, unit: nn.Module) -> None:
-        from torch.distributed.tensor import DTensor
-
         _sharded(unit).unshard()  # one all-gather of the unit's shards, in the compute dtype
         try:
             for name, p in unit.named_parameters(remove_duplicate=False):
@@ -124,8 +126,6 @@ class WeightGather:
             _sharded(unit).reshard()
 
     def _gather_trainable(self) -> None:
-        from torch.distributed.tensor import DTensor
-
         for name, p in self.policy.named_parameters(remove_duplicate=False):
             if p.requires_grad:
                 full = p.full_tensor() if isinstance(p, DTensor) else p
@@ -158,8 +158,6 @@ def _upcast_trainable(module: nn.Module, recurse: bool) -> None:
 
 def _sharded(unit: nn.Module) -> FSDPModule:
     """`unit` as the FSDPModule fully_shard made of it (fully_shard swaps the module's class at run time)."""
-    from torch.distributed.fsdp import FSDPModule
-
     if not isinstance(unit, FSDPModule):
         raise TypeError(f"{type(unit).__name__} is not sharded: call shard_model first")
     return unit
@@ -172,9 +170,6 @@ def shard_model(model: nn.Module, *, device: torch.device, master_weights: bool,
     Gradients are summed over ranks (divide factor 1): the loss is already normalised by the token and
     sequence counts of the whole step over all ranks, as in the unsharded data-parallel path.
     """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     ensure_process_group(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     low = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
@@ -201,18 +196,12 @@ def shard_model(model: nn.Module, *, device: torch.device, master_weights: bool,
 
 
 def _register_packed_pass(model: nn.Module) -> None:
-    from torch.distributed.fsdp import register_fsdp_forward_method
-
-    from cohort.forward.packing import packed_pass
-
     setattr(model, PACKED_METHOD, types.MethodType(packed_pass, model))
     register_fsdp_forward_method(model, PACKED_METHOD)
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
     """Clip by the global norm of sharded (DTensor) or plain gradients; returns the norm before clipping."""
-    from torch.distributed.tensor import DTensor
-
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0

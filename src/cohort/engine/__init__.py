@@ -6,6 +6,6 @@ given policy (else the trainer falls back to the reference Hugging Face backend,
 
 from cohort.engine.config import EngineConfig
 from cohort.engine.engine import CohortEngine, EngineStats
-from cohort.engine.models.decoder import engine_supports
+from cohort.engine.models.registry import engine_supports
 
 __all__ = ["CohortEngine", "EngineConfig", "EngineStats", "engine_supports"]

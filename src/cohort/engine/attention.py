@@ -26,8 +26,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.varlen import varlen_attn
 
-from cohort.forward.packed_attention import grouped_kv
+from cohort.engine import triton_ops
+from cohort.engine.triton_ops import paged_decode_attention
+from cohort.forward.packed_attention import grouped_kv, prepare_flash
 
 
 @dataclass
@@ -210,8 +213,6 @@ def prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnC
                    window: int | None = None) -> torch.Tensor:
     """Packed causal prefill with torch's flash-attention `varlen_attn` (CUDA, fp16/bf16); a sliding window W
     is flash-attention's window_size=(W - 1, 0) (W - 1 keys to the left plus the query's own)."""
-    from torch.nn.attention.varlen import varlen_attn
-
     params = inspect.signature(varlen_attn).parameters
     kwargs: dict = {}
     if "scale" in params:
@@ -247,12 +248,8 @@ class AttentionOps:
 
     def __init__(self, device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int,
                  use_triton: bool | None = None, use_varlen: bool | None = None) -> None:
-        from cohort.engine import triton_ops
-
         self.use_varlen = varlen_available(device, dtype) if use_varlen is None else use_varlen
         if self.use_varlen:
-            from cohort.forward.packed_attention import prepare_flash
-
             prepare_flash(device)  # before any graph capture: whether grouped KV heads go to the kernel as they are
         if use_triton is None:
             use_triton = device.type == "cuda" and triton_ops.decode_supported(head_dim, block_size)
@@ -292,8 +289,6 @@ class AttentionOps:
 
     def decode(self, q, k_cache, v_cache, ctx: AttnContext, scale: float, window: int | None = None) -> torch.Tensor:
         if self.use_triton:
-            from cohort.engine.triton_ops import paged_decode_attention
-
             assert ctx.block_tables is not None and ctx.ctx_lens is not None  # set on every decode context
             return paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.ctx_lens, scale, window)
         return decode_gather(q, k_cache, v_cache, ctx, scale, window)

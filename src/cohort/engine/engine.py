@@ -29,7 +29,8 @@ import torch
 from cohort.engine.block_manager import BlockManager
 from cohort.engine.config import EngineConfig
 from cohort.engine.model_runner import ModelRunner
-from cohort.engine.models.decoder import engine_supports, unwrap_model
+from cohort.engine.models.decoder import unwrap_model
+from cohort.engine.models.registry import engine_supports
 from cohort.engine.sampler import Sampler, needs_processing
 from cohort.engine.scheduler import Scheduler
 from cohort.engine.sequence import PrefillUnit, Sequence, Status

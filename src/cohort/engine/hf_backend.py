@@ -30,6 +30,7 @@ import contextlib
 from collections.abc import Sequence
 
 import torch
+from transformers import GenerationConfig
 
 from cohort.engine.turns_by_regeneration import generate_turns_by_regeneration
 from cohort.types import Completion, SamplingParams, TurnCallback
@@ -92,8 +93,6 @@ class HFGenerateEngine:
     # -----------------------------------------------------------------------------------------------------
 
     def _generation_config(self, params: SamplingParams):
-        from transformers import GenerationConfig
-
         eos = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
         sampling = {}
         if not params.greedy:

@@ -23,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from cohort.engine import multi_step
+from cohort.engine import multi_step, triton_ops
 from cohort.engine.attention import AttentionOps, AttnContext, prefix_batch
 from cohort.engine.config import EngineConfig
 from cohort.engine.models.decoder import HFModule
@@ -32,6 +32,7 @@ from cohort.engine.prefill_graphs import PrefillGraphs
 from cohort.engine.sampler import temperature_rows
 from cohort.engine.scheduler import PrefillUnit
 from cohort.engine.sequence import Sequence
+from cohort.engine.triton_ops import fused_sample
 
 _CPU_KV_BUDGET = 4 << 30
 
@@ -62,8 +63,6 @@ class ModelRunner:
         self._float_host = torch.ones((2, config.max_num_seqs), dtype=torch.float32, pin_memory=pin)
         self._out_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=pin)
         self._out_logprobs = torch.zeros(config.max_num_seqs, dtype=torch.float32, pin_memory=pin)
-        from cohort.engine import triton_ops
-
         # The fused sampler joins the decode graph, so a plain-sampling step is a single graph replay.
         self.sample_in_graph = triton_ops.triton is not None and device.type == "cuda"
         self.graphs: dict[int, tuple] = {}  # batch size -> (graph, logits, tokens, logprobs)
@@ -346,8 +345,6 @@ class ModelRunner:
                 logits = self.net.logits(self.net.forward(ids, pos, ctx, self._cache()), out=out)
                 if not self.sample_in_graph:
                     return logits, None, None
-                from cohort.engine.triton_ops import fused_sample
-
                 # The sampled token sits at position ctx_len (row 3): the key of sampler.row_key.
                 rows, floats = self._static_rows, self._static_floats
                 return (logits, *fused_sample(logits, logits, floats[0, :bs], floats[1, :bs], rows[4, :bs],

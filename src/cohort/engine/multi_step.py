@@ -22,6 +22,7 @@ from cohort.engine import triton_step
 from cohort.engine.attention import AttnContext
 from cohort.engine.sampler import sample_plain
 from cohort.engine.sequence import Sequence
+from cohort.engine.triton_ops import fused_sample
 
 if TYPE_CHECKING:
     from cohort.engine.model_runner import ModelRunner
@@ -96,8 +97,6 @@ def body(runner: ModelRunner, bs: int, max_ctx_len: int | None = None) -> None:
     for j in range(runner.decode_steps):
         logits = runner.net.logits(runner.net.forward(ids, pos, ctx, runner._cache()), out=out)
         if runner.sample_in_graph:
-            from cohort.engine.triton_ops import fused_sample
-
             tokens, logprobs = fused_sample(logits, logits, floats[0, :bs], floats[1, :bs], seeds, ctx_lens)
         else:
             tokens, logprobs = sample_plain(logits, floats[0, :bs], floats[1, :bs], seeds, ctx_lens)

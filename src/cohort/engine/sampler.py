@@ -14,19 +14,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from cohort.engine import triton_ops
+from cohort.engine.noise import _MASK32, mix32, uniform_from_hash
 from cohort.engine.sequence import Sequence
-
-_MASK32 = 0xFFFFFFFF
-
-
-def mix32(x):
-    """lowbias32 hash of uint32 values held in a Python int, an int64 numpy array or an int64 tensor (the
-    multipliers are below 2**31, so nothing overflows int64); the same bits as the Triton kernel's."""
-    x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & _MASK32
-    return x ^ (x >> 15)
 
 
 def row_key(seed: int, position: int) -> int:
@@ -41,15 +31,6 @@ def row_keys(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
     key = mix32((seeds >> 32) & _MASK32)
     key = mix32(key ^ (seeds & _MASK32))
     return mix32(key ^ (positions & _MASK32))
-
-
-def uniform_from_hash(h: torch.Tensor) -> torch.Tensor:
-    """float32 u strictly inside (0, 1) from 32-bit hashes: the top 23 bits, centred in their bin.
-
-    23 bits, not 24: (2**24 - 1 + 0.5) / 2**24 rounds to exactly 1.0 in float32, whose Gumbel noise
-    -log(-log(1)) is +inf (a NaN score when greedy multiplies it by 0); about 1.5% of rows of a 262k
-    vocabulary held such a token. (2**23 - 0.5) / 2**23 = 1 - 2**-24 is exact in float32."""
-    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -140,8 +121,6 @@ class Sampler:
     """Turns one logits row per sequence into (token, logprob), using the fused kernel when it can."""
 
     def __init__(self, device: torch.device, use_triton: bool | None = None) -> None:
-        from cohort.engine import triton_ops
-
         if use_triton is None:
             use_triton = device.type == "cuda" and triton_ops.triton is not None
         self.device = device
@@ -160,11 +139,9 @@ class Sampler:
         inv_temp, noise = floats[0, :n], floats[1, :n]
         choice = self._processed(logits, seqs)
         if self.use_triton:
-            from cohort.engine.triton_ops import fused_sample
-
             ints = torch.from_numpy(aligned_rows([seeds, positions], np.int64)).to(self.device, non_blocking=True)
             choice_scaled_input = logits if choice is None else choice
-            return fused_sample(logits, choice_scaled_input.contiguous(), inv_temp, noise, ints[0, :n], ints[1, :n])
+            return triton_ops.fused_sample(logits, choice_scaled_input.contiguous(), inv_temp, noise, ints[0, :n], ints[1, :n])
         keys = torch.from_numpy(row_keys(seeds, positions)).to(self.device, non_blocking=True)
         scaled = logits.float() * inv_temp[:, None]
         chosen_scaled = scaled if choice is None else choice.float() * inv_temp[:, None]
@@ -180,8 +157,6 @@ class Sampler:
         without Triton."""
         if not self.use_triton:
             return 0
-        from cohort.engine import triton_ops
-
         firsts: dict[int, int] = {}
         for rows in range(1, max_rows + 1):
             firsts.setdefault(triton_ops.sample_splits(rows, vocab), rows)

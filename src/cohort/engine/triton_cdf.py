@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from cohort.engine.sampler import mix32, uniform_from_hash
+from cohort.engine.noise import mix32, uniform_from_hash
+from cohort.engine.triton_noise import _lse_step, _mix32, _row_key, _uniform
 
 try:
     import triton
@@ -52,8 +53,6 @@ def cdf_sample_reference(logits: torch.Tensor, inv_temp: torch.Tensor, noise: to
 
 
 if triton is not None:
-    from cohort.engine.triton_ops import _lse_step, _mix32, _row_key, _uniform
-
     @triton.jit
     def _cdf_stats_kernel(logits_ptr, inv_temp_ptr, part_m_ptr, part_s_ptr, part_idx_ptr, vocab, stride_l,
                           SPAN: tl.constexpr, SPLITS: tl.constexpr, BLOCK_V: tl.constexpr):

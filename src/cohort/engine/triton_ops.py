@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import torch
 
+from cohort.engine.triton_cdf import cdf_sample
+from cohort.engine.triton_noise import _lse_step, _mix32, _row_key, _uniform
+
 try:
     import triton
     import triton.language as tl
@@ -115,39 +118,6 @@ if triton is not None:
         acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + dims[None, :])
         out = tl.sum(acc * w[:, None], 0) / tl.sum(denom * w, 0)
         tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
-
-    @triton.jit
-    def _mix32(x):
-        # lowbias32 (C. Wellons): a strong 32-bit integer hash; uint32 arithmetic wraps like the torch
-        # version's int64 arithmetic masked to 32 bits.
-        x = x ^ (x >> 16)
-        x = x * 0x21F0AAAD
-        x = x ^ (x >> 15)
-        x = x * 0x735A2D97
-        x = x ^ (x >> 15)
-        return x
-
-    @triton.jit
-    def _row_key(seed, pos):
-        """sampler.row_key(seed, position) of int64 scalars, on the device (so a sampler sits in a CUDA graph)."""
-        key = _mix32(((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
-        key = _mix32(key ^ (seed & 0xFFFFFFFF).to(tl.uint32))
-        return _mix32(key ^ (pos & 0xFFFFFFFF).to(tl.uint32))
-
-    @triton.jit
-    def _uniform(h):
-        """sampler.uniform_from_hash: the top 23 bits of a uint32 hash, centred, strictly inside (0, 1)."""
-        return ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-
-    @triton.jit
-    def _lse_step(x, m, s):
-        """One step of the lane-wise running max `m` and sum `s` of exp(x - m): one exp per element,
-        exp(-|x - m|) rescaling whichever of the running sum and the new term is smaller; -inf (masked lanes,
-        -inf logits) adds nothing. Returns (new max, new sum, whether x is a new max)."""
-        bigger = x > m
-        e = tl.exp(tl.where(bigger, m - x, x - m))
-        e = tl.where(x == float("-inf"), 0.0, e)
-        return tl.maximum(m, x), tl.where(bigger, s * e + 1.0, s + e), bigger
 
     @triton.jit
     def _sample_partial_kernel(
@@ -332,8 +302,6 @@ def fused_sample(logits: torch.Tensor, choice: torch.Tensor, inv_temp: torch.Ten
     span = -(-vocab // (splits * block_v)) * block_v
     splits = -(-vocab // span)
     if method == "cdf":
-        from cohort.engine.triton_cdf import cdf_sample
-
         return cdf_sample(logits, inv_temp, noise, seeds, positions, splits=splits, span=span, block_v=block_v,
                           num_warps=num_warps)
     dev = logits.device

@@ -30,6 +30,13 @@ import itertools
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.varlen import varlen_attn
+from transformers import AttentionInterface, masking_utils
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from cohort.errors import ConfigError
+from cohort.forward.fa4_attention import fa4_varlen
 
 VARLEN_IMPL = "cohort_varlen"
 KERNELS = ("torch", "fa4")  # model.packed_attention
@@ -39,8 +46,6 @@ _KERNEL = {"name": "torch"}  # process-wide: the policy and its reference share 
 def use_packed_kernel(name: str, device: torch.device | str | None = None) -> None:
     """Choose the CUDA kernel of packed attention (model.packed_attention), checked before any model loads:
     "fa4" needs a CUDA device and an importable `flash_attn.cute`, else a ConfigError saying the fix."""
-    from cohort.errors import ConfigError
-
     if name not in KERNELS:
         raise ConfigError(f"model.packed_attention={name!r} is not a packed-attention kernel; choose one of "
                           f"{', '.join(KERNELS)}")
@@ -85,8 +90,6 @@ GROUPED_KV: dict[str, bool | None] = {"native": None, "keyword": False}
 
 
 def _varlen_has_gqa_keyword() -> bool:
-    from torch.nn.attention.varlen import varlen_attn
-
     return "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
@@ -99,8 +102,6 @@ def prepare_flash(device) -> None:
     if _varlen_has_gqa_keyword():
         GROUPED_KV["native"] = GROUPED_KV["keyword"] = True
         return
-    from torch.nn.attention.varlen import varlen_attn
-
     with torch.inference_mode(False):
         gen = torch.Generator(device=device).manual_seed(0)
         q, k, v = (torch.randn(48, h, 64, device=device, generator=gen, dtype=torch.bfloat16).requires_grad_()
@@ -144,8 +145,6 @@ def _flash_varlen(query, key, value, cu_q, cu_k, max_q, max_k, scaling, window=N
     expanded. window W (sliding-window layers): each query sees its own and the W - 1 previous keys. A query
     segment shorter than its key segment (a completion after its shared prompt) is aligned to the segment's
     end, as flash attention aligns causal masks."""
-    from torch.nn.attention.varlen import varlen_attn
-
     kwargs = {"scale": scaling, "window_size": (-1 if window is None else window - 1, 0)}  # (-1, 0): causal
     key, value = grouped_kv(query, key, value, kwargs)
     return varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, **kwargs)
@@ -154,8 +153,6 @@ def _flash_varlen(query, key, value, cu_q, cu_k, max_q, max_k, scaling, window=N
 def _fa4_varlen(query, key, value, cu_q, cu_k, max_q, max_k, scaling, window=None):
     """FlashAttention-4's varlen attention on [T, H, D] tensors, grouped query heads in the kernel, through
     the custom ops of cohort.forward.fa4_attention (one opaque op inside a compiled layer, not a graph break)."""
-    from cohort.forward.fa4_attention import fa4_varlen
-
     return fa4_varlen(query, key, value, cu_q, max_q, scaling, window, cu_k=cu_k, max_len_k=max_k)
 
 
@@ -197,8 +194,6 @@ _FALLBACK: dict[int, str] = {}
 
 def _fallback_name(config) -> str:
     """The model's own attention implementation, used for every call that is not a packed forward."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     name = _FALLBACK.get(id(config), "sdpa")
     # "eager" lives in each modeling file, not in the registry; sdpa computes the same thing.
     return name if name in ALL_ATTENTION_FUNCTIONS else "sdpa"
@@ -208,8 +203,6 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     """transformers attention function: packed rows (cu_seq_lens_q given) or the model's own attention."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
         fallback = ALL_ATTENTION_FUNCTIONS[_fallback_name(module.config)]
         return fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if query.shape[0] != 1:
@@ -243,16 +236,12 @@ def _varlen_mask(*args, config=None, **kwargs):
     """No mask tensor inside a packed forward (boundaries come from cu_seqlens); the model's own mask otherwise."""
     if _PACKED_MASKS.get():
         return None
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
     return ALL_MASK_ATTENTION_FUNCTIONS[_fallback_name(config)](*args, config=config, **kwargs)
 
 
 def _skip_packed_search_in_packed_forwards() -> None:
     """Wrap transformers' `find_packed_sequence_indices` (once) so that it answers None inside a packed forward:
     there the mask it would feed is never built (`_varlen_mask`), and its `.all()` is a host-device sync."""
-    from transformers import masking_utils
-
     original = getattr(masking_utils, "find_packed_sequence_indices", None)
     if original is None or getattr(original, "_cohort_wrapped", False):
         return
@@ -272,9 +261,6 @@ def enable_packed_attention(model) -> None:
     cu_seq_lens (generate, ordinary forwards) go to the model's previous implementation unchanged.
     Flash-attention models already understand cu_seq_lens and are left alone.
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
     config = model.config
     current = str(config._attn_implementation)
     if current == VARLEN_IMPL or current.startswith("flash_attention"):

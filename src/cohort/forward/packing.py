@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from cohort.forward.logprobs import DEFAULT_CHUNK_TOKENS, selective_logprobs_and_entropy
 from cohort.forward.packed_attention import _PACKED_MASKS, VARLEN_IMPL, enable_packed_attention, prepare_flash
@@ -300,8 +301,6 @@ def _softcapped_logprobs(hidden, weight, labels, temperature: float, softcap: fl
                          compute_entropy: bool):
     """Logprobs (and entropy) under final-logit soft-capping, chunk by chunk; each chunk's [n, vocab] logits
     are recomputed in backward (activation checkpointing) instead of kept, so memory stays one chunk."""
-    from torch.utils.checkpoint import checkpoint
-
     parts = []
     for start in range(0, hidden.shape[0], chunk_tokens):
         end = min(start + chunk_tokens, hidden.shape[0])

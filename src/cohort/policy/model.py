@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from cohort.errors import ConfigError
 
@@ -89,8 +91,6 @@ def convert_gguf(gguf_path: str | Path, cache_dir: str | Path | None = None) -> 
     if _is_converted(target):
         return target
     _require_gguf_support()
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     folder, name = str(gguf_path.parent), gguf_path.name
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tokenizer = _with_pad_token(AutoTokenizer.from_pretrained(folder, gguf_file=name))
@@ -117,16 +117,12 @@ def convert_gguf(gguf_path: str | Path, cache_dir: str | Path | None = None) -> 
 
 
 def transformers_version() -> str:
-    import transformers
-
     return str(transformers.__version__)
 
 
 def _check_tokenizer(folder: Path, gguf_path: Path) -> None:
     """Refuse a converted tokenizer that splits plain English into characters (a broken GGUF conversion:
     training on it would silently see prompts several times longer, cut by max_prompt_length)."""
-    from transformers import AutoTokenizer
-
     text = "The quick brown fox jumps over the lazy dog."
     ids = AutoTokenizer.from_pretrained(folder)(text, add_special_tokens=False)["input_ids"]
     if len(ids) > len(text) // 2:
@@ -266,8 +262,6 @@ def load_policy(
     cache_dir: str | Path | None = None,
 ):
     """Load a causal LM and its tokenizer -> (model, tokenizer). See the module docstring for the names."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = resolve_model_path(name_or_path, gguf_file=gguf_file, cache_dir=cache_dir)
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     tokenizer = _with_pad_token(_from_pretrained(AutoTokenizer, path, "tokenizer", **kwargs))

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
+from transformers import get_scheduler
 
 from cohort.errors import ConfigError
 
@@ -188,8 +189,6 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, kind: str, warmup_steps
     warmup_steps = int(warmup_steps)
     target = optimizer.inner if isinstance(optimizer, MasterWeightAdamW) else optimizer
     if kind not in ("constant", "cosine"):
-        from transformers import get_scheduler
-
         return get_scheduler(kind.removeprefix("hf:"), target, num_warmup_steps=warmup_steps,
                              num_training_steps=total_steps, scheduler_specific_kwargs=dict(kwargs or {}))
 

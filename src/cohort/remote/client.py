@@ -29,40 +29,18 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from cohort.engine.turns_by_regeneration import generate_turns_by_regeneration
 from cohort.errors import CohortError, ConfigError
 from cohort.remote import weights as W
-from cohort.remote.liveness import run_watched
+from cohort.remote.address import parse_address
+from cohort.remote.errors import ServerError, ServerUnavailable, StaleServer
+from cohort.remote.liveness import mark_nccl_aborted, run_watched
 from cohort.types import Completion, SamplingParams, TurnCallback
-
-
-class ServerError(CohortError):
-    """The server answered with an error."""
-
-
-class ServerUnavailable(ServerError):
-    """The server did not answer (refused, reset, or silent past the timeout)."""
-
-
-class StaleServer(ServerError):
-    """The server does not hold the version a request needs (it restarted, or no push arrived in time)."""
-
-    def __init__(self, message: str, server_id: str | None) -> None:
-        super().__init__(message)
-        self.server_id = server_id
 
 
 def params_to_json(params: SamplingParams) -> dict:
     """SamplingParams as a /generate request carries them (the server's `params_from_json` reads them back)."""
     return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(params).items()}
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    text = str(address).strip().removeprefix("http://").removeprefix("https://").rstrip("/")
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ConfigError(f"generation.server_address={address!r} is not valid: give host:port, e.g. "
-                          "127.0.0.1:8000 (the address `cohort serve` prints)")
-    return host, int(port)
 
 
 class ServerClient:
@@ -175,8 +153,6 @@ class RemoteEngine:
         """Multi-turn (tool-calling) rollouts on the server: each later turn is generated on the conversation so
         far, every conversation of a round in one request (cohort.engine.turns_by_regeneration); a completion
         records its oldest turn's version. The tools run here, in the trainer process, as colocated."""
-        from cohort.engine.turns_by_regeneration import generate_turns_by_regeneration
-
         return generate_turns_by_regeneration(self.generate, prompts, params, on_turn_end, batched=True)
 
     def sync_weights(self) -> None:
@@ -282,8 +258,6 @@ class RemoteEngine:
         group, self._group = self._group, None
         if group is not None:
             if group[1].type == "cuda":  # an NCCL group: see liveness.mark_nccl_aborted
-                from cohort.remote.liveness import mark_nccl_aborted
-
                 mark_nccl_aborted()
             group[0].abort()
 

@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from cohort.remote.errors import ServerError, ServerUnavailable
+
 T = TypeVar("T")
 
 EXIT_SERVER_LOST = 75  # EX_TEMPFAIL: the server went away; restart it (and resume the run)
@@ -50,8 +52,6 @@ def run_watched(work: Callable[[threading.Event], T], client, *, phase: str, tim
     `client`'s /health (`must_return` may be a callable, asked when the server is declared gone). When the server has not answered for `timeout_s`: set `cancelled` (work checks it
     before its next request), call `abort`, and raise ServerUnavailable; with `must_return`, exit the process
     if the worker is still stuck `grace_s` after the abort."""
-    from cohort.remote.client import ServerError, ServerUnavailable  # (client imports this module)
-
     box: dict[str, object] = {}
     cancelled = threading.Event()
 

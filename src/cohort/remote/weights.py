@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from cohort.errors import CohortError
+from cohort.remote.lora_merge import is_peft_model, merged_tensors
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
@@ -78,8 +79,6 @@ def model_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     differently from the trainer's engine and forward (measured: the greedy tokens of a toy model after a
     perturbation differed in 11 of 40 trials); with them pushed, the server computes the trainer's model.
     A peft LoRA policy pushes the plain model's names, adapted weights merged when packed (lora_merge.py)."""
-    from cohort.remote.lora_merge import is_peft_model, merged_tensors
-
     if is_peft_model(model):
         return merged_tensors(model)  # type: ignore[return-value]  # MergedWeight: shape, dtype, detach()
     named = [(n, p) for n, p in model.named_parameters()]

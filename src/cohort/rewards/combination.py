@@ -29,6 +29,7 @@ from cohort.rewards.protocol import (
     to_reward,
     unique_names,
 )
+from cohort.rewards.registry import get_reward_function
 
 OnError = Literal["raise", "skip"]
 
@@ -71,8 +72,6 @@ class RewardRunner:
         timeout_s: float | None = None,
         on_error: OnError = "raise",
     ):
-        from cohort.rewards.registry import get_reward_function
-
         funcs = list(funcs) if isinstance(funcs, list | tuple) else [funcs]
         if not funcs:
             raise ConfigError("reward_funcs is empty; give at least one reward function (e.g. 'accuracy').")

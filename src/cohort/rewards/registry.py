@@ -8,6 +8,7 @@ import inspect
 from pathlib import Path
 from typing import Any
 
+from cohort.data.sources import import_object
 from cohort.errors import ConfigError
 from cohort.rewards import builtins
 from cohort.rewards.reasoning_gym import reasoning_gym_score
@@ -57,8 +58,6 @@ def get_reward_function(name_or_path: str, **kwargs: Any) -> Any:
     if Path(name).is_dir():
         return RewardModel(name, **kwargs)
     if ":" in name:
-        from cohort.data.sources import import_object
-
         target = import_object(name)
         if not kwargs:
             return target

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from cohort.errors import ConfigError
 from cohort.rewards.protocol import completion_text
@@ -32,8 +33,6 @@ class RewardModel:
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
     ):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
         path = Path(path)
         if not (path / "config.json").exists():
             raise ConfigError(

@@ -32,6 +32,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from cohort.errors import ConfigError
 from cohort.run.directory import METRICS_FILE, atomic_write_text
 
@@ -231,8 +233,6 @@ class _ConsoleSink:
         progress_bar: bool | None,
         stream: Any,
     ) -> None:
-        from tqdm.auto import tqdm
-
         self.total, self.start_step, self.keys = total_steps, start_step, tuple(console_keys)
         self.print_every, self.stream = print_every, stream
         self.started = time.monotonic()

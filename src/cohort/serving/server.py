@@ -24,11 +24,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from cohort.engine import CohortEngine, engine_supports
+from cohort.engine.hf_backend import HFGenerateEngine
 from cohort.errors import CohortError
+from cohort.policy.model import _with_pad_token, load_policy
 from cohort.remote.weights import WeightMismatchError
 from cohort.serving import openai_api
 from cohort.serving.engine_server import EngineServer, Replica, StaleVersion
+from cohort.setup.engine import eos_ids
+from cohort.setup.policy import resolve_dtype
 from cohort.types import Completion, SamplingParams
 
 
@@ -175,15 +181,8 @@ def _devices(device: str, replicas: int) -> list[torch.device]:
 
 
 def _load(model: str, device: torch.device, dtype: str, load_format: str):
-    from cohort.policy.model import load_policy
-    from cohort.setup.policy import resolve_dtype
-
     torch_dtype = resolve_dtype(dtype, device)
     if load_format == "dummy":  # random weights from the config: the trainer's first push replaces them
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-        from cohort.policy.model import _with_pad_token
-
         config = AutoConfig.from_pretrained(model)
         with device:
             net = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
@@ -192,10 +191,6 @@ def _load(model: str, device: torch.device, dtype: str, load_format: str):
 
 
 def build_replicas(args) -> tuple[list[Replica], Any]:
-    from cohort.engine import CohortEngine, engine_supports
-    from cohort.engine.hf_backend import HFGenerateEngine
-    from cohort.setup.engine import eos_ids
-
     replicas, tokenizer = [], None
     for device in _devices(args.device, args.replicas):
         model, tokenizer = _load(args.model, device, args.dtype, args.load_format)

@@ -12,6 +12,7 @@ from cohort.config import CohortConfig
 from cohort.data import drop_overlap, load_prompt_dataset, reasoning_gym_eval_set, train_eval_split
 from cohort.errors import ConfigError
 from cohort.setup.lengths import longest_completion, model_context, prompt_token_limit
+from cohort.vision.setup import encode_dataset
 
 
 def load_run_data(cfg: CohortConfig, tokenizer, echo, tools=None, policy=None, processor=None):
@@ -46,8 +47,6 @@ def load_run_data(cfg: CohortConfig, tokenizer, echo, tools=None, policy=None, p
         echo(f"data: prompts capped at {train_limit} tokens (data.max_prompt_length={d.max_prompt_length}, lowered "
              f"to the context {model_context(cfg, policy)} - generation.max_completion_length="
              f"{cfg.generation.max_completion_length}); longer ones: data.truncation={d.truncation}")
-    from cohort.vision.setup import encode_dataset  # images through the processor; plain encode otherwise
-
     name = cfg.model.name_or_path
     train = encode_dataset(train, tokenizer, processor, policy, train_limit, d.truncation, model_name=name, **kwargs)
     if evald is not None:

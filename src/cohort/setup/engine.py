@@ -5,12 +5,20 @@ on, and the sampling parameters drawn from the `generation` section.
 
 from __future__ import annotations
 
+import uuid
+
 import torch
+import torch.distributed as dist
 
 from cohort import distributed
 from cohort.config import CohortConfig
+from cohort.distributed.fsdp import GatheredEngine
+from cohort.engine import CohortEngine, engine_supports
+from cohort.engine.hf_backend import HFGenerateEngine
+from cohort.remote.client import RemoteEngine
 from cohort.setup.lengths import engine_model_len
 from cohort.types import RolloutEngine, SamplingParams
+from cohort.vision.setup import build_engine as vision_engine
 
 
 def sampling_params_for(cfg: CohortConfig, tokenizer, *, n: int, seed: int | None) -> SamplingParams:
@@ -25,13 +33,8 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
                  kv_cache_fraction: float | None = None, longest_prompt: int | None = None) -> RolloutEngine:
     """cohort's own engine whenever the architecture is supported (on the CPU too, where its shared prompt
     prefill makes it about 2x faster than `generate` for SmolLM2); else Hugging Face `generate`."""
-    from cohort.engine.hf_backend import HFGenerateEngine
-    from cohort.vision.setup import build_engine as vision_engine
-
     g = cfg.generation
     if g.placement == "server":  # a `cohort serve` process samples; rank 0 pushes the weights after each step
-        from cohort.remote.client import RemoteEngine
-
         echo(f"generation: on the cohort server at {g.server_address} (generation.placement=server)")
         return RemoteEngine(str(g.server_address), policy, timeout_s=g.server_timeout_s,
                             connect_timeout_s=g.server_connect_timeout_s, pusher=distributed.current().is_main,
@@ -45,8 +48,6 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
     if choice == "auto":
         choice = "cohort"
     if choice == "cohort":
-        from cohort.engine import CohortEngine, engine_supports
-
         ok, why = engine_supports(policy)
         if ok:
             return CohortEngine(policy, tokenizer, eos_token_ids=eos_ids(tokenizer, policy),
@@ -64,8 +65,6 @@ def build_run_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device,
     engine's mirror of the sharded policy, refreshed by the gather after each optimizer step."""
     if sharded is None:
         return build_engine(cfg, policy, tokenizer, device, echo, kv_cache_fraction, longest_prompt)
-    from cohort.distributed.fsdp import GatheredEngine
-
     mirror, gather = sharded
     return GatheredEngine(build_engine(cfg, mirror, tokenizer, device, echo, kv_cache_fraction, longest_prompt),
                           gather)
@@ -73,12 +72,8 @@ def build_run_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device,
 
 def _run_session() -> str:
     """One id for the run, the same on every rank (rank 0's): a server serves the weights its rank 0 pushed."""
-    import uuid
-
     session = [uuid.uuid4().hex]
     if distributed.current().enabled:
-        import torch.distributed as dist
-
         dist.broadcast_object_list(session, src=0)
     return session[0]
 

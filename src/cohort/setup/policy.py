@@ -9,10 +9,16 @@ import copy
 
 import torch
 
+from cohort.agents.templates import apply_chat_template_override
 from cohort.config import CohortConfig
+from cohort.distributed import fsdp
 from cohort.errors import ConfigError
+from cohort.forward.packed_attention import use_packed_kernel
+from cohort.forward.packing import compile_decoder_layers
 from cohort.policy.model import load_policy
 from cohort.policy.model import resolve_dtype as model_dtype
+from cohort.vision import setup as vision
+from cohort.vision.setup import lora_targets
 
 
 def resolve_device(name: str) -> torch.device:
@@ -35,9 +41,6 @@ def prepare_policy(cfg: CohortConfig, policy, tokenizer, *, device: torch.device
     """The policy ready to train: loaded from model.name_or_path unless handed in (facade, tests), checked and
     prepared for vision, wrapped in LoRA, with the chat template override and gradient checkpointing applied.
     Returns (policy, tokenizer, processor); the processor is None for text models."""
-    from cohort.forward.packed_attention import use_packed_kernel
-    from cohort.vision import setup as vision
-
     use_packed_kernel(cfg.model.packed_attention, device)  # before the model loads: a missing package fails fast
     tokenizer, processor = vision.split_processor(tokenizer)  # a VLM's processor handed in (facade, tests)
     if policy is None:
@@ -51,8 +54,6 @@ def prepare_policy(cfg: CohortConfig, policy, tokenizer, *, device: torch.device
     vision.prepare_policy(cfg, policy, echo)
     policy = with_lora(cfg, policy)
     if cfg.model.chat_template and tokenizer is not None:  # before any prompt is rendered
-        from cohort.agents.templates import apply_chat_template_override
-
         apply_chat_template_override(tokenizer, cfg.model.chat_template)
     if cfg.model.gradient_checkpointing:
         # transformers >= 5.2x renamed it (the old name warns); older releases have only the old one
@@ -71,8 +72,6 @@ def with_lora(cfg: CohortConfig, policy):
         from peft import LoraConfig, get_peft_model
     except ImportError as exc:
         raise ConfigError(f"model.lora_r={m.lora_r} needs peft: pip install peft (or set model.lora_r=0).") from exc
-    from cohort.vision.setup import lora_targets
-
     lora = LoraConfig(r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
                       target_modules=lora_targets(policy, list(m.lora_target_modules)), task_type="CAUSAL_LM")
     return get_peft_model(policy, lora)
@@ -89,8 +88,6 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 def shard_for_fsdp(cfg: CohortConfig, policy, reference, device: torch.device):
     """train.sharding=fsdp: shard the policy (and the reference) in place; returns (the engine's mirror of the
     policy, the WeightGather that refreshes it after each optimizer step)."""
-    from cohort.distributed import fsdp
-
     ok, why = fsdp.fsdp_available()
     if not ok:
         raise ConfigError(f"train.sharding=fsdp: {why}.")
@@ -106,8 +103,6 @@ def compile_layers(cfg: CohortConfig, policy, reference, device: torch.device, *
     """model.compile_layers on a GPU: torch.compile each decoder layer (bench/grpo_step.py's fast row); the
     sharded policy compiles its forward only."""
     if cfg.model.compile_layers and device.type == "cuda":
-        from cohort.forward.packing import compile_decoder_layers
-
         compile_decoder_layers(policy, forward_only=sharded)
         if reference is not None:
             compile_decoder_layers(reference, forward_only=sharded)

@@ -5,7 +5,11 @@ turn loop (`agent.tools`). Unknown names and malformed environments fail here, b
 
 from __future__ import annotations
 
+from cohort.agents.environments import Environments
+from cohort.agents.rollout_loop import TurnLoop
+from cohort.agents.templates import check_renders_tools
 from cohort.config import CohortConfig
+from cohort.data.sources import import_object
 from cohort.errors import ConfigError
 from cohort.rewards import RewardRunner, get_reward_function
 
@@ -31,8 +35,6 @@ def build_environments(cfg: CohortConfig):
     `reset` or with a tool method lacking hints/docstring fails here, before any model loads); None without."""
     if cfg.agent.environment_factory is None:
         return None
-    from cohort.agents.environments import Environments
-
     return Environments(cfg.agent.environment_factory, tools=list(cfg.agent.tools))
 
 
@@ -52,10 +54,6 @@ def build_turn_loop(cfg: CohortConfig, tokenizer, environments=None):
     a = cfg.agent
     if not a.tools and environments is None:
         return None
-    from cohort.agents.rollout_loop import TurnLoop
-    from cohort.agents.templates import check_renders_tools
-    from cohort.data.sources import import_object
-
     check_renders_tools(tokenizer)  # model.chat_template=chatml_tools gives a model without tool support one
     tools = environments.all_tools if environments is not None else list(a.tools)
     return TurnLoop(tokenizer, tools, max_iterations=cfg.generation.max_tool_calling_iterations,

@@ -21,6 +21,10 @@ import dataclasses
 import math
 from typing import Any
 
+from transformers import TrainerControl, TrainerState
+
+from cohort import distributed
+
 # what a checkpoint keeps of transformers' TrainerState (the rest is recomputed from the step)
 _SAVED_FIELDS = ("log_history", "total_flos", "num_input_tokens_seen", "best_metric", "best_global_step",
                  "best_model_checkpoint", "trial_name", "trial_params")
@@ -32,8 +36,6 @@ _LATEST = frozenset({"grad_norm", "learning_rate", "num_tokens", "train_time", "
 
 
 def _transformers_state():
-    from transformers import TrainerControl, TrainerState
-
     return TrainerState, TrainerControl
 
 
@@ -42,8 +44,6 @@ class CallbackBridge:
         TrainerState, TrainerControl = _transformers_state()
         self.trainer = trainer
         self.callbacks = [c() if isinstance(c, type) else c for c in callbacks]
-        from cohort import distributed
-
         main = distributed.current().is_main
         self.state = TrainerState(is_local_process_zero=main, is_world_process_zero=main)
         self.control = TrainerControl()

@@ -22,6 +22,7 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
+from cohort.algorithms import policy_loss_parameters
 from cohort.config import CohortConfig
 from cohort.config.overrides import _set
 from cohort.errors import ConfigError
@@ -167,8 +168,6 @@ def _same(value: Any, default: Any) -> bool:
 def _loss(args, cfg: CohortConfig) -> None:
     """loss.* fields reach the loss only where it has that parameter (TRL's losses read only their own) and
     only when they differ from the loss's own default; TRL's epsilon_high=None means epsilon."""
-    from cohort.algorithms import policy_loss_parameters
-
     cfg.loss.loss_type = args.loss_type
     try:
         owned = policy_loss_parameters(args.loss_type)

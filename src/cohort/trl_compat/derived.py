@@ -11,8 +11,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from cohort.algorithms import policy_loss_parameters
 from cohort.config.overrides import _set
 from cohort.errors import ConfigError
+from cohort.remote.client import parse_address
 from cohort.trl_compat.fields import TABLE, kind
 
 
@@ -131,8 +133,6 @@ def _scale(a, cfg, value, **_):
 def _is_mode(a, cfg, value, **_):
     if a.loss_type == "vespo" and not str(value).startswith("token"):
         return  # TRL requires a token-level mode with vespo; cohort's vespo defaults to token_truncate
-    from cohort.algorithms import policy_loss_parameters
-
     try:
         default = policy_loss_parameters(a.loss_type).get("sampler_is_mode")
     except Exception:  # a user loss by import path
@@ -154,8 +154,6 @@ def _vllm(a, cfg, value, **_):
     if not (value and mode == "server"):
         return
     if a.vllm_server_base_url:
-        from cohort.remote.client import parse_address
-
         host, port = parse_address(a.vllm_server_base_url)
     else:
         host = "127.0.0.1" if a.vllm_server_host in ("0.0.0.0", "") else a.vllm_server_host

@@ -16,6 +16,7 @@ A status is one of
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 _ONE_PROCESS = "cohort's launcher is torchrun (`torchrun -m cohort.cli train ...`); rank 0 logs and saves"
@@ -287,8 +288,6 @@ BEGIN, END = "<!-- fields:begin (generated: python -m cohort.trl_compat.fields d
 
 def write_doc(path: str) -> None:
     """Replace the table between the markers of `path` with `markdown_table()`."""
-    from pathlib import Path
-
     doc = Path(path).read_text()
     head, rest = doc.split(BEGIN, 1)
     _, tail = rest.split(END, 1)

@@ -5,7 +5,12 @@ chat template can render tools).
 
 from __future__ import annotations
 
+import torch
+
+from cohort.agents.templates import apply_chat_template_override, check_renders_tools
+from cohort.agents.tools import build_tools
 from cohort.errors import ConfigError
+from cohort.setup.rewards import build_environments
 
 _MODEL_INIT_KEYS = {"dtype": "dtype", "torch_dtype": "dtype", "attn_implementation": "attn_implementation",
                     "trust_remote_code": "trust_remote_code"}
@@ -18,15 +23,10 @@ def tool_schemas(cfg, tok) -> list | None:
     a = cfg.agent
     if not a.tools and a.environment_factory is None:
         return None
-    from cohort.agents.templates import apply_chat_template_override, check_renders_tools
-    from cohort.agents.tools import build_tools
-
     if cfg.model.chat_template:
         apply_chat_template_override(tok, cfg.model.chat_template)
     check_renders_tools(tok)
     if a.environment_factory is not None:
-        from cohort.setup.rewards import build_environments
-
         return [t.schema for t in build_environments(cfg).all_tools]
     return [t.schema for t in build_tools(list(a.tools))]
 
@@ -49,8 +49,6 @@ def apply_model_init_kwargs(kwargs: dict | None, cfg) -> None:
 
 def disable_dropout(model) -> None:
     """GRPOConfig(disable_dropout=True): every Dropout of the policy at p=0, as TRL does."""
-    import torch
-
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0

@@ -6,19 +6,27 @@ rule, `cohort.rewards.RewardModel`), on the training device.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from pathlib import Path
 from typing import Any
 
+import torch
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import LocalEntryNotFoundError
+from transformers import AutoTokenizer
+
 from cohort.errors import ConfigError
+from cohort.rewards import registry
+from cohort.rewards.protocol import accepted_kwargs, reward_name
 from cohort.rewards.reward_model import RewardModel
+from cohort.setup.policy import resolve_device
 
 
 def resolve_reward_funcs(funcs: list[Any], processing_classes: Any, cfg, state: Any = None) -> list[Any]:
     """Reward models become `RewardModel`s on the training device; a function that takes `trainer_state`
     receives `state` (transformers' TrainerState: global_step = optimiser steps done, as in TRL)."""
-    from cohort.setup.policy import resolve_device
-
     device = resolve_device(cfg.train.device)
     if processing_classes is not None and not isinstance(processing_classes, list | tuple):
         processing_classes = [processing_classes]
@@ -37,11 +45,6 @@ def resolve_reward_funcs(funcs: list[Any], processing_classes: Any, cfg, state: 
 def _with_state(func: Any, state: Any) -> Any:
     """`func` with its trainer_state argument replaced by `state`; name, signature, partial-bound keywords and
     async-ness kept (the reward runner reads all four)."""
-    import functools
-    import inspect
-
-    from cohort.rewards.protocol import accepted_kwargs
-
     accepted, _ = accepted_kwargs(func)
     if accepted is not None and "trainer_state" not in accepted:
         return func
@@ -65,15 +68,11 @@ def _with_state(func: Any, state: Any) -> Any:
     wrapper.__signature__ = inspect.signature(func)  # what inspect.signature(wrapper) reports
     if getattr(func, "keywords", None):  # functools.partial: its bound settings stay bound
         wrapper.keywords = func.keywords
-    from cohort.rewards.protocol import reward_name
-
     wrapper.__name__ = reward_name(func)
     return wrapper
 
 
 def _is_model(obj: Any) -> bool:
-    import torch
-
     return isinstance(obj, torch.nn.Module) and hasattr(obj, "config")
 
 
@@ -82,9 +81,6 @@ def _from_name(name: str, device) -> RewardModel:
         return RewardModel(name, device=device)
     if ":" in name or name in _registered():  # cohort's own names ("accuracy", "pkg.mod:fn") stay names
         return name  # type: ignore[return-value]
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
     offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
     try:
         path = snapshot_download(name, local_files_only=offline)
@@ -100,15 +96,11 @@ def _from_name(name: str, device) -> RewardModel:
 
 
 def _registered() -> set[str]:
-    from cohort.rewards import registry
-
     return {*registry.FUNCTIONS, *registry.FACTORIES, *registry.ALIASES}
 
 
 def _from_model(model, tokenizer, device) -> RewardModel:
     if tokenizer is None:
-        from transformers import AutoTokenizer
-
         name = getattr(model.config, "_name_or_path", "")
         try:
             tokenizer = AutoTokenizer.from_pretrained(name)

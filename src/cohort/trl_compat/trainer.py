@@ -9,17 +9,36 @@ callback bridge and `state`) and `rewards` (reward functions and models).
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import json
 import logging
 import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from cohort import distributed
+from cohort.checkpointing import latest_checkpoint
+from cohort.checkpointing.weights import unwrap_model
+from cohort.data import load_prompt_dataset
 from cohort.errors import ConfigError
+from cohort.evaluation import evaluate
+from cohort.policy.model import load_policy
+from cohort.policy.optim import build_scheduler
+from cohort.run.directory import is_run_dir
+from cohort.setup import build_components, resolve_device, resolve_dtype
+from cohort.setup.rewards import build_environments
+from cohort.trainer import train
+from cohort.trl_compat.callbacks import CallbackBridge
 from cohort.trl_compat.config import GRPOConfig
 from cohort.trl_compat.model_setup import apply_model_init_kwargs, disable_dropout, tool_schemas
+from cohort.trl_compat.rewards import resolve_reward_funcs
 from cohort.trl_compat.rows import first_split, is_row, prompt_rows
+from cohort.vision.model import is_vision_checkpoint, load_vision_policy
+from cohort.vision.setup import encode_dataset, split_processor
 
 if TYPE_CHECKING:
     from cohort.setup import Components
@@ -68,8 +87,6 @@ class GRPOTrainer:
         self.config.reward.funcs = self.reward_funcs
         apply_model_init_kwargs(self.args.model_init_kwargs, self.config)
         _join_process_group(self.config)
-        from cohort.trl_compat.callbacks import CallbackBridge
-
         self.callback_handler = CallbackBridge(self, list(callbacks or []))
         self.state = self.callback_handler.state
         self.result: TrainResult | None = None
@@ -77,8 +94,6 @@ class GRPOTrainer:
         if tools:  # functions (or "pkg.module:function" paths): multi-turn tool calling (cohort.agents)
             self.config.agent.tools = list(tools)
         if environment_factory is not None:  # a class, a factory, a path, or {name: one} routed by `environment`
-            from cohort.setup.rewards import build_environments
-
             self.config.agent.environment_factory = environment_factory
             build_environments(self.config)  # an environment without reset (or a bad tool method) fails here
         self.callback_handler.event("on_init_end")
@@ -95,15 +110,10 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------------- build
     def _components(self):
-        from cohort.policy.model import load_policy
-        from cohort.setup import build_components, resolve_device, resolve_dtype
-
         cfg = self.config
         policy, tok = self.model, self.processing_class
         if isinstance(policy, str | os.PathLike):
             device = resolve_device(cfg.train.device)
-            from cohort.vision.model import is_vision_checkpoint, load_vision_policy
-
             load = load_vision_policy if is_vision_checkpoint(str(policy)) else load_policy  # a VLM: its processor
             policy, loaded_tok = load(str(policy), dtype=resolve_dtype(cfg.model.dtype, device), device=device,
                                       trust_remote_code=cfg.model.trust_remote_code,
@@ -119,8 +129,6 @@ class GRPOTrainer:
         if self.args.disable_dropout:
             disable_dropout(policy)
         if self.args.tf32 is not None:
-            import torch
-
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(self.args.tf32)
         self.processing_class = tok
         self.model = policy  # _encode reads it: image rows go through a VLM's processor
@@ -129,14 +137,10 @@ class GRPOTrainer:
         evald = None
         if str(getattr(self.args.eval_strategy, "value", self.args.eval_strategy)) != "no" and self.eval_dataset:
             evald = self._encode(prompt_rows(first_split(self.eval_dataset), self.args, "eval_dataset"), tok)
-        from cohort.trl_compat.rewards import resolve_reward_funcs
-
         cfg.reward.funcs = resolve_reward_funcs(self.reward_funcs, self.reward_processing_classes, cfg,
                                                 state=self.state)
         comp = build_components(cfg, policy=policy, tokenizer=tok, train_data=train, eval_data=evald)
         if self.optimizer is not None:  # optimizers=(optimizer, scheduler), as in transformers' Trainer
-            from cohort.policy.optim import build_scheduler
-
             comp.optimizer = self.optimizer
             comp.scheduler = self.lr_scheduler or build_scheduler(
                 self.optimizer, kind=cfg.train.lr_scheduler_type, warmup_steps=cfg.train.warmup_steps,
@@ -147,15 +151,11 @@ class GRPOTrainer:
         return comp
 
     def _encode(self, rows, tok):
-        from cohort.data import load_prompt_dataset
-
         d = self.config.data
         ds = load_prompt_dataset(list(rows), prompt_column=d.prompt_column, system_prompt=d.system_prompt)
         kwargs = dict(self.args.chat_template_kwargs or {})
         if getattr(self, "_tool_schemas", None):  # TRL: the prompts list the tools
             kwargs["tools"] = self._tool_schemas
-        from cohort.vision.setup import encode_dataset, split_processor
-
         tokenizer, processor = split_processor(tok)
         policy = self.model if hasattr(self.model, "parameters") else None
         return encode_dataset(ds, tokenizer, processor, policy, d.max_prompt_length, d.truncation,
@@ -165,8 +165,6 @@ class GRPOTrainer:
     def train(self, resume_from_checkpoint: bool | str | None = None, **kwargs):
         """Train; resume_from_checkpoint=True continues from the newest checkpoint in output_dir, a path from
         that checkpoint folder (cohort's output_dir/checkpoints/step-N)."""
-        from cohort.trainer import train
-
         if kwargs:
             raise ConfigError(f"GRPOTrainer.train() got unexpected arguments {sorted(kwargs)}.")
         cfg = self.config
@@ -174,17 +172,12 @@ class GRPOTrainer:
             path = resume_from_checkpoint
             if path is not True and not Path(path).is_dir():
                 raise ConfigError(f"train(resume_from_checkpoint={path!r}): no such checkpoint folder.")
-            if path is True:
-                from cohort.checkpointing import latest_checkpoint
-
-                if latest_checkpoint(cfg.run.output_dir) is None:  # TRL raises here too
-                    raise ConfigError(f"train(resume_from_checkpoint=True): no checkpoint in {cfg.run.output_dir}"
-                                      "/checkpoints to resume from (save_strategy='no' writes none); call train() "
-                                      "without it to start over, or pass a checkpoint folder.")
+            if path is True and latest_checkpoint(cfg.run.output_dir) is None:  # TRL raises here too
+                raise ConfigError(f"train(resume_from_checkpoint=True): no checkpoint in {cfg.run.output_dir}"
+                                  "/checkpoints to resume from (save_strategy='no' writes none); call train() "
+                                  "without it to start over, or pass a checkpoint folder.")
             cfg.run.resume = True if path is True else str(path)
         elif not cfg.run.resume:
-            from cohort.run.directory import is_run_dir
-
             cfg.run.overwrite = True  # TRL writes into an existing output_dir
             if Path(cfg.run.output_dir).is_dir() and is_run_dir(Path(cfg.run.output_dir)):
                 log.warning("output_dir %s holds an earlier cohort run: this train() replaces it (pass "
@@ -204,8 +197,6 @@ class GRPOTrainer:
                  ) -> dict[str, float]:
         """Generate on eval_dataset (a Dataset, rows, or a dict of them) and score: eval_reward, eval_accuracy
         (first reward function >= 1), eval_pass@k with num_generations_eval > 1. Logged like TRL's."""
-        from cohort.evaluation import evaluate
-
         data = eval_dataset if eval_dataset is not None else self.eval_dataset
         if data is None:
             raise ConfigError("evaluate() needs an eval_dataset (GRPOTrainer(eval_dataset=...) or evaluate(rows)).")
@@ -230,8 +221,6 @@ class GRPOTrainer:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Weights (or the LoRA adapters), config and tokenizer in `output_dir` (default args.output_dir),
         loadable with from_pretrained."""
-        from cohort.checkpointing.weights import unwrap_model
-
         if self.config.train.sharding != "fsdp" and not self.is_world_process_zero():
             return  # every rank holds the same weights: rank 0 writes them, as TRL's should_save
         out = Path(output_dir or self.config.run.output_dir)
@@ -277,8 +266,6 @@ class GRPOTrainer:
         return self.args.hub_model_id or Path(self.config.run.output_dir).name
 
     def is_world_process_zero(self) -> bool:
-        from cohort import distributed
-
         return distributed.current().is_main
 
     is_local_process_zero = is_world_process_zero
@@ -293,8 +280,6 @@ class GRPOTrainer:
         print(f"***** {split} metrics *****\n" + "\n".join(f"  {k} = {v}" for k, v in sorted(metrics.items())))
 
     def save_metrics(self, split: str, metrics: dict[str, float], combined: bool = True) -> None:
-        import json
-
         path = Path(self.config.run.output_dir) / f"{split}_results.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(metrics, indent=4, sort_keys=True))
@@ -308,8 +293,6 @@ class _Accelerator:
     """The few `trainer.accelerator` members TRL's scripts use, for cohort's torchrun ranks."""
 
     def __init__(self):
-        from cohort import distributed
-
         info = distributed.current()
         self.process_index, self.num_processes = info.rank, info.world_size
         self.is_main_process = self.is_local_main_process = info.is_main
@@ -319,8 +302,6 @@ class _Accelerator:
             print(*args, **kwargs)
 
     def wait_for_everyone(self) -> None:
-        from cohort import distributed
-
         distributed.barrier()
 
 
@@ -328,11 +309,7 @@ def _join_process_group(cfg) -> None:
     """Under torchrun (WORLD_SIZE > 1), join the process group as TRL's Trainer does when it is made (gloo on
     CPUs, NCCL on GPUs); at exit every rank meets at a barrier before the group ends, so no rank tears
     communication down under a peer still saving or evaluating."""
-    from cohort import distributed
-
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not distributed.current().enabled:
-        import atexit
-
         distributed.init_from_env(timeout_s=cfg.train.dist_timeout_s)
         atexit.register(distributed.shutdown)
 

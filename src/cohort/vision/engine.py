@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from transformers import DynamicCache
 
 from cohort.engine.sampler import Sampler
 from cohort.engine.sequence import Sequence
@@ -99,8 +100,6 @@ class VisionGroupEngine:
     def _prefill(self, prompts: list) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, list[int]]:
         """One batched forward over every prompt, left-padded to the longest: (cache, last-token logits [P, V],
         attention mask [P, width], each prompt's next text position)."""
-        from transformers import DynamicCache
-
         base = unwrap(self.model)
         body = language_model(base)
         mrope = uses_mrope(base)

@@ -25,6 +25,8 @@ from torch import nn
 from cohort.engine.attention import AttentionOps, AttnContext
 from cohort.engine.models.decoder import DecoderForward, HFModule, unsupported_mlp_or_rope, unwrap_model
 from cohort.engine.models.layers import fused_ops
+from cohort.vision.forward import embed_with_images, mrope_positions
+from cohort.vision.model import uses_mrope
 
 _LANGUAGE = ("language_model", "text_model")
 
@@ -71,8 +73,6 @@ class VisionDecoderForward(DecoderForward):
         self.qk_norm = hasattr(first, "q_norm")
         self.windows = [int(w) if (w := getattr(layer.self_attn, "sliding_window", None)) else None
                         for layer in body.layers]
-        from cohort.vision.model import uses_mrope
-
         self.mrope = uses_mrope(model)
         self.cos, self.sin = self._rope_tables(max_len)
         self.ops = fused_ops(self.device)
@@ -101,8 +101,6 @@ class VisionDecoderForward(DecoderForward):
         """Embeddings and cos/sin rows of a prefill step whose leaders carry images (None: none do)."""
         if not any(getattr(u.leader, "inputs", None) is not None for u in units):
             return None
-        from cohort.vision.forward import embed_with_images, mrope_positions
-
         embeds, cos, sin, start = [], [], [], 0
         for unit in units:
             seq = unit.leader

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 import torch
 
 from cohort.forward.logprobs import DEFAULT_CHUNK_TOKENS, selective_logprobs_and_entropy
-from cohort.forward.packing import pack_layout
+from cohort.forward.packed_attention import _PACKED_MASKS, enable_packed_attention, prepare_flash
+from cohort.forward.packing import PackedLogprobs, pack_layout
 from cohort.vision.model import image_token_id, inner_model, language_model, unwrap, uses_mrope
 
 
@@ -119,9 +120,6 @@ def vision_packed_logprobs(model, sequences, *, temperature: float = 1.0, comput
                            chunk_tokens: int = DEFAULT_CHUNK_TOKENS, attn: str = "varlen",
                            lm_head_grad_fp32: bool = True, keep_logits: bool = False):
     """`packed_forward_logprobs` for prompts with images (see the module docstring) -> PackedLogprobs."""
-    from cohort.forward.packed_attention import _PACKED_MASKS, enable_packed_attention, prepare_flash
-    from cohort.forward.packing import PackedLogprobs
-
     if attn not in ("varlen", "native"):
         raise ValueError(f"attn={attn!r} is not one of 'varlen', 'native'")
     if not sequences:

@@ -12,8 +12,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from cohort.errors import ConfigError
+from cohort.policy.model import _from_pretrained, _with_pad_token
+from cohort.policy.model import resolve_dtype as model_dtype
 
 if TYPE_CHECKING:  # a Hugging Face module reached by attribute name (see cohort.engine.models.decoder)
     from cohort.engine.models.decoder import HFModule
@@ -112,11 +115,6 @@ def uses_mrope(model: torch.nn.Module) -> bool:
 def load_vision_policy(path: str, *, dtype: Any = "auto", device: Any = None, trust_remote_code: bool = False,
                        attn_implementation: str | None = None):
     """A VLM and its processor -> (model, processor). The processor's tokenizer gets a pad token."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    from cohort.policy.model import _from_pretrained, _with_pad_token
-    from cohort.policy.model import resolve_dtype as model_dtype
-
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     processor = _from_pretrained(AutoProcessor, path, "processor", **kwargs)
     if getattr(processor, "tokenizer", None) is None or getattr(processor, "image_processor", None) is None:

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from cohort.engine import engine_supports
 from cohort.errors import ConfigError, DataError
+from cohort.policy.model import resolve_model_path
+from cohort.vision.engine import VisionGroupEngine
 from cohort.vision.inputs import check_text_model_data, encode_vision_dataset, has_image_column
 from cohort.vision.model import (
     freeze_vision,
@@ -40,8 +43,6 @@ def split_processor(obj: Any) -> tuple[Any, Any]:
 
 def load_model(cfg, *, dtype, device):
     """(policy, tokenizer, processor) for a VLM checkpoint; None when model.name_or_path is not one."""
-    from cohort.policy.model import resolve_model_path
-
     m = cfg.model
     path = resolve_model_path(m.name_or_path, gguf_file=m.gguf_file)
     if not is_vision_checkpoint(path):
@@ -104,9 +105,6 @@ def build_engine(policy, tokenizer, eos_token_ids, echo=print, choice: str = "au
     it would not see the images."""
     if not is_vision_model(policy):
         return None
-    from cohort.engine import engine_supports
-    from cohort.vision.engine import VisionGroupEngine
-
     ok, why = engine_supports(policy)
     if ok and choice in ("auto", "cohort"):
         return None

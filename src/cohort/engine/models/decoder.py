@@ -27,6 +27,7 @@ from torch import nn
 
 from cohort.engine.attention import AttentionOps, AttnContext, store_kv
 from cohort.engine.models.layers import fused_ops
+from cohort.engine.triton_rope import fused_rope_kv_supported, rope_store_kv
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _UNSUPPORTED_ROPE = ("dynamic", "longrope")
@@ -45,14 +46,6 @@ def unwrap_model(model: nn.Module) -> HFModule:
     An HFModule: the engine reaches its parts by name (`.model.layers[i].self_attn.q_proj`)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
-
-
-def engine_supports(model: nn.Module) -> tuple[bool, str]:
-    """Whether CohortEngine can run `model`; the reason names what blocks it (for a fallback message).
-    Every family of models/registry.py, chosen by config.model_type."""
-    from cohort.engine.models.registry import engine_supports as supports
-
-    return supports(model)
 
 
 def rope_types(config) -> list[str]:
@@ -134,8 +127,6 @@ class DecoderForward:
         self.windows = layer_windows(model)
         self.cos, self.sin = self._rope_tables(max_len)
         self.ops = fused_ops(self.device)
-        from cohort.engine.triton_rope import fused_rope_kv_supported  # imports Triton, when installed
-
         self.fused_rope_kv = fused_rope_kv_supported(self.device, self.head_dim)
         self.fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
         if fuse_projections is None:
@@ -249,8 +240,6 @@ class DecoderForward:
             q, k = self._head_norm(q, attn.q_norm), self._head_norm(k, attn.k_norm)
         if self.fused_rope_kv:
             # One kernel: q and k rotated in place (views of the QKV output), k and v written to the cache.
-            from cohort.engine.triton_rope import rope_store_kv
-
             q, k = rope_store_kv(q, k, v, cos, sin, kv_cache[0, i], kv_cache[1, i], ctx.slot_mapping)
         else:
             q, k = self.ops.rope(q, k, cos, sin)
