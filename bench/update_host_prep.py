@@ -40,9 +40,9 @@ def main() -> None:
         sampling_logprobs=[[-rng.random() for _ in range(256)] for _ in range(n)],
         finish_reasons=["length"] * n, completions_text=[""] * n, prompts=[None] * n,
         rewards_per_func=torch.zeros(n, 1), rewards=torch.zeros(n), advantages=torch.randn(n),
-        loss_mask_keep=[True] * n)
+        loss_mask_keep=[True] * n, group_size=8)
     updater = PolicyUpdater(torch.nn.Linear(2, 2), None, None, None,
-                            UpdateSettings(1, 1, 33024, 1.0, 1.0, 256, 8, share_prompts=True))
+                            UpdateSettings(1, 1, 33024, 1.0, 1.0, 256, share_prompts=True))
     rows = list(range(n))
     first = [rows[i] for i in updater._micro_batches(batch, rows)[0]]
     count = getattr(batch, "loss_token_count", None)

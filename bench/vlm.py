@@ -195,12 +195,12 @@ def run_train_step(model, prompts, groups, args, device):
         completion_ids=[c.token_ids for c in completions], sampling_logprobs=[c.logprobs for c in completions],
         finish_reasons=[c.finish_reason for c in completions], completions_text=[""] * n,
         prompts=[""] * n, rewards_per_func=rewards[:, None], rewards=rewards, advantages=adv,
-        loss_mask_keep=[True] * n)
+        loss_mask_keep=[True] * n, group_size=args.generations)
     optimizer = build_optimizer(model, lr=1e-6, weight_decay=0.0, betas=(0.9, 0.99), master_weights=False)
     scheduler = build_scheduler(optimizer, kind="constant", warmup_steps=0, total_steps=1)
     updater = PolicyUpdater(model, optimizer, scheduler, build_policy_loss("dapo", {}), device=device, settings=UpdateSettings(
         mini_batches=1, num_iterations=1, token_budget=args.token_budget, temperature=1.0, max_grad_norm=1.0,
-        max_completion_length=args.completion_len, num_generations=args.generations, chunk_tokens=4096,
+        max_completion_length=args.completion_len, chunk_tokens=4096,
         lm_head_grad_fp32=False))
     tokens = sum(len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids))
     if device.type == "cuda":

@@ -22,9 +22,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from cohort import distributed
+from cohort import distributed, trainer  # trainer as a module: tests replace trainer.train
 from cohort.checkpointing import latest_checkpoint
 from cohort.config import CohortConfig, dump_config, load_config
+from cohort.config.help import render_text
 from cohort.config.preflight import check_data_paths, check_model_path, check_paths
 from cohort.errors import CohortError, ConfigError
 from cohort.evaluation import evaluate
@@ -40,10 +41,12 @@ from cohort.setup import (
     resolve_dtype,
     sampling_params_for,
 )
-from cohort.trainer import train
 
 
 def _train(args: argparse.Namespace) -> int:
+    if args.help_config is not None:  # every setting (or one section's), from the dataclasses: nothing is loaded
+        print(render_text(args.help_config or None), end="")
+        return 0
     cfg = load_config(args.recipe, args.overrides)
     if args.resume:  # continuing a run never wipes it, whatever the recipe says about overwrite
         cfg.run.resume, cfg.run.overwrite = True, False
@@ -57,7 +60,7 @@ def _train(args: argparse.Namespace) -> int:
     # torchrun: one process per GPU, data parallel; every collective times out after train.dist_timeout_s
     info = distributed.init_from_env(timeout_s=cfg.train.dist_timeout_s)
     try:
-        result = train(cfg)
+        result = trainer.train(cfg)
         distributed.shutdown()
     except KeyboardInterrupt:
         if info.is_main:
@@ -72,8 +75,6 @@ def _train(args: argparse.Namespace) -> int:
         print("held-out before -> after: " + "  ".join(
             f"{k} {result.eval_before.get(k, float('nan')):.3f} -> {v:.3f}" for k, v in result.eval_after.items()))
     try:
-        from cohort.run.plot import plot_run
-
         for path in plot_run(result.run_dir):
             print(f"curves: {path}")
     except ImportError:
@@ -199,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the run directory's last checkpoint")
     t.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    t.add_argument("--help-config", nargs="?", const="", metavar="SECTION",
+                   help="print every setting (or one section's): key, type, default and help, then exit")
     t.set_defaults(func=_train)
     e = sub.add_parser("eval", help="evaluate a model on a recipe's held-out prompts")
     e.add_argument("recipe", nargs="?")
@@ -230,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # options of train / eval that take a value (the next argument, or --opt=value), and every flag they know
 _VALUE_OPTIONS = {"train": (), "eval": ("--samples",)}
-_FLAGS = {"train": ("--resume", "--overwrite", "--print-config", "-h", "--help"),
+_FLAGS = {"train": ("--resume", "--overwrite", "--print-config", "--help-config", "-h", "--help"),
           "eval": ("--samples", "-h", "--help")}
 
 
@@ -255,6 +258,11 @@ def _argv_with_recipe_fix(argv: list[str]) -> list[str]:
         if a == "--":  # everything after it is positional
             positionals += rest[i + 1:]
             break
+        if a == "--help-config" and argv[0] == "train":  # its SECTION is optional: a recipe or override is not one
+            section = rest[i + 1] if i + 1 < len(rest) and rest[i + 1].isidentifier() else ""
+            flags.append(f"--help-config={section}")
+            i += 2 if section else 1
+            continue
         if a.startswith("-") and not ("=" in a and not a.startswith("--")):
             _check_flag(argv[0], a)
             flags.append(a)

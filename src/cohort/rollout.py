@@ -14,9 +14,10 @@ model's (the only ones the loss trains on).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,54 +27,7 @@ from cohort.algorithms import compute_advantages
 from cohort.data import PromptBatch
 from cohort.data.dataset import _tokenize_prompt
 from cohort.data.detokenize import batch_decode
-from cohort.types import Completion, RolloutEngine, SamplingParams
-
-
-@dataclass
-class RolloutBatch:
-    """N = prompts x G completions, groups contiguous. Lists are per completion."""
-
-    prompt_ids: list[list[int]]
-    completion_ids: list[list[int]]
-    sampling_logprobs: list[list[float]]
-    finish_reasons: list[str]
-    completions_text: list[str]
-    prompts: list[Any]
-    rewards_per_func: torch.Tensor  # [N, F], NaN where a function returned None
-    rewards: torch.Tensor  # [N] combined
-    advantages: torch.Tensor  # [N]
-    loss_mask_keep: list[bool]  # False: completion masked out of the loss (e.g. truncated)
-    metrics: dict[str, float] = field(default_factory=dict)
-    # per completion, 1 for the model's tokens and 0 for context (tool results); None (or a None row): all 1
-    completion_masks: list[list[int] | None] | None = None
-    # per-sample columns reward functions logged with log_extra (TRL 1.16), written with the sample rows
-    extra_columns: dict[str, list[Any]] = field(default_factory=dict)
-    # per completion, the policy version that sampled it (a served engine, cohort.serving); None in process
-    policy_versions: list[int | None] | None = None
-
-    def __len__(self) -> int:
-        return len(self.completion_ids)
-
-    def token_mask(self, i: int) -> list[int]:
-        """Completion i's per-token loss mask: all 0 when it is masked out (loss_mask_keep), else 1 on the
-        tokens the model sampled (every token of a single-turn completion) and 0 on context tokens."""
-        n = len(self.completion_ids[i])
-        if not self.loss_mask_keep[i]:
-            return [0] * n
-        mask = self.completion_masks[i] if self.completion_masks is not None else None
-        return [1] * n if mask is None else list(mask)
-
-    def loss_token_count(self, i: int) -> int:
-        """sum(token_mask(i)) without building the list (the update counts every row's tokens up front)."""
-        if not self.loss_mask_keep[i]:
-            return 0
-        mask = self.completion_masks[i] if self.completion_masks is not None else None
-        return len(self.completion_ids[i]) if mask is None else int(sum(mask))
-
-    def all_tokens_trained(self, i: int) -> bool:
-        """True when token_mask(i) is all 1 by construction (kept, no per-token mask: a single-turn completion),
-        so the update can fill its row without building the list; False says nothing (read token_mask)."""
-        return bool(self.loss_mask_keep[i]) and (self.completion_masks is None or self.completion_masks[i] is None)
+from cohort.types import Completion, RolloutBatch, RolloutEngine, SamplingParams
 
 
 def decode_completions(tokenizer, completions: Sequence[Completion], conversational: bool) -> list[Any]:
@@ -147,7 +101,7 @@ def generate_in_environments(turn_loop, engine: RolloutEngine, tokenizer, batch:
     return EnvironmentRollouts(groups, prompts, prompt_ids, [s.instance for s in sessions])
 
 
-def _generate_and_score(engine: RolloutEngine, tokenizer, batch: PromptBatch, params: SamplingParams,
+def _generate_and_score(engine: RolloutEngine, tokenizer, batch: PromptBatch, *, params: SamplingParams,
                         reward_runner, trainer_state, turn_loop=None) -> tuple[list[Completion], list[Any], Any, Any]:
     """Also returns the per-rollout (prompts, prompt_ids) with environments (reset may change each rollout's
     prompt), else None (the batch's prompts, G times each)."""
@@ -214,12 +168,21 @@ def collect_rollouts(
     fill another rank's gap, so a rank may need another try, or take all-equal groups on the last try,
     where a pooled filter would not have. With one rank this is exactly the single-process loop."""
     g = params.n
+    score = functools.partial(_generate_and_score, engine, tokenizer, params=params, reward_runner=reward_runner,
+                              trainer_state=trainer_state, turn_loop=turn_loop)
     if not dynamic_sampling:
         batch = next_prompts(num_prompts)
-        completions, texts, result, per_rollout = _generate_and_score(engine, tokenizer, batch, params, reward_runner,
-                                                                      trainer_state, turn_loop)
-        return _assemble([(batch, completions, texts, result, per_rollout)], g, advantage_kwargs, mask_truncated_completions,
-                         {"sampling/tries": 1.0}, gather_rewards, rank)
+        kept, metrics = [(batch, *score(batch))], {"sampling/tries": 1.0}
+    else:
+        kept, metrics = _dynamic_sampling(score, next_prompts, num_prompts, g, advantage_kwargs, max_resample_tries,
+                                          max_oversample, gather_rewards)
+    return _assemble(kept, g, advantage_kwargs, mask_truncated_completions, metrics, gather_rewards, rank)
+
+
+def _dynamic_sampling(score, next_prompts: Callable[[int], PromptBatch], num_prompts: int, g: int,
+                      advantage_kwargs: dict[str, Any], max_resample_tries: int, max_oversample: int,
+                      gather_rewards) -> tuple[list[tuple], dict[str, float]]:
+    """DAPO's filter (see collect_rollouts): the kept groups of every try, and the sampling metrics."""
     kept: list[tuple[PromptBatch, list[Completion], list[Any], Any, Any]] = []
     have, tries, zero_std_groups, seen_groups = 0, 0, 0, 0
     while True:
@@ -238,8 +201,7 @@ def collect_rollouts(
             continue
         if want < draw:
             batch = _first_prompts(batch, want)
-        completions, texts, result, per_rollout = _generate_and_score(engine, tokenizer, batch, params, reward_runner,
-                                                                      trainer_state, turn_loop)
+        completions, texts, result, per_rollout = score(batch)
         zero = compute_advantages(result.rewards, g, **advantage_kwargs).is_std_zero.view(-1, g)[:, 0]
         seen_groups += len(_encoded(batch))
         zero_std_groups += int(zero.sum())
@@ -247,16 +209,13 @@ def collect_rollouts(
         if tries >= max_resample_tries:  # the last try fills the step, all-equal groups included
             keep = sorted(keep + zero.nonzero().flatten().tolist()[:need - len(keep)])
         kept.append(_select_groups(batch, completions, texts, result, per_rollout, keep, g))
-        batch = kept[-1][0]
-        have += len(_encoded(batch))
+        have += len(_encoded(kept[-1][0]))
     if gather_rewards is not None:  # the counts of every rank, so the metrics describe the whole step
         counts = gather_rewards(torch.tensor([zero_std_groups, seen_groups])).view(-1, 2).sum(dim=0)
         zero_std_groups, seen_groups = int(counts[0]), int(counts[1])
     # counted over every group sampled, dropped ones included: how much sampling the filter cost
-    return _assemble(kept, g, advantage_kwargs, mask_truncated_completions,
-                     {"frac_reward_zero_std": zero_std_groups / max(1, seen_groups),
-                      "sampling/tries": float(tries), "sampling/groups_drawn": float(seen_groups)},
-                     gather_rewards, rank)
+    return kept, {"frac_reward_zero_std": zero_std_groups / max(1, seen_groups),
+                  "sampling/tries": float(tries), "sampling/groups_drawn": float(seen_groups)}
 
 
 def _encoded(batch: PromptBatch) -> list[list[int]]:
@@ -318,7 +277,7 @@ def _assemble(kept, g: int, advantage_kwargs: dict[str, Any], mask_truncated: bo
         prompt_ids=prompt_ids, completion_ids=[c.token_ids for c in completions],
         sampling_logprobs=[c.logprobs for c in completions], finish_reasons=finish,
         completions_text=texts, prompts=prompts, rewards_per_func=result.rewards, rewards=adv.rewards,
-        advantages=adv.advantages, loss_mask_keep=keep, metrics=metrics,
+        advantages=adv.advantages, loss_mask_keep=keep, group_size=g, metrics=metrics,
         completion_masks=[c.mask for c in completions] if any(c.mask is not None for c in completions) else None,
         extra_columns={k: v for k, v in getattr(result, "extra", {}).items() if len(v) == len(completions)},
         policy_versions=[c.version for c in completions] if any(c.version is not None for c in completions) else None,

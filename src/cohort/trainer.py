@@ -7,21 +7,21 @@
         engine.sync_weights()                                (no-op when the engine reads weights in place)
         log, evaluate, checkpoint
 
-`build_components` turns a `CohortConfig` into the objects the loop needs (model, engine, data, rewards,
-loss, optimiser); `train` runs the loop. Neither knows any loss-type name. Everything that can fail on a bad
-input (config, model path, dataset) fails in `build_components`, before the run directory is created.
+`build_components` (cohort.setup) turns a `CohortConfig` into the built objects the loop needs (`Components`,
+fixed after set-up); what moves as the run goes on is its `RunState`, which is what a checkpoint saves.
+Callbacks (`cohort.run.callbacks`) observe the loop and return typed decisions. Neither the loop nor set-up
+knows any loss-type name. Everything that can fail on a bad input fails in `build_components`, before the
+run directory is created.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from cohort import checkpointing as ckpt
 from cohort import distributed
@@ -31,13 +31,18 @@ from cohort.distributed.grad_sync import GradientReducer
 from cohort.evaluation import evaluate
 from cohort.remote.pipeline import RolloutPipeline, staleness_metrics
 from cohort.rollout import collect_rollouts
+from cohort.run.callbacks import Callback, CallbackList, Decision
 from cohort.run.directory import open_run_dir, write_resolved_config
 from cohort.run.logging import MetricLogger
+from cohort.run.samples import cell, sample_prompt
 from cohort.run.seeding import seed_everything
+from cohort.run.state import RunState
 from cohort.run.timing import PhaseTimer
 from cohort.setup import Components, build_components
 from cohort.types import TrainerState
-from cohort.update import PolicyUpdater, UpdateSettings
+from cohort.update import PolicyUpdater
+
+__all__ = ["Callback", "Decision", "TrainResult", "describe_schedule", "seed_everything", "train"]
 
 
 @dataclass
@@ -49,21 +54,12 @@ class TrainResult:
     stopped_at: int | None = None  # the step a time limit stopped the run at (resume to continue)
 
 
-# A hook is called as hook(event, step, payload) at "train_begin", "resume" (after a checkpoint is loaded;
-# payload: the "hooks" state saved with it), "step_begin" (before the step generates), "update_begin",
-# "pre_optimizer_step", "optimizer_step", "update_end" (each optimiser update of the step), "log" (payload:
-# the step's metrics, after they are logged), "checkpoint_state" (before a save, on every rank; the hook adds
-# JSON-able entries to the payload dict, saved in the checkpoint and handed back at "resume"), "save"
-# ({"path": checkpoint folder, None on ranks that write none}), "evaluate" (the held-out metrics) and
-# "train_end"; a truthy return from "log" ends training after that step (with its checkpoint unless
-# run.save_at_end is false), one from "evaluate_requested" (before the step's metrics are logged) or
-# "save_requested" (after "log") evaluates or saves at that step besides the configured ones. The TRL facade's
-# callbacks ride on this; the loop knows nothing else about them.
-Hook = Callable[[str, int, dict], Any]
+@dataclass
+class _Progress:
+    """The loop's moving parts: the run's state (what a checkpoint saves) and the last step's sample rows."""
 
-
-def _emit(hooks: Sequence[Hook], event: str, step: int, payload: dict | None = None) -> bool:
-    return any([bool(hook(event, step, payload if payload is not None else {})) for hook in hooks])
+    state: RunState = field(default_factory=RunState)
+    samples: list[dict] = field(default_factory=list)
 
 
 def describe_schedule(cfg: CohortConfig) -> str:
@@ -89,7 +85,7 @@ def _next_prompts(comp: Components, sampler: PromptSampler):
 
 
 def train(cfg: CohortConfig, components: Components | None = None, *, echo=print,
-          hooks: Sequence[Hook] = ()) -> TrainResult:
+          callbacks: Sequence[Callback] = ()) -> TrainResult:
     cfg.validate()
     seed_everything(cfg.train.seed)
     info = distributed.current()
@@ -99,19 +95,13 @@ def train(cfg: CohortConfig, components: Components | None = None, *, echo=print
     with distributed.phase("setup"):
         comp = components or build_components(cfg, echo=echo)
     echo(describe_schedule(cfg))
+    hooks = CallbackList(callbacks)
     if not info.is_main:
         distributed.barrier()  # rank 0 has prepared the run directory (resume reads its checkpoints)
         return _train_in(cfg, comp, Path(cfg.run.output_dir), echo, hooks)
     with open_run_dir(cfg.run.output_dir, resume=bool(cfg.run.resume), overwrite=cfg.run.overwrite) as run_dir:
         distributed.barrier()
         return _train_in(cfg, comp, run_dir, echo, hooks)
-
-
-def _grad_reducer(cfg: CohortConfig, comp: Components):
-    """Unsharded data parallel: a reducer that sums gradient buckets over ranks while backward runs."""
-    if not distributed.current().enabled or cfg.train.sharding == "fsdp":
-        return None
-    return GradientReducer([p for p in comp.policy.parameters() if p.requires_grad])
 
 
 def _silent(*args, **kwargs) -> None:
@@ -128,85 +118,50 @@ class _NoLogger:
     close = log
 
 
-def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo, hooks: Sequence[Hook] = ()) -> TrainResult:
+def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo, hooks: CallbackList) -> TrainResult:
     t, main = cfg.train, distributed.current().is_main
     if main:
         write_resolved_config(run_dir, cfg.to_dict())
     sampler = PromptSampler(len(comp.train_data), t.prompts_per_step, seed=t.seed, shuffle=cfg.data.shuffle)
-    updater = PolicyUpdater(
-        comp.policy, comp.optimizer, comp.scheduler, comp.loss_fn, reference=comp.reference,
-        device=comp.device, settings=UpdateSettings(
-            mini_batches=t.mini_batches, num_iterations=t.num_iterations, token_budget=t.token_budget,
-            temperature=cfg.generation.temperature or 1.0, max_grad_norm=t.max_grad_norm,
-            max_completion_length=cfg.generation.max_completion_length,
-            num_generations=cfg.generation.num_generations, chunk_tokens=t.logprob_chunk_tokens,
-            lm_head_grad_fp32=t.master_weights, keep_logits=t.keep_logits, sharded=t.sharding == "fsdp",
-            reduce_every_micro_batch=t.fsdp_reduce_every_micro_batch,
-            max_nonfinite_updates=t.max_nonfinite_updates, share_prompts=t.share_prompts),
-        grad_reducer=_grad_reducer(cfg, comp))
-    if hooks:
-        updater.on_update = lambda event: _emit(hooks, event, updater.step)
-    result, started = TrainResult(run_dir=run_dir), time.monotonic()
-    start_step = _resume(cfg, comp, run_dir, sampler, result, echo, updater, hooks) if cfg.run.resume else 0
+    updater = _updater(comp, hooks)
+    result, started, progress = TrainResult(run_dir=run_dir), time.monotonic(), _Progress()
+    if cfg.run.resume:
+        progress.state = _resume(cfg, comp, run_dir, sampler, echo, updater, hooks)
+        result.eval_before = progress.state.eval_before
+    start_step = step = progress.state.step
     logger = MetricLogger(run_dir, total_steps=t.max_steps, report_to=cfg.run.report_to,
                           start_step=start_step) if main else _NoLogger()
-    step, stopped = start_step, False
     pipeline = _pipeline(cfg, comp, sampler, start_step)  # train.max_staleness >= 1 (server placement)
     try:
-        _emit(hooks, "train_begin", start_step)
-        if start_step == 0 and comp.eval_data is not None and main:
-            with distributed.phase("eval", 0):
-                result.eval_before = evaluate(comp, cfg)
-            echo("eval before training: " + _fmt(result.eval_before))
-        while step < t.max_steps and not stopped and not _budget_spent(cfg, comp):
+        hooks.notify("on_train_begin", start_step)
+        _evaluate_before(cfg, comp, result, start_step, echo)
+        stop = False
+        while step < t.max_steps and not stop and not _budget_spent(cfg, progress.state):
             step += 1
-            _emit(hooks, "step_begin", step)
-            metrics = _step(cfg, comp, sampler, updater, step, pipeline)
+            hooks.notify("on_step_begin", step)
+            metrics = _step(cfg, comp, sampler, updater, step, pipeline, progress)
             if step == start_step + 1:  # prompt truncation/drop counts, logged with the first step
                 metrics.update(getattr(comp.train_data.stats, "as_metrics", dict)())
             result.history.append(metrics)
             if step == 1 and result.eval_before:  # logged only once a step succeeded: a run that fails
                 # at step 1 (e.g. a broken reward function) leaves no run directory behind
                 logger.log(0, {f"eval/{k}": v for k, v in result.eval_before.items()})
-            last = step == t.max_steps or _budget_spent(cfg, comp)
+            last = step == t.max_steps or _budget_spent(cfg, progress.state)
             with distributed.phase("log", step):
                 out_of_time = distributed.any_rank(
                     cfg.run.time_limit_s is not None and time.monotonic() - started > cfg.run.time_limit_s)
-                _record(cfg, comp, logger, step, metrics, last=last,
-                        requested=_emit(hooks, "evaluate_requested", step))
-            if _emit(hooks, "log", step, metrics):  # a hook asked to stop: end here as at max_steps
-                last = stopped = True
-            # a sharded checkpoint is written by every rank (each its shards); otherwise rank 0 alone
-            writer = main or t.sharding == "fsdp"
-            # a hook may ask for a checkpoint at this step (the ranks agree: sharded saves are collective)
-            requested = bool(hooks) and distributed.any_rank(_emit(hooks, "save_requested", step))
-            if ((cfg.run.save_steps and step % cfg.run.save_steps == 0) or (last and cfg.run.save_at_end)
-                    or out_of_time or requested):
-                hook_state: dict[str, Any] = {}
-                _emit(hooks, "checkpoint_state", step, hook_state)
-                saved = None
-                if writer:
-                    with distributed.phase("save", step):
-                        saved = _save(cfg, comp, run_dir, step, _checkpoint_sampler(sampler, pipeline, step), result,
-                                      updater, hook_state)
-                    if saved is not None:  # (the benchmarks replace _save by a no-op)
-                        echo(f"checkpoint {saved.name}: {ckpt.describe_size(saved)}")
-                _emit(hooks, "save", step, {"path": saved})
-            if out_of_time and not last:
+                _record(cfg, comp, logger, step, metrics, progress.samples, last=last,
+                        requested=Decision.EVALUATE in hooks.decide("before_log", step))
+            decision = hooks.decide("on_log", step, metrics)
+            stop = Decision.STOP in decision  # a callback asked to stop: end here as at max_steps
+            _maybe_save(cfg, comp, run_dir, step, sampler, pipeline, progress, result, updater, hooks, echo,
+                        last=last or stop, out_of_time=out_of_time, asked=Decision.SAVE in decision)
+            if out_of_time and not (last or stop):
                 echo(f"run.time_limit_s={cfg.run.time_limit_s} reached after step {step}: checkpoint saved; "
                      "continue with --resume")
                 result.stopped_at = step
                 return result
-        if step < t.max_steps and not stopped:  # the loop ended on train.max_train_time_s, not on max_steps
-            echo(f"train.max_train_time_s={cfg.train.max_train_time_s} of training reached after step {step} "
-                 f"({comp.train_time_s:.0f} s of step time): final checkpoint saved")
-        if comp.eval_data is not None and main:
-            with distributed.phase("eval", step):
-                result.eval_after = evaluate(comp, cfg)
-            logger.log(step, {f"eval/{k}": v for k, v in result.eval_after.items()})
-            echo("eval after training:  " + _fmt(result.eval_after))
-            _emit(hooks, "evaluate", step, result.eval_after)
-        _emit(hooks, "train_end", step)
+        _finish(cfg, comp, result, logger, step, stopped=stop, state=progress.state, echo=echo, hooks=hooks)
     finally:
         logger.close()
         if pipeline is not None:
@@ -214,49 +169,103 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo, hooks: S
     return result
 
 
-def _resume(cfg: CohortConfig, comp: Components, run_dir: Path, sampler, result: TrainResult, echo,
-            updater: PolicyUpdater | None = None, hooks: Sequence[Hook] = ()) -> int:
-    """Load the newest complete checkpoint into the live objects; returns its step (0 when none)."""
+def _updater(comp: Components, hooks: CallbackList) -> PolicyUpdater:
+    updater = PolicyUpdater(comp.policy, comp.optimizer, comp.scheduler, comp.loss_fn, comp.update_settings,
+                            reference=comp.reference, device=comp.device, grad_reducer=_grad_reducer(comp))
+    if hooks:
+        updater.on_update = lambda event: hooks.notify("on_update", updater.step, event)
+    return updater
+
+
+def _grad_reducer(comp: Components) -> GradientReducer | None:
+    """Unsharded data parallel: a reducer that sums gradient buckets over ranks while backward runs."""
+    if not distributed.current().enabled or comp.update_settings.sharded:
+        return None
+    return GradientReducer([p for p in comp.policy.parameters() if p.requires_grad])
+
+
+def _evaluate_before(cfg: CohortConfig, comp: Components, result: TrainResult, start_step: int, echo) -> None:
+    if start_step == 0 and comp.eval_data is not None and distributed.current().is_main:
+        with distributed.phase("eval", 0):
+            result.eval_before = evaluate(comp, cfg)
+        echo("eval before training: " + _fmt(result.eval_before))
+
+
+def _maybe_save(cfg: CohortConfig, comp: Components, run_dir: Path, step: int, sampler, pipeline,
+                progress: _Progress, result: TrainResult, updater: PolicyUpdater, hooks: CallbackList, echo, *,
+                last: bool, out_of_time: bool, asked: bool) -> None:
+    """The step's checkpoint when one is due: run.save_steps, the last step (run.save_at_end), the time limit,
+    or a callback's SAVE (the ranks agree: sharded saves are collective)."""
+    requested = bool(hooks) and distributed.any_rank(asked)
+    due = (cfg.run.save_steps and step % cfg.run.save_steps == 0) or (last and cfg.run.save_at_end)
+    if not (due or out_of_time or requested):
+        return
+    progress.state.hooks = hooks.checkpoint_state(step)
+    saved = None
+    if distributed.current().is_main or cfg.train.sharding == "fsdp":  # sharded: every rank writes its shards
+        with distributed.phase("save", step):
+            saved = _save(cfg, comp, run_dir, step, _checkpoint_sampler(sampler, pipeline, step), result,
+                          updater, progress.state)
+        if saved is not None:  # (the benchmarks replace _save by a no-op)
+            echo(f"checkpoint {saved.name}: {ckpt.describe_size(saved)}")
+    hooks.notify("on_save", step, saved)
+
+
+def _finish(cfg: CohortConfig, comp: Components, result: TrainResult, logger, step: int, *, stopped: bool,
+            state: RunState, echo, hooks: CallbackList) -> None:
+    """After the last step: say why the loop ended early, the final held-out evaluation, the callbacks."""
+    if step < cfg.train.max_steps and not stopped:  # the loop ended on train.max_train_time_s
+        echo(f"train.max_train_time_s={cfg.train.max_train_time_s} of training reached after step {step} "
+             f"({state.train_time_s:.0f} s of step time): final checkpoint saved")
+    if comp.eval_data is not None and distributed.current().is_main:
+        with distributed.phase("eval", step):
+            result.eval_after = evaluate(comp, cfg)
+        logger.log(step, {f"eval/{k}": v for k, v in result.eval_after.items()})
+        echo("eval after training:  " + _fmt(result.eval_after))
+        hooks.notify("on_evaluate", step, result.eval_after)
+    hooks.notify("on_train_end", step)
+
+
+def _resume(cfg: CohortConfig, comp: Components, run_dir: Path, sampler, echo, updater: PolicyUpdater,
+            hooks: CallbackList) -> RunState:
+    """Load the newest complete checkpoint into the live objects; its run state (step 0 when none)."""
     # run.resume: true resumes from the newest checkpoint, a path from that checkpoint folder
     latest = ckpt.latest_checkpoint(run_dir) if cfg.run.resume is True else Path(str(cfg.run.resume))
     if latest is None:
-        return 0
+        return RunState()
     with_optimizer = ckpt.has_optimizer_state(latest)
     if not with_optimizer:  # saved with run.save_only_model: weights only, Adam restarts (docs/training.md)
         echo(f"{latest} holds no optimizer state (saved with run.save_only_model=true): resuming the weights, "
              "data position, learning-rate schedule and RNG; Adam's moments restart from zero, so the run "
              "will not match an uninterrupted one exactly")
-    state = ckpt.load_checkpoint(latest, model=comp.policy, optimizer=comp.optimizer if with_optimizer else None,
+    saved = ckpt.load_checkpoint(latest, model=comp.policy, optimizer=comp.optimizer if with_optimizer else None,
                                  scheduler=comp.scheduler)
-    if updater is not None:
-        updater.nonfinite_streak = int(state.get("nonfinite_streak", 0))
-    comp.num_tokens = int(state.get("num_tokens", 0))
-    comp.train_time_s = float(state.get("train_time_s", 0.0))
-    sampler.load_state_dict(state["sampler"])
-    result.eval_before = state.get("eval_before", {})
+    state = RunState.from_trainer_state(saved)
+    updater.nonfinite_streak = state.nonfinite_streak
+    sampler.load_state_dict(state.sampler)
     comp.engine.sync_weights()
-    echo(f"resumed from {latest} at step {state['step']}")
-    _emit(hooks, "resume", int(state["step"]), dict(state.get("hooks", {})))
-    return int(state["step"])
+    echo(f"resumed from {latest} at step {state.step}")
+    hooks.notify("on_resume", state.step, dict(state.hooks))
+    return state
 
 
-def _record(cfg: CohortConfig, comp: Components, logger, step: int, metrics: dict, *, last: bool,
-            requested: bool = False) -> None:
-    """Periodic held-out evaluation (rank 0; the final one happens after the loop; `requested`: a hook asked
-    for one at this step), metrics, sample rows."""
+def _record(cfg: CohortConfig, comp: Components, logger, step: int, metrics: dict, samples: list[dict], *,
+            last: bool, requested: bool = False) -> None:
+    """Periodic held-out evaluation (rank 0; the final one happens after the loop; `requested`: a callback
+    asked for one at this step), metrics, sample rows."""
     due = ((cfg.run.eval_steps and step % cfg.run.eval_steps == 0) or requested) and not last
     if comp.eval_data is not None and due and distributed.current().is_main:
         with distributed.phase("eval", step):
             metrics.update({f"eval/{k}": v for k, v in evaluate(comp, cfg).items()})
     logger.log(step, metrics)
     if cfg.run.log_completions:
-        logger.log_samples(step, comp.last_samples)
+        logger.log_samples(step, samples)
 
 
-def _budget_spent(cfg: CohortConfig, comp: Components) -> bool:
+def _budget_spent(cfg: CohortConfig, state: RunState) -> bool:
     """train.max_train_time_s: training ends (final checkpoint, final eval) once this much step time is spent."""
     limit = cfg.train.max_train_time_s
-    return limit is not None and comp.train_time_s >= limit
+    return limit is not None and state.train_time_s >= limit
 
 
 def _collect(cfg: CohortConfig, comp: Components, sampler, step: int, gather=None):
@@ -281,7 +290,7 @@ def _collect(cfg: CohortConfig, comp: Components, sampler, step: int, gather=Non
         turn_loop=comp.turn_loop)
 
 
-def _pipeline(cfg: CohortConfig, comp: Components, sampler, start_step: int):
+def _pipeline(cfg: CohortConfig, comp: Components, sampler, start_step: int) -> RolloutPipeline | None:
     """train.max_staleness = k >= 1: the rollouts of steps t+1..t+k are collected in a background thread while
     step t trains (cohort.remote.pipeline); None for k = 0 (generation in the loop's own thread, on-policy)."""
     k = cfg.train.max_staleness
@@ -301,87 +310,58 @@ def _checkpoint_sampler(sampler, pipeline, step: int):
 
 
 def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, step: int,
-          pipeline=None) -> dict[str, Any]:
+          pipeline=None, progress: _Progress | None = None) -> dict[str, Any]:
+    progress = progress if progress is not None else _Progress()
     timer = PhaseTimer()
     t0 = time.perf_counter()
     with distributed.phase("generate", step), timer("generate"):  # scoring too: collect_rollouts rewards
         # with the pipeline (train.max_staleness >= 1): the wait for rollouts made in the background
         batch = pipeline.get(step) if pipeline is not None else _collect(cfg, comp, sampler, step)
     metrics: dict[str, Any] = distributed.reduce_metrics(dict(batch.metrics))
+    engine, can = comp.engine, comp.abilities
     if batch.policy_versions is not None:  # a served engine: versions behind the one this step trains from
-        metrics.update(distributed.reduce_metrics(staleness_metrics(batch.policy_versions,
-                                                                      getattr(comp.engine, "version", 0))))
-    if cfg.generation.release_kv_during_update and hasattr(comp.engine, "release_kv_cache"):
-        comp.engine.release_kv_cache()  # its next generate takes it back
+        version = engine.version if can.versioned else 0  # type: ignore[attr-defined]
+        metrics.update(distributed.reduce_metrics(staleness_metrics(batch.policy_versions, version)))
+    if cfg.generation.release_kv_during_update and can.releases_kv:
+        engine.release_kv_cache()  # type: ignore[attr-defined]  # its next generate takes it back
     with distributed.phase("update", step):
         updater.step = step
         metrics.update(updater.update(batch, timer))
         with timer("sync_weights"):
-            comp.engine.sync_weights()
-    gathered = getattr(comp.engine, "weights", None)  # FSDP: the all-gather into the engine's weights
-    if gathered is not None:
-        timer.record("weight_gather", gathered.seconds)
-    pushed = getattr(comp.engine, "last_push", None)  # server placement: the push alone, without the switch's
-    if pushed is not None:  # wait for the request in flight (time/sync_weights has both); 0 on ranks that do not push
+            engine.sync_weights()
+    if can.gathers_weights:  # FSDP: the all-gather into the engine's weights
+        timer.record("weight_gather", engine.weights.seconds)  # type: ignore[attr-defined]
+    if can.versioned:  # server placement: the push alone, without the switch's wait (0 on ranks that do not push)
+        pushed = engine.last_push  # type: ignore[attr-defined]
         timer.record("weight_push", pushed.get("send_s", 0.0) + pushed.get("apply_s", 0.0))
     metrics.update(distributed.reduce_metrics(timer.pop()))
-    comp.num_tokens += int(distributed.all_sum(sum(len(p) + len(c) for p, c in zip(batch.prompt_ids,
-                                                                                    batch.completion_ids))))
-    metrics["num_tokens"] = comp.num_tokens
+    state = progress.state
+    state.num_tokens += int(distributed.all_sum(sum(len(p) + len(c) for p, c in zip(batch.prompt_ids,
+                                                                                     batch.completion_ids))))
+    metrics["num_tokens"] = state.num_tokens
     # the slowest rank's time, so every rank agrees on time budgets and stops at the same step
     metrics["step_time"] = distributed.reduce_metrics({"step_time": time.perf_counter() - t0})["step_time"]
-    comp.train_time_s += metrics["step_time"]
-    metrics["train_time"] = comp.train_time_s  # cumulative over resumes: "accuracy after N minutes"
-    comp.last_samples = [
-        {"step": step, "prompt": _sample_prompt(p), "completion": c, "reward": float(r), "advantage": float(a),
-         **{name: _cell(column[i]) for name, column in batch.extra_columns.items()}}  # log_extra's columns
+    state.train_time_s += metrics["step_time"]
+    metrics["train_time"] = state.train_time_s  # cumulative over resumes: "accuracy after N minutes"
+    state.step, state.nonfinite_streak = step, updater.nonfinite_streak
+    progress.samples = [
+        {"step": step, "prompt": sample_prompt(p), "completion": c, "reward": float(r), "advantage": float(a),
+         **{name: cell(column[i]) for name, column in batch.extra_columns.items()}}  # log_extra's columns
         for i, (p, c, r, a) in enumerate(zip(batch.prompts, batch.completions_text, batch.rewards, batch.advantages))
     ]
     return metrics
 
 
 def _save(cfg: CohortConfig, comp: Components, run_dir: Path, step: int, sampler, result: TrainResult,
-          updater: PolicyUpdater | None = None, hook_state: dict | None = None) -> Path:
+          updater: PolicyUpdater | None = None, state: RunState | None = None) -> Path:
+    state = dataclasses.replace(state or RunState(), step=step, sampler=sampler.state_dict(),
+                                eval_before=result.eval_before,
+                                nonfinite_streak=updater.nonfinite_streak if updater is not None else 0)
     return ckpt.save_checkpoint(
-        run_dir, step, model=comp.policy, tokenizer=getattr(comp, "processor", None) or comp.tokenizer,
+        run_dir, step, model=comp.policy, tokenizer=comp.processor or comp.tokenizer,
         optimizer=None if cfg.run.save_only_model else comp.optimizer,
         scheduler=comp.scheduler, keep_last=cfg.run.save_total_limit,
-        trainer_state={"step": step, "sampler": sampler.state_dict(), "num_tokens": comp.num_tokens,
-                       "train_time_s": comp.train_time_s,
-                       "nonfinite_streak": updater.nonfinite_streak if updater is not None else 0,
-                       "eval_before": result.eval_before, "config": dump_config(cfg),
-                       **({"hooks": hook_state} if hook_state else {})})
-
-
-def _sample_prompt(prompt: Any, keep: int = 500) -> Any:
-    """A prompt as samples.jsonl stores it: plain text (its last `keep` characters), or, when conversational,
-    the messages as a JSON list of {role, content} (each content's last `keep` characters)."""
-    if isinstance(prompt, str):
-        return prompt[-keep:]
-    if isinstance(prompt, list | tuple) and all(isinstance(m, dict) for m in prompt):
-        messages = []
-        for m in prompt:
-            content = m.get("content")
-            row = {"role": str(m.get("role", "")),
-                   "content": content[-keep:] if isinstance(content, str) else _json_safe(content)}
-            messages.append({**{k: _json_safe(v) for k, v in m.items() if k not in ("role", "content")}, **row})
-        return messages
-    return str(prompt)[-keep:]
-
-
-def _json_safe(value: Any) -> Any:
-    """Nested lists and dicts of JSON cells (multimodal content parts, tool calls); anything else as text."""
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    return _cell(value)
-
-
-def _cell(value: Any) -> Any:
-    """A JSON-safe sample cell: strings, ints and finite floats as they are, anything else as text."""
-    ok = isinstance(value, str | int | bool) or (isinstance(value, float) and np.isfinite(value)) or value is None
-    return value if ok else str(value)
+        trainer_state=state.to_trainer_state(dump_config(cfg)))
 
 
 def _fmt(metrics: dict[str, float]) -> str:

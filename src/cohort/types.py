@@ -1,7 +1,7 @@
 """Typed records passed between the stages of a GRPO step.
 
 prompts -> RolloutEngine.generate -> Completion (per prompt, n of them) -> rewards -> advantages
--> RolloutBatch (cohort.rollout) -> packed micro-batches and LossInputs (cohort.update) -> policy update.
+-> RolloutBatch (made by cohort.rollout) -> packed micro-batches and LossInputs (cohort.update) -> policy update.
 
 Every engine (the reference Hugging Face `generate` backend and cohort's own paged engine) implements the
 `RolloutEngine` protocol, so the trainer never knows which one it talks to.
@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
 
 FinishReason = Literal["stop", "length"]
 
@@ -120,6 +122,55 @@ class RolloutEngine(Protocol):
     def sync_weights(self) -> None: ...
 
 
+# The engine's optional abilities, each a Protocol; the trainer reads them once at set-up (`EngineAbilities.of`)
+@runtime_checkable
+class MultiTurnEngine(Protocol):
+    """Continues a completion on its own KV blocks after a turn ends (tool calls): see `TurnEnd`."""
+
+    def generate_turns(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                       on_turn_end: TurnCallback) -> list[list[Completion]]: ...
+
+
+@runtime_checkable
+class VersionedEngine(Protocol):
+    """Samples with pushed weight versions (a `cohort serve` server): `version` counts pushes, `last_push`
+    times the latest one (send_s, apply_s)."""
+
+    version: int
+    last_push: dict[str, float]
+
+
+@runtime_checkable
+class KVReleasingEngine(Protocol):
+    """Can free its KV-cache pool while the policy updates; its next generate takes it back."""
+
+    def release_kv_cache(self) -> None: ...
+
+
+@runtime_checkable
+class GatheringEngine(Protocol):
+    """Samples from a full copy of sharded (FSDP) weights: `weights.seconds` is the last gather's time."""
+
+    weights: Any
+
+
+@dataclass(frozen=True)
+class EngineAbilities:
+    """What an engine can do besides `RolloutEngine`, checked once when the run is set up. (Prompts with images
+    are not an ability here: the vision plug-in registers the engine family that takes them.)"""
+
+    multi_turn: bool = False
+    versioned: bool = False
+    releases_kv: bool = False
+    gathers_weights: bool = False
+
+    @classmethod
+    def of(cls, engine: object) -> EngineAbilities:
+        return cls(multi_turn=isinstance(engine, MultiTurnEngine), versioned=isinstance(engine, VersionedEngine),
+                   releases_kv=isinstance(engine, KVReleasingEngine),
+                   gathers_weights=isinstance(engine, GatheringEngine))
+
+
 @runtime_checkable
 class PromptWithInputs(Protocol):
     """A prompt (its token ids, as a list) that carries model inputs besides them: images, for the vision
@@ -143,3 +194,53 @@ class TrainerState:
 
     def get(self, key: str, default=None):
         return getattr(self, key, default)
+
+
+@dataclass
+class RolloutBatch:
+    """What the rollout half of a step hands the update: N = prompts x G completions, groups contiguous
+    (completions [k * G, (k + 1) * G) share prompt k). Lists are per completion. The update needs nothing
+    else from the rollout: group_size says how rows form groups, the masks say which tokens train."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    sampling_logprobs: list[list[float]]
+    finish_reasons: list[str]
+    completions_text: list[str]
+    prompts: list[Any]
+    rewards_per_func: torch.Tensor  # [N, F], NaN where a function returned None
+    rewards: torch.Tensor  # [N] combined
+    advantages: torch.Tensor  # [N]
+    loss_mask_keep: list[bool]  # False: completion masked out of the loss (e.g. truncated)
+    group_size: int  # G, the completions per prompt (rows k * G .. k * G + G - 1 are prompt k's group)
+    metrics: dict[str, float] = field(default_factory=dict)
+    # per completion, 1 for the model's tokens and 0 for context (tool results); None (or a None row): all 1
+    completion_masks: list[list[int] | None] | None = None
+    # per-sample columns reward functions logged with log_extra (TRL 1.16), written with the sample rows
+    extra_columns: dict[str, list[Any]] = field(default_factory=dict)
+    # per completion, the policy version that sampled it (a served engine, cohort.remote); None in process
+    policy_versions: list[int | None] | None = None
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+    def token_mask(self, i: int) -> list[int]:
+        """Completion i's per-token loss mask: all 0 when it is masked out (loss_mask_keep), else 1 on the
+        tokens the model sampled (every token of a single-turn completion) and 0 on context tokens."""
+        n = len(self.completion_ids[i])
+        if not self.loss_mask_keep[i]:
+            return [0] * n
+        mask = self.completion_masks[i] if self.completion_masks is not None else None
+        return [1] * n if mask is None else list(mask)
+
+    def loss_token_count(self, i: int) -> int:
+        """sum(token_mask(i)) without building the list (the update counts every row's tokens up front)."""
+        if not self.loss_mask_keep[i]:
+            return 0
+        mask = self.completion_masks[i] if self.completion_masks is not None else None
+        return len(self.completion_ids[i]) if mask is None else int(sum(mask))
+
+    def all_tokens_trained(self, i: int) -> bool:
+        """True when token_mask(i) is all 1 by construction (kept, no per-token mask: a single-turn completion),
+        so the update can fill its row without building the list; False says nothing (read token_mask)."""
+        return bool(self.loss_mask_keep[i]) and (self.completion_masks is None or self.completion_masks[i] is None)

@@ -39,7 +39,8 @@ from cohort.forward.micro_batches import (
 from cohort.forward.packing import PackedRow, host_to_device, pack_row, packed_forward_logprobs
 from cohort.forward.plugins import has_extra_inputs
 from cohort.forward.shared_prompts import prompt_groups
-from cohort.rollout import RolloutBatch
+from cohort.run.callbacks import UpdateEvent
+from cohort.types import RolloutBatch
 
 
 @dataclass
@@ -50,7 +51,6 @@ class UpdateSettings:
     temperature: float
     max_grad_norm: float
     max_completion_length: int
-    num_generations: int
     chunk_tokens: int = 4096  # logprob kernel chunk (train.logprob_chunk_tokens)
     lm_head_grad_fp32: bool = True  # False with train.master_weights=false: the low-memory setting
     keep_logits: bool = False  # train.keep_logits: the logprob kernel keeps its logits for the backward
@@ -102,10 +102,9 @@ class PolicyUpdater:
         # optimiser updates skipped in a row for a non-finite loss or gradient norm (kept in checkpoints)
         self.nonfinite_streak = 0
         self.step = 0  # the training step being updated, for the error message
-        # on_update(event): "update_begin", "pre_optimizer_step" (gradients reduced and clipped),
-        # "optimizer_step", "update_end" (scheduler stepped, gradients zeroed), for each optimiser update; the
-        # trainer's hooks ride on it (the TRL facade's on_step_begin / on_pre_optimizer_step / ... callbacks)
-        self.on_update: Callable[[str], Any] = on_update or (lambda event: None)
+        # on_update(event): each moment of each optimiser update (cohort.run.callbacks.UpdateEvent); the
+        # trainer's callbacks ride on it (the TRL facade's on_step_begin / on_pre_optimizer_step / ... callbacks)
+        self.on_update: Callable[[UpdateEvent], Any] = on_update or (lambda event: None)
 
     def _micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
         """Token-budget micro-batches of `rows` (indices into it); sharded, every rank runs as many as the rank
@@ -151,78 +150,10 @@ class PolicyUpdater:
         per micro-batch: nothing in the micro-batch loop waits for the GPU. A micro-batch's masks and the next
         micro-batch's packed row are built while the GPU runs its forward.
         """
-        # normalisers of the whole mini-batch, summed over data-parallel ranks
-        num_tokens = distributed.all_sum(sum(batch.loss_token_count(r) for r in rows))
-        num_sequences = int(distributed.all_sum(len(rows)))
-        self.on_update("update_begin")
+        self.on_update(UpdateEvent.BEGIN)
         self.policy.train()
-        parts: list[dict] = []
-        finite = torch.ones((), dtype=torch.bool, device=self.device)  # read once, after the last backward
-        micro_batches = self._micro_batches(batch, rows)
-        members = _members(rows, micro_batches)  # an empty micro-batch (sharded padding): a zero-weight pass
-        row = self._row(self.policy, batch, members, 0)
-        for m, (micro, idx) in enumerate(zip(micro_batches, members, strict=True)):
-            packed = packed_forward_logprobs(
-                self.policy, _pairs(batch, idx), temperature=self.s.temperature, compute_entropy=True,
-                chunk_tokens=self.s.chunk_tokens,
-                lm_head_grad_fp32=self.s.lm_head_grad_fp32, keep_logits=self.s.keep_logits,
-                share_prompts=self.s.share_prompts, row=row)
-            # Host work while the GPU runs this forward (its kernels are queued): this micro-batch's loss inputs
-            # and the next one's packed row. Built before the forward, they left the GPU idle (~9 ms a
-            # micro-batch for the 0.5B bench update on an H100 host).
-            width = max(len(batch.completion_ids[r]) for r in idx)
-            mask, sampling, advantages = self._host_tensors(batch, idx, width)
-            row = self._row(self.policy, batch, members, m + 1)
-            inputs = LossInputs(
-                logprobs=packed.padded("logprobs"),
-                old_logprobs=None if old is None else pad_rows([old[r] for r in idx], width),
-                advantages=advantages,
-                mask=mask,
-                ref_logprobs=None if ref is None else pad_rows([ref[r] for r in idx], width),
-                sampling_logprobs=sampling,
-                entropy=packed.padded("entropy"),  # with grad: the entropy bonus (entropy_coef) needs it
-                num_tokens=max(num_tokens, 1), num_sequences=num_sequences,
-                max_completion_length=self.s.max_completion_length,
-            )
-            out = self.loss_fn(inputs)
-            last = m == len(micro_batches) - 1
-            if self.grad_reducer is not None and last:
-                self.grad_reducer.arm()  # the last backward of this update: reduce buckets as they are ready
-            if self.s.sharded and not self.s.reduce_every_micro_batch:
-                self.policy.set_requires_gradient_sync(last)  # sum unsharded until the last micro-batch
-            (out.loss if micro else out.loss * 0.0).backward()
-            if micro:
-                parts.append(out.metrics)
-                finite &= torch.isfinite(out.loss.detach()).to(finite.device)
-        grad_norm = self._reduce_and_clip()
-        # FSDP keeps the device-side skip out: its DTensor parameters would meet a plain found_inf tensor
-        fused = None if self.s.sharded else fused_adam_of(self.optimizer)
-        if fused is not None:
-            # The skip decision stays on the device: the fused AdamW kernel reads it (found_inf) and leaves
-            # weights, moments and step count as they are when it is set. The host reads the norm and the flag
-            # once the optimizer's kernels are queued, so the GPU never idles while the host launches them.
-            norm_t = torch.as_tensor(grad_norm, device=finite.device).detach().float().reshape(())
-            bad = ~(finite & torch.isfinite(norm_t))
-            bad = distributed.any_rank_tensor(bad.to(torch.float32))
-            self.on_update("pre_optimizer_step")
-            fused.found_inf = bad  # type: ignore[attr-defined]  # read by torch's Adam.step (GradScaler's hook)
-            try:
-                self.optimizer.step()
-            finally:
-                del fused.found_inf  # type: ignore[attr-defined]
-            self.on_update("optimizer_step")
-            self._end_update()
-            norm, flag = torch.stack([norm_t.to(bad.device), bad]).tolist()
-            skip = flag > 0
-        else:
-            norm = float(grad_norm)  # a host read: the last backward must finish first
-            # every rank takes the same decision: a NaN on one rank's loss skips the update everywhere
-            skip = distributed.any_rank(not (bool(finite) and math.isfinite(norm)))
-            self.on_update("pre_optimizer_step")
-            if not skip:  # no optimizer.step() otherwise: weights and Adam's state stay as they are
-                self.optimizer.step()
-            self.on_update("optimizer_step")
-            self._end_update()
+        parts, finite = self._accumulate(batch, rows, old, ref)
+        norm, skip = self._optimizer_step(self._reduce_and_clip(), finite)
         # the metrics are read after the optimizer's kernels are queued (reading them is a host-device sync)
         local = reduce_metrics(parts)  # partial sums of this rank -> summed over ranks (min/max by min/max)
         for k, v in distributed.reduce_metrics(local, summed=tuple(local)).items():
@@ -242,13 +173,90 @@ class PolicyUpdater:
                 "train.max_grad_norm set, or raise train.max_nonfinite_updates; --resume continues from the last "
                 "checkpoint")
 
+    def _accumulate(self, batch: RolloutBatch, rows: list[int], old: dict | None,
+                    ref: dict | None) -> tuple[list[dict], torch.Tensor]:
+        """Forward and backward of every micro-batch of `rows`; their metrics, and whether every loss was finite
+        (a device flag, read once after the last backward)."""
+        # normalisers of the whole mini-batch, summed over data-parallel ranks
+        num_tokens = distributed.all_sum(sum(batch.loss_token_count(r) for r in rows))
+        num_sequences = int(distributed.all_sum(len(rows)))
+        parts: list[dict] = []
+        finite = torch.ones((), dtype=torch.bool, device=self.device)
+        micro_batches = self._micro_batches(batch, rows)
+        members = _members(rows, micro_batches)  # an empty micro-batch (sharded padding): a zero-weight pass
+        row = self._row(self.policy, batch, members, 0)
+        for m, (micro, idx) in enumerate(zip(micro_batches, members, strict=True)):
+            packed = packed_forward_logprobs(
+                self.policy, _pairs(batch, idx), temperature=self.s.temperature, compute_entropy=True,
+                chunk_tokens=self.s.chunk_tokens,
+                lm_head_grad_fp32=self.s.lm_head_grad_fp32, keep_logits=self.s.keep_logits,
+                share_prompts=self.s.share_prompts, row=row)
+            # Host work while the GPU runs this forward (its kernels are queued): this micro-batch's loss inputs
+            # and the next one's packed row. Built before the forward, they left the GPU idle (~9 ms a
+            # micro-batch for the 0.5B bench update on an H100 host).
+            width = max(len(batch.completion_ids[r]) for r in idx)
+            mask, sampling, advantages = self._host_tensors(batch, idx, width)
+            row = self._row(self.policy, batch, members, m + 1)
+            out = self.loss_fn(LossInputs(
+                logprobs=packed.padded("logprobs"),
+                old_logprobs=None if old is None else pad_rows([old[r] for r in idx], width),
+                advantages=advantages, mask=mask,
+                ref_logprobs=None if ref is None else pad_rows([ref[r] for r in idx], width),
+                sampling_logprobs=sampling,
+                entropy=packed.padded("entropy"),  # with grad: the entropy bonus (entropy_coef) needs it
+                num_tokens=max(num_tokens, 1), num_sequences=num_sequences,
+                max_completion_length=self.s.max_completion_length,
+            ))
+            last = m == len(micro_batches) - 1
+            if self.grad_reducer is not None and last:
+                self.grad_reducer.arm()  # the last backward of this update: reduce buckets as they are ready
+            if self.s.sharded and not self.s.reduce_every_micro_batch:
+                self.policy.set_requires_gradient_sync(last)  # sum unsharded until the last micro-batch
+            (out.loss if micro else out.loss * 0.0).backward()
+            if micro:
+                parts.append(out.metrics)
+                finite &= torch.isfinite(out.loss.detach()).to(finite.device)
+        return parts, finite
+
+    def _optimizer_step(self, grad_norm: torch.Tensor | float, finite: torch.Tensor) -> tuple[float, bool]:
+        """The optimizer step, skipped on every rank when any rank's loss or gradient norm is not finite; the
+        norm and whether it was skipped."""
+        # FSDP keeps the device-side skip out: its DTensor parameters would meet a plain found_inf tensor
+        fused = None if self.s.sharded else fused_adam_of(self.optimizer)
+        if fused is not None:
+            # The skip decision stays on the device: the fused AdamW kernel reads it (found_inf) and leaves
+            # weights, moments and step count as they are when it is set. The host reads the norm and the flag
+            # once the optimizer's kernels are queued, so the GPU never idles while the host launches them.
+            norm_t = torch.as_tensor(grad_norm, device=finite.device).detach().float().reshape(())
+            bad = ~(finite & torch.isfinite(norm_t))
+            bad = distributed.any_rank_tensor(bad.to(torch.float32))
+            self.on_update(UpdateEvent.PRE_OPTIMIZER_STEP)
+            fused.found_inf = bad  # type: ignore[attr-defined]  # read by torch's Adam.step (GradScaler's hook)
+            try:
+                self.optimizer.step()
+            finally:
+                del fused.found_inf  # type: ignore[attr-defined]
+            self.on_update(UpdateEvent.OPTIMIZER_STEP)
+            self._end_update()
+            norm, flag = torch.stack([norm_t.to(bad.device), bad]).tolist()
+            return norm, flag > 0
+        norm = float(grad_norm)  # a host read: the last backward must finish first
+        # every rank takes the same decision: a NaN on one rank's loss skips the update everywhere
+        skip = distributed.any_rank(not (bool(finite) and math.isfinite(norm)))
+        self.on_update(UpdateEvent.PRE_OPTIMIZER_STEP)
+        if not skip:  # no optimizer.step() otherwise: weights and Adam's state stay as they are
+            self.optimizer.step()
+        self.on_update(UpdateEvent.OPTIMIZER_STEP)
+        self._end_update()
+        return norm, skip
+
     def _end_update(self) -> None:
         """After the optimizer step (taken or skipped): the schedule, the gradients, the hooks' event."""
         with warnings.catch_warnings():  # a skipped first update: torch warns of a scheduler step before any
             warnings.simplefilter("ignore", UserWarning)  # optimizer step, on purpose here
             self.scheduler.step()  # the schedule counts updates, taken or skipped (as with AMP's skipped steps)
         self.optimizer.zero_grad(set_to_none=True)
-        self.on_update("update_end")
+        self.on_update(UpdateEvent.END)
 
     def _reduce_and_clip(self) -> torch.Tensor | float:
         """Gradients summed over ranks (FSDP has reduce-scattered them already), then clipped; the norm before
@@ -287,7 +295,7 @@ class PolicyUpdater:
         return mask, sampling, both[-1, :b]
 
     def update(self, batch: RolloutBatch, timer) -> dict[str, float]:
-        n, g = len(batch), self.s.num_generations
+        n, g = len(batch), batch.group_size
         num_prompts, m = n // g, self.s.mini_batches
         # prompt k goes to mini-batch k % m: a rank's contiguous slice of the step's prompts then holds an equal
         # share of every mini-batch, so N data-parallel ranks run exactly the updates one rank runs

@@ -5,6 +5,7 @@ routing by the `environment` column; GRPOTrainer(tools=...) on the facade; the c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -203,7 +204,7 @@ def test_training_and_evaluation_run_with_an_environment(tmp_path):
     for metrics in result.history:
         assert math.isfinite(metrics["grad_norm"]) and "rewards/Button/mean" in metrics
         assert metrics["tools/call_frequency"] > 0
-    comp.eval_data = comp.train_data.head(2)
+    comp = dataclasses.replace(comp, eval_data=comp.train_data.head(2))
     samples = []
     out = evaluate(comp, cfg, samples=samples)
     assert math.isfinite(out["reward"]) and len(samples) == 2

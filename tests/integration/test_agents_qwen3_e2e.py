@@ -165,14 +165,14 @@ def test_turn_loop_on_both_engines_parses_runs_continues_and_masks(setup):
 def _update(model, script: Script, loss, advantages):
     """One PolicyUpdater step on `len(advantages)` copies of the scripted completion; the would-be gradients."""
     settings = UpdateSettings(mini_batches=1, num_iterations=1, token_budget=100_000, temperature=1.0,
-                              max_grad_norm=1e9, max_completion_length=96, num_generations=2)
+                              max_grad_norm=1e9, max_completion_length=96)
     capture = _Capture(list(model.parameters()))
     n = len(advantages)
     batch = RolloutBatch(
         prompt_ids=[script.prompt] * n, completion_ids=[script.completion] * n,
         sampling_logprobs=[[-0.5 if m else 0.0 for m in script.mask]] * n, finish_reasons=["stop"] * n,
         completions_text=[""] * n, prompts=[""] * n, rewards_per_func=torch.zeros(n, 1), rewards=torch.zeros(n),
-        advantages=torch.tensor(advantages), loss_mask_keep=[True] * n, completion_masks=[list(script.mask)] * n)
+        advantages=torch.tensor(advantages), loss_mask_keep=[True] * n, group_size=2, completion_masks=[list(script.mask)] * n)
     PolicyUpdater(model, capture, capture, loss, settings).update(batch, _no_timer)
     return capture.grads
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -89,7 +90,7 @@ def _run_nan_on_one_rank(rank: int, world: int, out: str, init_file: str) -> Non
                 result.loss = result.loss + torch.tensor(float("nan"))
             return result
 
-        comp.loss_fn = loss_fn
+        comp = dataclasses.replace(comp, loss_fn=loss_fn)
         result = train(cfg, comp)
         torch.save({"skipped": [m["skipped_updates"] for m in result.history],
                     "weights": {n: p.detach() for n, p in comp.policy.named_parameters()}},

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -28,6 +29,7 @@ from cohort.checkpointing import CheckpointError, atomic
 from cohort.cli import main
 from cohort.data import load_prompt_dataset
 from cohort.rewards import RewardRunner
+from cohort.run.callbacks import Callback, Decision
 from cohort.run.logging import read_jsonl
 from cohort.setup import build_components
 from cohort.trainer import train
@@ -46,8 +48,8 @@ def _tokenizer():
     return make_tiny_tokenizer()
 
 
-def _poison_loss(comp, bad_calls: set[int]) -> list[int]:
-    """Make the loss NaN on the given calls of the loss function (counted from 1); returns the call log."""
+def _poison_loss(comp, bad_calls: set[int]):
+    """Components whose loss is NaN on the given calls of the loss function (counted from 1)."""
     real, calls = comp.loss_fn, []
 
     def loss_fn(inputs):
@@ -57,8 +59,18 @@ def _poison_loss(comp, bad_calls: set[int]) -> list[int]:
             out.loss = out.loss * float("nan")
         return out
 
-    comp.loss_fn = loss_fn
-    return calls
+    return dataclasses.replace(comp, loss_fn=loss_fn)
+
+
+class _OnLog(Callback):
+    """Calls `fn()` after each step's metrics are logged."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def on_log(self, step, metrics):
+        self.fn()
+        return Decision.CONTINUE
 
 
 def _params(model) -> dict[str, torch.Tensor]:
@@ -83,15 +95,14 @@ def test_nan_loss_skips_the_update_and_counts_it(tmp_path, adam_kind):
 
     cfg = toy_config(tmp_path, steps=3)
     comp = toy_components(cfg)
-    _poison_loss(comp, {2})  # one micro-batch per update: call 2 is step 2's only update
+    comp = _poison_loss(comp, {2})  # one micro-batch per update: call 2 is step 2's only update
     snapshots = []
 
-    def hook(event, step, payload):
-        if event == "log":
-            snapshots.append(_params(comp.policy))
+    def hook():
+        snapshots.append(_params(comp.policy))
 
     assert (fused_adam_of(comp.optimizer) is not None) == (adam_kind == "fused-adamw")
-    result = train(cfg, comp, hooks=[hook])
+    result = train(cfg, comp, callbacks=[_OnLog(hook)])
     assert [m["skipped_updates"] for m in result.history] == [0.0, 1.0, 0.0]
     w1, w2, _ = snapshots
     assert all(torch.equal(w1[k], w2[k]) for k in w1), "a skipped update changed the weights"
@@ -104,12 +115,11 @@ def test_nan_loss_skips_the_update_and_counts_it(tmp_path, adam_kind):
 
 def test_adam_state_is_untouched_by_a_skipped_update(tmp_path, adam_kind):
     cfg = toy_config(tmp_path, steps=2)
-    comp = toy_components(cfg)
-    _poison_loss(comp, {2})
+    comp = _poison_loss(toy_components(cfg), {2})
     states = []
-    train(cfg, comp, hooks=[lambda event, step, payload: states.append(
+    train(cfg, comp, callbacks=[_OnLog(lambda: states.append(
         {k: v.clone() if torch.is_tensor(v) else v for k, v in
-         next(iter(comp.optimizer.state_dict()["state"].values())).items()}) if event == "log" else None])
+         next(iter(comp.optimizer.state_dict()["state"].values())).items()}))])
     first, second = states
     assert first.keys() == second.keys()
     assert all(torch.equal(torch.as_tensor(first[k]), torch.as_tensor(second[k])) for k in first)
@@ -120,7 +130,7 @@ def test_nonfinite_updates_in_a_row_stop_the_run(tmp_path, adam_kind):
     cfg.train.max_nonfinite_updates = 2
     cfg.run.save_steps = 1
     comp = toy_components(cfg)
-    _poison_loss(comp, {2, 3})  # steps 2 and 3: two in a row
+    comp = _poison_loss(comp, {2, 3})  # steps 2 and 3: two in a row
     with pytest.raises(NonFiniteUpdateError) as err:
         train(cfg, comp)
     message = str(err.value)

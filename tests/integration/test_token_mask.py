@@ -52,7 +52,7 @@ def make_batch(keep: list[bool] | None = None) -> RolloutBatch:
         prompt_ids=prompts, completion_ids=completions, sampling_logprobs=sampling,
         finish_reasons=["stop"] * 4, completions_text=[""] * 4, prompts=[""] * 4,
         rewards_per_func=torch.zeros(4, 1), rewards=torch.tensor([1.0, 0.0, 0.5, 0.0]),
-        advantages=torch.tensor([0.7, -0.7, 0.9, -0.9]), loss_mask_keep=keep or [True] * 4,
+        advantages=torch.tensor([0.7, -0.7, 0.9, -0.9]), loss_mask_keep=keep or [True] * 4, group_size=2,
         completion_masks=list(MASKS))
 
 
@@ -99,7 +99,7 @@ def run_update(loss_name: str, params: dict, scale: float, keep=None):
     capture = _Capture([p for p in model.parameters()])
     loss = _PerturbMasked(build_policy_loss(loss_name, params), scale)
     settings = UpdateSettings(mini_batches=1, num_iterations=1, token_budget=100_000, temperature=1.0,
-                              max_grad_norm=1e9, max_completion_length=16, num_generations=2)
+                              max_grad_norm=1e9, max_completion_length=16)
     updater = PolicyUpdater(model, capture, capture, loss, settings, reference=reference)
     metrics = updater.update(make_batch(keep), _no_timer)
     return capture.grads, metrics, loss.seen

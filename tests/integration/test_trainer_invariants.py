@@ -61,7 +61,7 @@ def test_micro_batching_gives_the_whole_batch_gradient(tmp_path, loss_type, monk
         recorder = GradRecorder(comp.policy)
         settings = UpdateSettings(mini_batches=1, num_iterations=1, token_budget=budget, temperature=1.0,
                                   max_grad_norm=1e9, max_completion_length=cfg.generation.max_completion_length,
-                                  num_generations=cfg.generation.num_generations, share_prompts=share)
+                                  share_prompts=share)
         PolicyUpdater(comp.policy, recorder, NoSchedule(), comp.loss_fn, settings).update(batch, PhaseTimer())
         grads[budget, share] = recorder.grads
         if share and budget > 40:  # rows of whole groups: the shared layout ran

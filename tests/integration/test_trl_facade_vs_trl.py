@@ -9,6 +9,8 @@ log 0 within 1e-6. The loss on identical inputs is checked for every loss type i
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from tests.helpers.toy_task import digit_share, toy_rows, write_toy_workspace
 from transformers import TrainerCallback
@@ -110,8 +112,8 @@ def _fixed_script(GRPOConfig, GRPOTrainer, model_dir, out, seen, **kw):
                           train_dataset=datasets.Dataset.from_list(rows))
     if GRPOTrainer is cohort.GRPOTrainer:
         trainer._comp = trainer._components()
-        trainer._comp.engine = _FixedEngine(trainer._comp.engine, trainer._comp.policy, trainer.processing_class,
-                                            limit, seen)
+        trainer._comp = dataclasses.replace(trainer._comp, engine=_FixedEngine(
+            trainer._comp.engine, trainer._comp.policy, trainer.processing_class, limit, seen))
     else:
         tok = trainer.processing_class
 

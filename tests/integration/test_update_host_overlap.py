@@ -40,7 +40,7 @@ def test_next_row_is_packed_after_the_forward_is_launched(monkeypatch, share_pro
     model = tiny_model("llama").train()
     capture = _Capture(list(model.parameters()))
     settings = UpdateSettings(mini_batches=1, num_iterations=1, token_budget=24, temperature=1.0,
-                              max_grad_norm=1e9, max_completion_length=16, num_generations=2,
+                              max_grad_norm=1e9, max_completion_length=16,
                               share_prompts=share_prompts)
     PolicyUpdater(model, capture, capture, build_policy_loss("grpo", {}), settings).update(make_batch(), _no_timer)
     kinds = [k for k, _ in events]

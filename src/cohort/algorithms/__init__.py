@@ -15,7 +15,7 @@ Typical trainer use::
 See docs/algorithms.md for every option, its paper and formula, and the TRL/verl name mapping.
 """
 
-from .advantages import AdvantageResult, compute_advantages, nanstd
+from .advantages import AdvantageResult, compute_advantages
 from .base import PolicyLoss, RatioContext
 from .corrections import (
     SAMPLER_IS_MODES,
@@ -23,6 +23,16 @@ from .corrections import (
     high_entropy_mask,
     off_policy_sequence_mask,
     sampler_is_weights,
+)
+from .estimators import (
+    DEFAULT_ESTIMATOR,
+    ESTIMATORS,
+    AdvantageEstimator,
+    GRPOEstimator,
+    RLOOEstimator,
+    build_advantage_estimator,
+    list_advantage_estimators,
+    nanstd,
 )
 from .kl import KL_ESTIMATORS, kl_penalty
 from .loss_io import AGGREGATIONS, LossInputs, LossOutput, aggregate, metric_reduction, reduce_metrics
@@ -39,27 +49,34 @@ from .variants import CISPOLoss, ClippedLoss, SAPOLoss, VESPOLoss
 
 __all__ = [
     "AGGREGATIONS",
+    "DEFAULT_ESTIMATOR",
     "DEFAULT_LOSS",
+    "ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_TABLE",
     "SAMPLER_IS_MODES",
     "TRL_LOSS_TYPES",
+    "AdvantageEstimator",
     "AdvantageResult",
     "CISPOLoss",
     "ClippedLoss",
+    "GRPOEstimator",
     "LossInputs",
     "LossOutput",
     "PolicyLoss",
+    "RLOOEstimator",
     "RatioContext",
     "SAPOLoss",
     "VESPOLoss",
     "aggregate",
+    "build_advantage_estimator",
     "build_policy_loss",
     "compute_advantages",
     "entropy_quantile_threshold",
     "get_policy_loss",
     "high_entropy_mask",
     "kl_penalty",
+    "list_advantage_estimators",
     "list_policy_losses",
     "metric_reduction",
     "nanstd",

@@ -5,7 +5,9 @@ completions of one prompt contiguous. A NaN means "this reward function returned
 where every function returned None is *unscorable*: it gets advantage 0 and does not enter its group's mean
 or standard deviation (same rule as TRL 1.16 ``GRPOTrainer._generate_and_score_completions``).
 
-Everything here is a pure function of tensors; the trainer only logs the fields of `AdvantageResult`.
+The estimator (the group baseline and its scaling) comes from the table of `cohort.algorithms.estimators`,
+by name or by import path. Everything here is a pure function of tensors; the trainer only logs the fields
+of `AdvantageResult`.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from typing import Literal
 
 import torch
 
+from .estimators import AdvantageEstimator, build_advantage_estimator, nanstd
+
 ScaleRewards = Literal["group", "batch", "none"]
 Estimator = Literal["grpo", "rloo"]
 Aggregation = Literal["sum_then_normalize", "normalize_then_sum"]
 
 _SCALES = ("group", "batch", "none")
-_ESTIMATORS = ("grpo", "rloo")
 _AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
@@ -52,23 +55,9 @@ class AdvantageResult:
         return self.is_std_zero.float().mean().item()
 
 
-def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
-    """Standard deviation with Bessel's correction, NaN entries ignored.
-
-    ``std = sqrt( sum_valid (x - mean)^2 / (n_valid - 1) )``; NaN when fewer than 2 valid entries.
-    """
-    if dim is None:
-        x, dim = x.reshape(-1), 0
-    mean = torch.nanmean(x, dim=dim, keepdim=True)
-    sq = torch.nansum((x - mean) ** 2, dim=dim, keepdim=keepdim)
-    count = (~torch.isnan(x)).sum(dim=dim, keepdim=keepdim).to(x.dtype)
-    # Fewer than 2 valid entries: NaN, so the caller maps the advantage to 0 (no signal in such a group).
-    var = torch.where(count > 1, sq / (count - 1).clamp(min=1), torch.full_like(sq, torch.nan))
-    return torch.sqrt(var)
-
-
-def _check_args(rewards: torch.Tensor, num_generations: int, scale_rewards: str, estimator: str,
-                aggregation: str) -> None:
+def _check_args(rewards: torch.Tensor, num_generations: int, scale_rewards: str,
+                estimator: str | AdvantageEstimator, aggregation: str) -> AdvantageEstimator:
+    """Raise ValueError for a bad argument; the estimator the name (or import path) picks otherwise."""
     if num_generations is None or int(num_generations) < 2:
         raise ValueError(
             f"num_generations={num_generations}: group-relative advantages need at least 2 completions per "
@@ -82,16 +71,22 @@ def _check_args(rewards: torch.Tensor, num_generations: int, scale_rewards: str,
             f"rewards has {rewards.shape[0]} rows, not a multiple of num_generations={num_generations}; "
             "groups must be contiguous blocks of num_generations completions of one prompt."
         )
-    for field, value, allowed in (("scale_rewards", scale_rewards, _SCALES), ("estimator", estimator, _ESTIMATORS),
-                                  ("multi_objective_aggregation", aggregation, _AGGREGATIONS)):
-        if value not in allowed:
-            raise ValueError(f"{field}={value!r} is not supported; choose one of {', '.join(allowed)}.")
-    if estimator == "rloo" and aggregation == "normalize_then_sum":
+    _check_choice("scale_rewards", scale_rewards, _SCALES)
+    built = build_advantage_estimator(estimator)
+    _check_choice("multi_objective_aggregation", aggregation, _AGGREGATIONS)
+    reason = built.no_normalize_then_sum
+    if aggregation == "normalize_then_sum" and reason is not None:
+        name = built.name if isinstance(estimator, AdvantageEstimator) else estimator
         raise ValueError(
-            "estimator='rloo' with multi_objective_aggregation='normalize_then_sum' is not defined (the final "
-            "normalisation of normalize_then_sum is over the batch, not leave-one-out). "
-            "Fix: use multi_objective_aggregation='sum_then_normalize' with rloo."
+            f"estimator={name!r} with multi_objective_aggregation='normalize_then_sum' is not defined ({reason}). "
+            f"Fix: use multi_objective_aggregation='sum_then_normalize' with {name}."
         )
+    return built
+
+
+def _check_choice(field: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{field}={value!r} is not supported; choose one of {', '.join(allowed)}.")
 
 
 def _weights(rewards: torch.Tensor, reward_weights: Sequence[float] | torch.Tensor | None) -> torch.Tensor:
@@ -107,20 +102,12 @@ def _weights(rewards: torch.Tensor, reward_weights: Sequence[float] | torch.Tens
     return w
 
 
-def _leave_one_out_baseline(grouped: torch.Tensor) -> torch.Tensor:
-    """[P, G] -> [P, G] mean of the *other* scorable rows of the group (NaN if there are none)."""
-    valid = ~torch.isnan(grouped)
-    total = torch.nansum(grouped, dim=1, keepdim=True)
-    count = valid.sum(dim=1, keepdim=True).to(grouped.dtype)
-    return (total - grouped) / (count - 1)
-
-
 def compute_advantages(
     rewards: torch.Tensor,
     num_generations: int,
     *,
     scale_rewards: ScaleRewards = "group",
-    estimator: Estimator = "grpo",
+    estimator: Estimator | str | AdvantageEstimator = "grpo",
     reward_weights: Sequence[float] | torch.Tensor | None = None,
     multi_objective_aggregation: Aggregation = "sum_then_normalize",
     eps: float = 1e-4,
@@ -130,12 +117,11 @@ def compute_advantages(
     With ``r`` the combined reward of a row, ``mean_g`` / ``std_g`` the NaN-ignoring mean and Bessel std of
     its group ``g`` (G rows), ``std_B`` the Bessel std over the whole batch:
 
-    - ``estimator="grpo"``: ``A = r - mean_g``, then divided by ``std_g + eps`` (``scale_rewards="group"``),
-      ``std_B + eps`` (``"batch"``, PPO-Lite, arXiv:2508.08221) or not at all (``"none"``, Dr. GRPO,
-      arXiv:2503.20783).
-    - ``estimator="rloo"`` (REINFORCE leave-one-out, Ahmadian et al., arXiv:2402.14740):
-      ``A = r - (sum_{j != i} r_j) / (n_g - 1)`` over the scorable rows of the group, i.e.
-      ``n_g / (n_g - 1) * (r - mean_g)``; then scaled like grpo.
+    - ``estimator`` picks the baseline ``b`` from `cohort.algorithms.ESTIMATORS` (or ``"pkg.module:Class"``,
+      an `AdvantageEstimator`): ``"grpo"`` ``b = mean_g``; ``"rloo"`` (REINFORCE leave-one-out,
+      arXiv:2402.14740) ``b = (sum_{j != i} r_j) / (n_g - 1)`` over the scorable rows of the group.
+    - ``A = r - b``, then divided by ``std_g + eps`` (``scale_rewards="group"``), ``std_B + eps``
+      (``"batch"``, PPO-Lite, arXiv:2508.08221) or not at all (``"none"``, Dr. GRPO, arXiv:2503.20783).
 
     Multiple reward functions (``rewards`` of shape [N, F], weights ``w``):
 
@@ -155,36 +141,23 @@ def compute_advantages(
     # TRL also accepts booleans: True is "group", False is "none".
     if isinstance(scale_rewards, bool):
         scale_rewards = "group" if scale_rewards else "none"
-    _check_args(rewards, num_generations, scale_rewards, estimator, multi_objective_aggregation)
+    built = _check_args(rewards, num_generations, scale_rewards, estimator, multi_objective_aggregation)
     per_func = rewards.unsqueeze(1) if rewards.dim() == 1 else rewards
     per_func = per_func.to(torch.promote_types(per_func.dtype, torch.float32))
     weights = _weights(per_func, reward_weights)
-    unscorable = torch.isnan(per_func).all(dim=1)
     G = int(num_generations)
-
     if multi_objective_aggregation == "normalize_then_sum":
-        grouped = per_func.view(-1, G, per_func.shape[1])
-        normed = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True) + eps)
-        combined = (normed.reshape(per_func.shape) * weights).nansum(dim=1)
-        combined[unscorable] = torch.nan
-        batch_std = nanstd(combined).expand_as(combined)
-        advantages = (combined - torch.nanmean(combined)) / (batch_std + eps)
-        scaling_std = batch_std
+        combined, advantages, scaling_std = _normalize_then_sum(per_func, weights, G, eps)
     else:
         combined = (per_func * weights).nansum(dim=1)
-        combined[unscorable] = torch.nan
-        grouped = combined.view(-1, G)
-        if estimator == "rloo":
-            centred = grouped - _leave_one_out_baseline(grouped)
-        else:
-            centred = grouped - torch.nanmean(grouped, dim=1, keepdim=True)
-        advantages = centred.reshape(-1)
-        group_std_rows = nanstd(grouped, dim=1, keepdim=True).expand_as(grouped).reshape(-1)
-        scaling_std = nanstd(combined).expand_as(combined) if scale_rewards == "batch" else group_std_rows
-        if scale_rewards != "none":
-            advantages = advantages / (scaling_std + eps)
+        combined[torch.isnan(per_func).all(dim=1)] = torch.nan
+        advantages, scaling_std = built.advantages(combined, G, scale_rewards=scale_rewards, eps=eps)
+    return _result(combined, advantages, scaling_std, G)
 
-    grouped = combined.view(-1, G)
+
+def _result(combined: torch.Tensor, advantages: torch.Tensor, scaling_std: torch.Tensor,
+            group_size: int) -> AdvantageResult:
+    grouped = combined.view(-1, group_size)
     return AdvantageResult(
         # NaN comes only from unscorable rows or single-scorable-row groups: both carry no signal.
         advantages=torch.nan_to_num(advantages, nan=0.0),
@@ -193,3 +166,18 @@ def compute_advantages(
         group_std=nanstd(grouped, dim=1),
         is_std_zero=torch.isclose(scaling_std, torch.zeros_like(scaling_std)),
     )
+
+
+def _normalize_then_sum(per_func: torch.Tensor, weights: torch.Tensor, group_size: int,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GDPO: per-function group normalisation, weighted sum, then batch normalisation.
+
+    [N, F] rewards -> ([N] combined reward, NaN for unscorable rows; [N] advantages; [N] batch std).
+    """
+    grouped = per_func.view(-1, group_size, per_func.shape[1])
+    normed = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True) + eps)
+    combined = (normed.reshape(per_func.shape) * weights).nansum(dim=1)
+    combined[torch.isnan(per_func).all(dim=1)] = torch.nan
+    batch_std = nanstd(combined).expand_as(combined)
+    advantages = (combined - torch.nanmean(combined)) / (batch_std + eps)
+    return combined, advantages, batch_std

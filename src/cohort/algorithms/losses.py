@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from cohort.resolve import resolve_object
 
 from .base import PolicyLoss
 from .loss_io import LossInputs, LossOutput
@@ -69,17 +70,7 @@ def _unknown(kind: str, value: str, known: list[str], fix: str) -> ValueError:
 
 
 def _load_import_path(path: str) -> Callable[..., Any]:
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"loss import path {path!r} must look like 'package.module:ClassOrFactory'.")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"loss import path {path!r}: cannot import module {module_name!r} ({exc}).") from exc
-    try:
-        return getattr(module, attr)
-    except AttributeError as exc:
-        raise ValueError(f"loss import path {path!r}: module {module_name!r} has no attribute {attr!r}.") from exc
+    return resolve_object(path, field="loss import path", expects="ClassOrFactory")
 
 
 def policy_loss_parameters(name: str) -> dict[str, Any]:

@@ -65,7 +65,7 @@ def canonical_name(name: str) -> str:
 
 def is_peft(model: Any) -> bool:
     try:
-        from peft import PeftModel
+        from peft import PeftModel  # optional dependency (the peft extra: LoRA)
     except ImportError:
         return False
     return isinstance(unwrap_model(model), PeftModel)
@@ -267,7 +267,7 @@ def _to_model_names(path: Path, model: Any, saved: dict[str, torch.Tensor],
     """Key a saved state dict by the live model's canonical names (a PEFT adapter file uses PEFT's names)."""
     if not is_peft(model):
         return {canonical_name(k): v for k, v in saved.items()}
-    from peft import get_peft_model_state_dict
+    from peft import get_peft_model_state_dict  # optional dependency (the peft extra: LoRA)
 
     # get_peft_model_state_dict renames without copying, so the identity of each value maps a PEFT name
     # back to the model's name; this follows whatever renaming PEFT applies (adapter names, modules_to_save).

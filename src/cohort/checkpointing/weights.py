@@ -79,7 +79,7 @@ def _aliased_keys(model: torch.nn.Module, loaded: set[str]) -> set[str]:
 
 def _load_adapter_weights(path: Path, model: Any) -> None:
     try:
-        from peft import set_peft_model_state_dict
+        from peft import set_peft_model_state_dict  # optional dependency (the peft extra: LoRA)
     except ImportError as e:
         raise CheckpointError(
             f"checkpoint {str(path)!r} holds a PEFT adapter but `peft` is not installed: pip install peft"

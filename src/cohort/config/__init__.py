@@ -22,12 +22,13 @@ command line. Unknown keys fail with a "did you mean" suggestion.
 
 This package is the public API; its modules, one role each:
 
-    sections.py    the section dataclasses (ModelConfig ... AgentConfig): every field and default, in order
-    tree.py        CohortConfig, the root with one field per section; to_dict, validate
+    sections.py    the section dataclasses (ModelConfig ... AgentConfig): every field, default and help, in order
+    tree.py        CohortConfig, the root with one field per section; to_dict, validate (once per unchanged config)
     validation.py  the order of the checks: batch schedule and cross-section rules, then fields, then inputs
     checks.py      every field's range and enum (validate_fields) and the shared `_require` helpers
     overrides.py   setting fields by dotted key: apply_overrides, config_from_dict (and `_set`, used by TRL's facade)
     recipes.py     YAML recipes in and out: load_config, dump_config
+    help.py        every field's key, type, default and help text: `cohort train --help-config`, docs/settings.md
 """
 
 from cohort.config.overrides import apply_overrides, config_from_dict

@@ -9,6 +9,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 from transformers import SchedulerType
 
 from cohort.errors import ConfigError
@@ -56,9 +57,20 @@ _AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 def validate_fields(cfg: CohortConfig) -> None:
     """Every range, enum and cross-field rule of the config (issue 14): checked before any model, data or run
-    directory is touched. Each failure names the field, the value and the fix."""
-    m, d, g, r, a, t, run = cfg.model, cfg.data, cfg.generation, cfg.reward, cfg.advantage, cfg.train, cfg.run
-    # model
+    directory is touched. Each failure names the field, the value and the fix. One section at a time, in
+    config order."""
+    _check_model(cfg)
+    _check_data(cfg)
+    _check_generation(cfg)
+    _check_reward(cfg)
+    _check_advantage(cfg)
+    _check_train(cfg)
+    _check_run(cfg)
+
+
+def _check_model(cfg: CohortConfig) -> None:
+    """model: dtype, packed attention, the LoRA settings (with lora_r > 0) and the model's name."""
+    m = cfg.model
     _require_choice("model.dtype", m.dtype, _DTYPE_NAMES)
     _require_choice("model.packed_attention", m.packed_attention, ("torch", "fa4"),
                     " ('torch': torch's built-in FlashAttention-2; 'fa4': FlashAttention-4, pip install flash-attn-4)")
@@ -73,7 +85,11 @@ def validate_fields(cfg: CohortConfig) -> None:
                  "name at least one module, e.g. [q_proj, v_proj]")
     _require(isinstance(m.name_or_path, str) and m.name_or_path.strip() != "", "model.name_or_path",
              m.name_or_path, "give a local model folder, a .gguf file, a hub id or smollm2-135m-instruct")
-    # data
+
+
+def _check_data(cfg: CohortConfig) -> None:
+    """data: prompt length and truncation, the held-out size, the prompt column, options and few-shot messages."""
+    d = cfg.data
     _require(isinstance(d.max_prompt_length, int) and d.max_prompt_length >= 1, "data.max_prompt_length",
              d.max_prompt_length, "use a positive token count, e.g. 512")
     _require_choice("data.truncation", d.truncation, ("left", "drop"),
@@ -87,7 +103,11 @@ def validate_fields(cfg: CohortConfig) -> None:
     _require(isinstance(d.few_shot, list) and all(_is_message(m) for m in d.few_shot), "data.few_shot",
              d.few_shot, "give a list of chat messages, each {role: system|user|assistant|tool, content: text} "
              "(an assistant turn may add tool_calls: [{name: ..., arguments: {...}}])")
-    # generation
+
+
+def _check_generation(cfg: CohortConfig) -> None:
+    """generation: the sampling knobs, the KV cache share, the engine, placement and the context limit."""
+    g = cfg.generation
     _require(_finite(g.temperature), "generation.temperature", g.temperature, "use 0 (greedy) or a positive number")
     _require(isinstance(g.top_k, int) and g.top_k >= 0, "generation.top_k", g.top_k,
              "use 0 (off) or a positive number of most likely tokens to sample from")
@@ -105,13 +125,17 @@ def validate_fields(cfg: CohortConfig) -> None:
              "generation.stop_strings", g.stop_strings, "give a list of non-empty strings, e.g. ['</answer>']")
     _require_choice("generation.engine", g.engine, ("auto", "cohort", "hf"))
     _check_placement(cfg)
-    longest = max(g.max_completion_length, run.eval_max_completion_length or 0)
+    longest = max(g.max_completion_length, cfg.run.eval_max_completion_length or 0)
     if g.max_model_len is not None:
         _require(isinstance(g.max_model_len, int) and g.max_model_len > longest, "generation.max_model_len",
                  g.max_model_len, f"it must exceed the longest completion ({longest} tokens: "
                  "generation.max_completion_length / run.eval_max_completion_length) so a prompt fits beside "
                  "it; raise it (at most the model's context) or lower the completion length")
-    # reward
+
+
+def _check_reward(cfg: CohortConfig) -> None:
+    """reward: at least one function, finite weights (not all zero), the timeout and on_error."""
+    r = cfg.reward
     _require(isinstance(r.funcs, list) and len(r.funcs) >= 1, "reward.funcs", r.funcs,
              "give at least one reward function, e.g. [accuracy]")
     if r.reward_weights is not None:
@@ -123,7 +147,11 @@ def validate_fields(cfg: CohortConfig) -> None:
     _require(r.timeout_s is None or (_finite(r.timeout_s) and r.timeout_s > 0), "reward.timeout_s", r.timeout_s,
              "use a positive number of seconds, or leave it unset (null) for no limit")
     _require_choice("reward.on_error", r.on_error, ("raise", "skip"))
-    # advantage (TRL's booleans are accepted for scale_rewards: true = group, false = none)
+
+
+def _check_advantage(cfg: CohortConfig) -> None:
+    """advantage (TRL's booleans are accepted for scale_rewards: true = group, false = none)."""
+    a = cfg.advantage
     if not isinstance(a.scale_rewards, bool):
         _require_choice("advantage.scale_rewards", a.scale_rewards, _SCALE_REWARDS,
                         " (group: divide by each group's std; batch: by the batch's; none: Dr. GRPO)")
@@ -132,7 +160,11 @@ def validate_fields(cfg: CohortConfig) -> None:
     _require(not (a.estimator == "rloo" and a.multi_objective_aggregation == "normalize_then_sum"),
              "advantage.multi_objective_aggregation", a.multi_objective_aggregation,
              "advantage.estimator=rloo needs 'sum_then_normalize' (normalize_then_sum normalises over the batch)")
-    # train
+
+
+def _check_train(cfg: CohortConfig) -> None:
+    """train: the optimiser's settings, warmup, seed, scheduler kwargs and the device."""
+    t = cfg.train
     _require(_finite(t.learning_rate) and t.learning_rate > 0, "train.learning_rate", t.learning_rate,
              "use a positive learning rate, e.g. 1e-6")
     _require(_finite(t.weight_decay) and t.weight_decay >= 0, "train.weight_decay", t.weight_decay,
@@ -151,7 +183,11 @@ def validate_fields(cfg: CohortConfig) -> None:
     _require(isinstance(t.lr_scheduler_kwargs, dict), "train.lr_scheduler_kwargs", t.lr_scheduler_kwargs,
              "give a mapping, e.g. {min_lr_rate: 0.1}")
     _require(_device_ok(t.device), "train.device", t.device, "use auto, cpu, cuda or cuda:<index>")
-    # run
+
+
+def _check_run(cfg: CohortConfig) -> None:
+    """run: the output directory, resume vs overwrite, logging, checkpoints, evaluation and report_to."""
+    run = cfg.run
     _require(isinstance(run.output_dir, str) and run.output_dir.strip() != "", "run.output_dir", run.output_dir,
              "give a folder for the run, e.g. runs/my-run")
     _require(not (run.resume not in (False, None, "") and run.overwrite), "run.overwrite", run.overwrite,
@@ -208,8 +244,6 @@ def _device_ok(name: Any) -> bool:
     if name == "auto":
         return True
     try:
-        import torch
-
         torch.device(name)
     except (RuntimeError, ValueError, TypeError):
         return False

@@ -3,7 +3,8 @@
 A key names a section and one of its fields (`train.max_steps`); a bare field name is accepted when only one
 section has it; deeper keys go into a mapping field (`data.options.min_terms`); keys of `loss` that are not
 its fields are that loss's own parameters (`loss.params`). Values are coerced to the field's annotated type,
-and an unknown key fails with a "did you mean".
+and an unknown key fails with a "did you mean" that also gives the suggested field's help text. The keys come
+from the section dataclasses' fields (`cohort.config.tree.section_types`), as `cohort train --help-config` does.
 """
 
 from __future__ import annotations
@@ -14,30 +15,38 @@ from typing import Any
 
 import yaml
 
-from cohort.config.tree import CohortConfig
+from cohort.config.sections import help_of
+from cohort.config.tree import CohortConfig, section_types
 from cohort.errors import ConfigError
 
 
-def _section_types() -> dict[str, type]:
-    defaults = CohortConfig()  # every field is a section dataclass with a default factory
-    return {f.name: type(getattr(defaults, f.name)) for f in dataclasses.fields(CohortConfig)}
-
-
-def _did_you_mean(key: str, options: list[str]) -> str:
+def _did_you_mean(key: str, options: list[str], section: str | None = None) -> str:
+    """" Did you mean 'x'?" and x's help text, for the closest option (field names of `section`, or dotted
+    keys when section is None); the known keys when none is close."""
     close = difflib.get_close_matches(key, options, n=1, cutoff=0.6)
-    return f" Did you mean '{close[0]}'?" if close else f" Known keys: {', '.join(sorted(options))}."
+    if not close:
+        return f" Known keys: {', '.join(sorted(options))}."
+    dotted = close[0] if section is None else f"{section}.{close[0]}"
+    return f" Did you mean '{close[0]}'? {_help_line(dotted)}"
+
+
+def _help_line(dotted: str) -> str:
+    """'section.field: its help text.' from the field's metadata (the text `--help-config` prints)."""
+    section, name = dotted.split(".", 1)
+    field = next(f for f in dataclasses.fields(section_types()[section]) if f.name == name)
+    return f"{dotted}: {help_of(field).rstrip('.')}."
 
 
 def _all_dotted_keys() -> list[str]:
     keys = []
-    for name, cls in _section_types().items():
+    for name, cls in section_types().items():
         keys += [f"{name}.{f.name}" for f in dataclasses.fields(cls)]
     return keys
 
 
 def _set(cfg: CohortConfig, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
-    sections = _section_types()
+    sections = section_types()
     if parts[0] not in sections:
         # a bare field name (e.g. "num_generations") is accepted when it is unique across sections
         owners = [s for s, cls in sections.items() if parts[0] in {f.name for f in dataclasses.fields(cls)}]
@@ -54,7 +63,7 @@ def _set(cfg: CohortConfig, dotted: str, value: Any) -> None:
         section.params[parts[1]] = value  # a loss-specific parameter, checked by the loss itself
         return
     if parts[1] not in names:
-        raise ConfigError(f"Unknown config key '{dotted}'.{_did_you_mean(parts[1], names)} "
+        raise ConfigError(f"Unknown config key '{dotted}'.{_did_you_mean(parts[1], names, parts[0])} "
                           f"(fields of '{parts[0]}': {', '.join(names)})")
     if len(parts) > 2:  # into a dict-valued field, e.g. data.options.min_terms=2 or loss.params.tau_pos=1
         target = getattr(section, parts[1])

@@ -1,112 +1,192 @@
-"""The sections of a run's config, one dataclass each, with every field's default.
+"""The sections of a run's config, one dataclass each, with every field's default and help text.
 
 Field order is the order a saved `config.yaml`, `cohort train --print-config` and the docs show, so new fields
 go where they read best, not at the end. `from __future__ import annotations` is load-bearing: the override
 parser (`cohort.config.overrides._coerce`) reads each field's annotation as a string ("float", "int | None",
 "list[str]") to turn YAML's guess into the field's type.
+
+Every field is declared with `setting(default, help=...)`: its help text lives in the field's metadata, where
+`cohort train --help-config`, docs/settings.md (`python -m cohort.config.help --write docs/settings.md`) and
+the "did you mean" of an unknown key read it.
 """
+
+# RUF009 (a function call as a dataclass default): `setting` returns dataclasses.field, which ruff cannot see
+# ruff: noqa: RUF009
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
+
+_MISSING: Any = dataclasses.MISSING
+
+
+def setting(default: Any = _MISSING, *, default_factory: Callable[[], Any] = _MISSING, help: str) -> Any:
+    """A dataclass field with its default (or default_factory) and a one-line help text in metadata["help"]."""
+    if not help.strip():
+        raise ValueError("every setting needs a help text")
+    if default_factory is not _MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def help_of(field: dataclasses.Field) -> str:
+    """A field's help text ("" when it has none)."""
+    return str(field.metadata.get("help", ""))
 
 
 @dataclass
 class ModelConfig:
-    name_or_path: str = "smollm2-135m-instruct"  # hub id, local folder, .gguf file, or a cohort alias
-    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
-    gguf_file: str | None = None
-    attn_implementation: str | None = None
-    gradient_checkpointing: bool = False
-    compile_layers: bool = False  # CUDA: torch.compile each decoder layer for training (~8 s once; +50% MFU)
-    # the training forward's packed attention on CUDA: torch (built-in FlashAttention-2) or fa4
-    # (FlashAttention-4, `pip install flash-attn-4`, Hopper/Blackwell; docs/training.md)
-    packed_attention: Literal["torch", "fa4"] = "torch"
-    lora_r: int = 0  # > 0: train LoRA adapters of this rank (peft) instead of every weight
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    lora_target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    # vision-language models: no gradient into the vision tower and projector (the language model trains)
-    freeze_vision: bool = False
-    trust_remote_code: bool = False
-    # None: the tokenizer's own; 'chatml_tools' (cohort's ChatML template with tools) or a .jinja path
-    chat_template: str | None = None
+    name_or_path: str = setting(
+        "smollm2-135m-instruct", help="the model to train: a hub id, a local folder, a .gguf file, or a cohort alias")
+    dtype: str = setting("auto", help="weight dtype (float32, bfloat16, float16, ...); auto: bfloat16 on GPU, "
+                                      "float32 on CPU")
+    gguf_file: str | None = setting(
+        None, help="a .gguf file to load the weights from (relative to model.name_or_path when that is a folder); "
+                   "None: name_or_path alone says what to load")
+    attn_implementation: str | None = setting(
+        None, help="transformers' attn_implementation when loading the model (eager, sdpa, flash_attention_2, ...); "
+                   "None: transformers' choice")
+    gradient_checkpointing: bool = setting(
+        False, help="recompute each decoder layer's activations in the backward: less memory, a slower update")
+    compile_layers: bool = setting(
+        False, help="CUDA: torch.compile each decoder layer for training (~8 s once; +50% MFU)")
+    packed_attention: Literal["torch", "fa4"] = setting(
+        "torch", help="the training forward's packed attention on CUDA: torch (built-in FlashAttention-2) or fa4 "
+                      "(FlashAttention-4, `pip install flash-attn-4`, Hopper/Blackwell; docs/training.md)")
+    lora_r: int = setting(0, help="> 0: train LoRA adapters of this rank (peft) instead of every weight; "
+                                  "0: full fine-tuning")
+    lora_alpha: int = setting(32, help="LoRA scale: the adapters' output is multiplied by lora_alpha / lora_r "
+                                       "(with lora_r > 0)")
+    lora_dropout: float = setting(0.0, help="dropout probability on the LoRA adapters' input, in [0, 1) "
+                                            "(with lora_r > 0)")
+    lora_target_modules: list[str] = setting(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        help="names of the linear modules that get LoRA adapters (with lora_r > 0)")
+    freeze_vision: bool = setting(
+        False, help="vision-language models: no gradient into the vision tower and projector (the language model "
+                    "trains)")
+    trust_remote_code: bool = setting(
+        False, help="let transformers run the model repository's own Python code (models not built into "
+                    "transformers)")
+    chat_template: str | None = setting(
+        None, help="None: the tokenizer's own; 'chatml_tools' (cohort's ChatML template with tools) or a .jinja path")
 
 
 @dataclass
 class DataConfig:
-    source: str = "reasoning_gym:chain_sum"  # file path, datasets name, reasoning_gym:<task>, or "pkg.mod:fn"
-    options: dict[str, Any] = field(default_factory=dict)  # passed to the source (e.g. task settings)
-    split: str = "train"
-    prompt_column: str = "prompt"
-    shuffle: bool = True  # draw prompts in a seeded random order (reshuffled every epoch); false: dataset order
-    system_prompt: str | None = None
-    # worked examples as chat messages (tool calls and tool results included), placed after the system
-    # prompt and before each conversational prompt's own messages: a small model copies their format
-    few_shot: list[dict[str, Any]] = field(default_factory=list)
-    max_prompt_length: int = 512
-    truncation: Literal["left", "drop"] = "left"  # left: keep the end of a long prompt (TRL); drop: skip the row
-    eval_source: str | None = None  # default: a held-out split of `source`
-    eval_options: dict[str, Any] = field(default_factory=dict)
-    eval_size: int = 0
+    source: str = setting(
+        "reasoning_gym:chain_sum",
+        help='the training prompts: a file path, a datasets name, reasoning_gym:<task>, or "pkg.mod:fn"')
+    options: dict[str, Any] = setting(
+        default_factory=dict, help="passed to the source (e.g. task settings such as {size: 500})")
+    split: str = setting("train", help="the dataset split to read the training prompts from")
+    prompt_column: str = setting("prompt", help="the column that holds each prompt (text or chat messages)")
+    shuffle: bool = setting(
+        True, help="draw prompts in a seeded random order (reshuffled every epoch); false: dataset order")
+    system_prompt: str | None = setting(
+        None, help="a system message put before every prompt; None: no system message")
+    few_shot: list[dict[str, Any]] = setting(
+        default_factory=list,
+        help="worked examples as chat messages (tool calls and tool results included), placed after the system "
+             "prompt and before each conversational prompt's own messages: a small model copies their format")
+    max_prompt_length: int = setting(
+        512, help="longest prompt in tokens; longer ones are handled as data.truncation says")
+    truncation: Literal["left", "drop"] = setting(
+        "left", help="left: keep the end of a long prompt (TRL); drop: skip the row")
+    eval_source: str | None = setting(
+        None, help="held-out prompts for evaluation, in any form data.source takes; None: a held-out split of "
+                   "`source` (data.eval_size)")
+    eval_options: dict[str, Any] = setting(
+        default_factory=dict, help="passed to eval_source as data.options is to source (needs data.eval_source)")
+    eval_size: int = setting(
+        0, help="prompts held out of `source` for evaluation (without eval_source); 0: no held-out split")
 
 
 @dataclass
 class GenerationConfig:
-    num_generations: int = 8
-    max_completion_length: int = 256
-    # the engine's context limit, prompt + completion (vLLM's max_model_len); None: the model's context
-    # (max_position_embeddings). Prompts longer than it minus max_completion_length are truncated or dropped
-    # by the data stage (data.truncation), before training starts
-    max_model_len: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    stop_strings: list[str] = field(default_factory=list)
-    mask_truncated_completions: bool = False
-    ignore_eos: bool = False  # sample through EOS to max_completion_length (benchmarks, fixed-length runs)
-    engine: str = "auto"  # auto: cohort's engine when the architecture is supported, else hf
-    kv_cache_fraction: float = 0.3
-    # free the engine's KV pool while the policy updates (TRL's vllm_enable_sleep_mode): the update can use
-    # that memory; the next generate re-allocates it (same address in steady state, so no graph recapture)
-    release_kv_during_update: bool = False
-    fuse_projections: bool | None = None  # engine's fused QKV/gate-up weight copies; None: on for CUDA
-    generation_batch_size: int | None = None  # hf engine only: prompts per generate call
-    # rounds of tool calls per completion (TRL's name); None: only max_completion_length, over the whole
-    # conversation (model turns and tool results), bounds them
-    max_tool_calling_iterations: int | None = None
-    # where completions are sampled: colocate (an engine in each trainer process, reading its weights in
-    # place) or server (a `cohort serve` process on its own GPUs at server_address, host:port; the trainer
-    # pushes its weights there after every step). docs/serving.md
-    placement: str = "colocate"
-    server_address: str | None = None
-    server_timeout_s: float = 600.0  # longest one request to the server (a step's generation, a push) may take
-    server_connect_timeout_s: float = 60.0  # how long to wait for a server to answer at start or after a restart
-    # a weight push gives up (a named error) once the server has left /health unanswered this long
-    server_liveness_timeout_s: float = 30.0
+    num_generations: int = setting(
+        8, help="completions sampled per prompt (the group size G; at least 2)")
+    max_completion_length: int = setting(
+        256, help="most tokens in one completion (a multi-turn completion's model turns and tool results together)")
+    max_model_len: int | None = setting(
+        None, help="the engine's context limit, prompt + completion (vLLM's max_model_len); None: the model's "
+                   "context (max_position_embeddings). Prompts longer than it minus max_completion_length are "
+                   "truncated or dropped by the data stage (data.truncation), before training starts")
+    temperature: float = setting(1.0, help="sampling temperature; 0: greedy")
+    top_p: float = setting(1.0, help="nucleus sampling: sample from the most likely tokens whose probabilities "
+                                     "sum to top_p, in (0, 1]; 1: off")
+    top_k: int = setting(0, help="sample from the k most likely tokens only; 0: off")
+    min_p: float = setting(0.0, help="drop tokens less likely than min_p times the most likely one, in [0, 1]; "
+                                     "0: off")
+    repetition_penalty: float = setting(
+        1.0, help="penalise every token already in the prompt or completion (HF semantics: its logit is divided "
+                  "by it when positive, multiplied when negative); 1.0: off, > 1 discourages repeats")
+    stop_strings: list[str] = setting(
+        default_factory=list, help="a completion ends (stop text included) when it produces one of these strings")
+    mask_truncated_completions: bool = setting(
+        False, help="completions cut off at max_completion_length (no EOS) get no loss (DAPO's overlong filter)")
+    ignore_eos: bool = setting(
+        False, help="sample through EOS to max_completion_length (benchmarks, fixed-length runs)")
+    engine: str = setting("auto", help="auto: cohort's engine when the architecture is supported, else hf")
+    kv_cache_fraction: float = setting(
+        0.3, help="share of the device's free memory (after the trainer's) given to the engine's KV cache, "
+                  "in (0, 1]")
+    release_kv_during_update: bool = setting(
+        False, help="free the engine's KV pool while the policy updates (TRL's vllm_enable_sleep_mode): the update "
+                    "can use that memory; the next generate re-allocates it (same address in steady state, so no "
+                    "graph recapture)")
+    fuse_projections: bool | None = setting(
+        None, help="engine's fused QKV/gate-up weight copies; None: on for CUDA")
+    generation_batch_size: int | None = setting(
+        None, help="hf engine only: rows (a prompt's copy per completion) per generate call; None: all of them at once")
+    max_tool_calling_iterations: int | None = setting(
+        None, help="rounds of tool calls per completion (TRL's name); None: only max_completion_length, over the "
+                   "whole conversation (model turns and tool results), bounds them")
+    placement: str = setting(
+        "colocate", help="where completions are sampled: colocate (an engine in each trainer process, reading its "
+                         "weights in place) or server (a `cohort serve` process on its own GPUs at "
+                         "server_address; the trainer pushes its weights there after every step). docs/serving.md")
+    server_address: str | None = setting(
+        None, help="placement=server: the `cohort serve` process's host:port (e.g. 127.0.0.1:8000)")
+    server_timeout_s: float = setting(
+        600.0, help="longest one request to the server (a step's generation, a push) may take, in seconds")
+    server_connect_timeout_s: float = setting(
+        60.0, help="how long to wait for a server to answer at start or after a restart, in seconds")
+    server_liveness_timeout_s: float = setting(
+        30.0, help="a weight push gives up (a named error) once the server has left /health unanswered this long, "
+                   "in seconds")
 
 
 @dataclass
 class RewardConfig:
-    funcs: list[Any] = field(default_factory=lambda: ["accuracy"])  # names, "pkg.mod:fn", or {name: kwargs}
-    reward_weights: list[float] | None = None
-    timeout_s: float | None = None
-    on_error: Literal["raise", "skip"] = "raise"  # skip: the sample's reward becomes None and is counted
-    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more
-    max_resample_tries: int = 3
-    max_oversample: int = 4  # a resampling try draws at most this many times the missing prompts
+    funcs: list[Any] = setting(
+        default_factory=lambda: ["accuracy"], help='reward functions: names, "pkg.mod:fn", or {name: kwargs}')
+    reward_weights: list[float] | None = setting(
+        None, help="one weight per reward function, in order (negative: a penalty); None: 1.0 each")
+    timeout_s: float | None = setting(
+        None, help="longest one reward function call may take, in seconds; None: no limit")
+    on_error: Literal["raise", "skip"] = setting(
+        "raise", help="a reward function that raises: raise stops the run; skip: the sample's reward becomes None "
+                      "and is counted")
+    dynamic_sampling: bool = setting(False, help="DAPO: drop groups whose rewards are all equal, sample more")
+    max_resample_tries: int = setting(
+        3, help="with dynamic_sampling: sampling tries per step; the last one fills the step, all-equal groups "
+                "included")
+    max_oversample: int = setting(
+        4, help="a resampling try draws at most this many times the missing prompts")
 
 
 @dataclass
 class AdvantageConfig:
-    scale_rewards: str = "group"  # group | batch | none (Dr. GRPO)
-    estimator: str = "grpo"  # grpo | rloo
-    multi_objective_aggregation: str = "sum_then_normalize"
+    scale_rewards: str = setting(
+        "group", help="divide advantages by the std of: group (each group's), batch (the batch's), none (Dr. GRPO)")
+    estimator: str = setting("grpo", help="grpo (group mean baseline) | rloo (leave-one-out baseline)")
+    multi_objective_aggregation: str = setting(
+        "sum_then_normalize", help="several reward functions: sum_then_normalize (weighted sum, then advantages) "
+                                   "or normalize_then_sum (normalise each reward, then sum; not with rloo)")
 
 
 @dataclass
@@ -118,13 +198,23 @@ class LossConfig:
     that are not fields here are kept in `params` and checked against the loss, with a "did you mean".
     """
 
-    loss_type: str = "dapo"
-    beta: float | None = None  # KL coefficient; > 0 loads a frozen reference model
-    epsilon: float | None = None
-    epsilon_high: float | None = None
-    delta: float | None = None
-    importance_sampling_level: str | None = None  # token | sequence (GSPO)
-    params: dict[str, Any] = field(default_factory=dict)
+    loss_type: str = setting(
+        "dapo", help='the policy loss: a name from docs/algorithms.md (grpo, dapo, dr_grpo, cispo, sapo, ...) or '
+                     '"pkg.mod:Factory"')
+    beta: float | None = setting(
+        None, help="KL coefficient; > 0 loads a frozen reference model; None: the loss's default (0.0)")
+    epsilon: float | None = setting(
+        None, help="lower clip range: the ratio is clipped at 1 - epsilon; None: the loss's default (0.2)")
+    epsilon_high: float | None = setting(
+        None, help="upper clip range: the ratio is clipped at 1 + epsilon_high; None: the loss's default "
+                   "(epsilon; cispo: 5.0)")
+    delta: float | None = setting(
+        None, help="two-sided clip: the unclipped ratio is capped at delta (INTELLECT-2); None: off")
+    importance_sampling_level: str | None = setting(
+        None, help="token | sequence (GSPO); None: the loss's default")
+    params: dict[str, Any] = setting(
+        default_factory=dict, help="the chosen loss's other parameters, set as loss.<name>=value and checked "
+                                   "against the loss")
 
     def loss_params(self) -> dict[str, Any]:
         named = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -134,79 +224,110 @@ class LossConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 100
-    max_train_time_s: float | None = None  # also end training (normally) after this much step time
-    prompts_per_step: int = 16
-    mini_batches: int = 1
-    num_iterations: int = 1
-    token_budget: int = 16384
-    learning_rate: float = 1e-6
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0
-    # a non-finite loss or gradient norm skips that optimiser update (counted as skipped_updates); this many
-    # in a row stop the run with an error (exit 2) naming the step
-    max_nonfinite_updates: int = 3
-    # bf16/fp16 weights: keep fp32 master weights and fp32 Adam moments (default), or Adam moments in the
-    # weights' dtype as TRL does (6 bytes/param less; the LM-head gradient is then also summed in bf16)
-    master_weights: bool = True
-    logprob_chunk_tokens: int = 4096  # tokens per chunk of the logprob kernel: its [chunk, vocab] buffers
-    # keep the forward's LM-head logits for the backward instead of recomputing them (a faster backward); costs
-    # the completion tokens of a micro-batch x vocab x weight-dtype bytes (Qwen2.5, 16k tokens: ~4.6 GiB in bf16)
-    keep_logits: bool = False
-    # pack each prompt once per micro-batch with its completions after it (they attend to it; exact, and the
-    # prompt's G - 1 copies skip the model: a third fewer decoder FLOPs at 128 + 256 tokens); cohort.forward.shared_prompts
-    share_prompts: bool = True
-    optimizer_offload: bool = False  # Adam moments in host memory, streamed per bucket in the step
-    # none: every rank holds the whole model (data parallel); fsdp: FSDP2 shards weights, gradients and Adam
-    # state over the ranks (one unit per decoder layer + the root), the engine gets gathered bf16 weights
-    sharding: str = "none"
-    # fsdp only. reshard_after_forward=false keeps each layer's gathered bf16 weights from its forward to its
-    # backward (one all-gather per micro-batch instead of two; +1 bf16 model copy at peak). reduce_every_micro_
-    # batch=false sums gradients unsharded (fp32) until the update's last micro-batch, then reduce-scatters
-    # once (fewer collectives; +1 fp32 model-size gradient buffer). Speed and memory only, never the maths.
-    fsdp_reshard_after_forward: bool = True
-    fsdp_reduce_every_micro_batch: bool = True
-    # cohort's constant | cosine (warmup then flat / cosine to 0), or any transformers scheduler name (linear,
-    # cosine_with_min_lr, constant_with_warmup, ..., "hf:cosine"), built by transformers' get_scheduler
-    lr_scheduler_type: str = "constant"
-    lr_scheduler_kwargs: dict[str, Any] = field(default_factory=dict)  # transformers' scheduler_specific_kwargs
-    warmup_steps: int | float = 0  # optimiser updates; a value in (0, 1) is a fraction of them
-    seed: int = 42
-    device: str = "auto"
-    # several ranks (torchrun): the longest any collective may wait for a peer before the rank fails and the
-    # launch ends; keep it above the longest rank-0-only work the others wait through (evaluation, a save)
-    dist_timeout_s: float = 600
-    # generation.placement=server only: step t+1..t+k are generated while step t trains, with weights at most
-    # k versions behind (the sampler importance weights correct for it); 0: on-policy, synchronous (exact)
-    max_staleness: int = 0
+    max_steps: int = setting(100, help="training steps (each samples, scores and updates on one batch)")
+    max_train_time_s: float | None = setting(
+        None, help="also end training (normally) after this much step time, in seconds; None: no limit")
+    prompts_per_step: int = setting(16, help="prompts sampled per step (each gets generation.num_generations "
+                                             "completions)")
+    mini_batches: int = setting(
+        1, help="optimiser updates per pass over the step's completions; must divide prompts_per_step")
+    num_iterations: int = setting(1, help="passes over the step's completions (TRL's num_iterations, PPO epochs)")
+    token_budget: int = setting(
+        16384, help="most tokens in one packed forward/backward (micro-batch); speed and memory only, never the "
+                    "maths")
+    learning_rate: float = setting(1e-6, help="peak learning rate of the optimiser (AdamW)")
+    weight_decay: float = setting(0.0, help="AdamW's decoupled weight decay; 0: off")
+    adam_beta1: float = setting(0.9, help="AdamW's beta1 (first-moment decay), in [0, 1)")
+    adam_beta2: float = setting(0.99, help="AdamW's beta2 (second-moment decay), in [0, 1)")
+    adam_epsilon: float = setting(1e-8, help="AdamW's epsilon, added to the denominator")
+    max_grad_norm: float = setting(1.0, help="clip the gradient's global norm to this before each update")
+    max_nonfinite_updates: int = setting(
+        3, help="a non-finite loss or gradient norm skips that optimiser update (counted as skipped_updates); "
+                "this many in a row stop the run with an error (exit 2) naming the step")
+    master_weights: bool = setting(
+        True, help="bf16/fp16 weights: keep fp32 master weights and fp32 Adam moments (default), or Adam moments "
+                   "in the weights' dtype as TRL does (6 bytes/param less; the LM-head gradient is then also "
+                   "summed in bf16)")
+    logprob_chunk_tokens: int = setting(
+        4096, help="tokens per chunk of the logprob kernel: its [chunk, vocab] buffers")
+    keep_logits: bool = setting(
+        False, help="keep the forward's LM-head logits for the backward instead of recomputing them (a faster "
+                    "backward); costs the completion tokens of a micro-batch x vocab x weight-dtype bytes "
+                    "(Qwen2.5, 16k tokens: ~4.6 GiB in bf16)")
+    share_prompts: bool = setting(
+        True, help="pack each prompt once per micro-batch with its completions after it (they attend to it; exact, "
+                   "and the prompt's G - 1 copies skip the model: a third fewer decoder FLOPs at 128 + 256 "
+                   "tokens); cohort.forward.shared_prompts")
+    optimizer_offload: bool = setting(
+        False, help="Adam moments in host memory, streamed per bucket in the step")
+    sharding: str = setting(
+        "none", help="none: every rank holds the whole model (data parallel); fsdp: FSDP2 shards weights, "
+                     "gradients and Adam state over the ranks (one unit per decoder layer + the root), the engine "
+                     "gets gathered bf16 weights")
+    fsdp_reshard_after_forward: bool = setting(
+        True, help="fsdp only. false keeps each layer's gathered bf16 weights from its forward to its backward "
+                   "(one all-gather per micro-batch instead of two; +1 bf16 model copy at peak). Speed and memory "
+                   "only, never the maths")
+    fsdp_reduce_every_micro_batch: bool = setting(
+        True, help="fsdp only. false sums gradients unsharded (fp32) until the update's last micro-batch, then "
+                   "reduce-scatters once (fewer collectives; +1 fp32 model-size gradient buffer). Speed and memory "
+                   "only, never the maths")
+    lr_scheduler_type: str = setting(
+        "constant", help="cohort's constant | cosine (warmup then flat / cosine to 0), or any transformers "
+                         "scheduler name (linear, cosine_with_min_lr, constant_with_warmup, ..., \"hf:cosine\"), "
+                         "built by transformers' get_scheduler")
+    lr_scheduler_kwargs: dict[str, Any] = setting(
+        default_factory=dict, help="transformers' scheduler_specific_kwargs (e.g. {min_lr_rate: 0.1})")
+    warmup_steps: int | float = setting(
+        0, help="learning-rate warmup in optimiser updates; a value in (0, 1) is a fraction of them; 0: none")
+    seed: int = setting(42, help="seeds every random draw of the run: data order, sampling, LoRA init")
+    device: str = setting("auto", help="auto (cuda when available, else cpu), cpu, cuda or cuda:<index>")
+    dist_timeout_s: float = setting(
+        600, help="several ranks (torchrun): the longest any collective may wait for a peer before the rank fails "
+                  "and the launch ends, in seconds; keep it above the longest rank-0-only work the others wait "
+                  "through (evaluation, a save)")
+    max_staleness: int = setting(
+        0, help="generation.placement=server only: step t+1..t+k are generated while step t trains, with weights "
+                "at most k versions behind (the sampler importance weights correct for it); 0: on-policy, "
+                "synchronous (exact)")
 
 
 @dataclass
 class RunConfig:
-    output_dir: str = "runs/default"
-    overwrite: bool = False
-    resume: bool | str = False  # true: from the newest checkpoint in output_dir; a path: from that checkpoint
-    logging_steps: int = 1
-    save_steps: int = 0  # 0: only at the end
-    # false: no checkpoint when training ends (TRL's save_strategy='no' with save_steps=0: none at all);
-    # run.time_limit_s still saves the checkpoint it stops at, to resume from
-    save_at_end: bool = True
-    save_total_limit: int | None = 2
-    # TRL's name: checkpoints without optimizer state (about 2/3 smaller with Adam); --resume then loads the
-    # weights, data position, schedule and RNG, and Adam's moments restart from zero (it says so)
-    save_only_model: bool = False
-    report_to: list[str] | None = None  # None: console, jsonl, and TensorBoard when installed; or wandb, trackio
-    log_completions: bool = False
-    eval_steps: int = 0  # 0: evaluate only before and after training
-    eval_num_samples: int = 1  # n completions per eval prompt (pass@n); greedy when 1
-    eval_max_prompts: int | None = None
-    # the held-out eval's completion cap (None: generation.max_completion_length); lets a run train with a
-    # short cap and still score before and after on the same, more generous one (verl's val_kwargs idea)
-    eval_max_completion_length: int | None = None
-    time_limit_s: float | None = None  # stop at a step boundary after this long, with a checkpoint; --resume
+    output_dir: str = setting(
+        "runs/default", help="the run directory: config.yaml, metrics, samples, TensorBoard, checkpoints")
+    overwrite: bool = setting(
+        False, help="delete an existing run directory (one that looks like a cohort run) and start again")
+    resume: bool | str = setting(
+        False, help="true: from the newest checkpoint in output_dir; a path: from that checkpoint")
+    logging_steps: int = setting(
+        1, help="steps between TRL callbacks' on_log events (the TRL facade); metrics.jsonl has every step")
+    save_steps: int = setting(0, help="save a checkpoint every this many steps; 0: only at the end")
+    save_at_end: bool = setting(
+        True, help="false: no checkpoint when training ends (TRL's save_strategy='no' with save_steps=0: none at "
+                   "all); run.time_limit_s still saves the checkpoint it stops at, to resume from")
+    save_total_limit: int | None = setting(
+        2, help="keep only the newest this many checkpoints (older ones are deleted); None: keep every one")
+    save_only_model: bool = setting(
+        False, help="TRL's name: checkpoints without optimizer state (about 2/3 smaller with Adam); --resume then "
+                    "loads the weights, data position, schedule and RNG, and Adam's moments restart from zero (it "
+                    "says so)")
+    report_to: list[str] | None = setting(
+        None, help="where metrics go: a list of console, jsonl, tensorboard, wandb, trackio (or all, none); None: "
+                   "console, jsonl, and TensorBoard when installed")
+    log_completions: bool = setting(
+        False, help="write each step's prompts, completions and rewards to samples.jsonl")
+    eval_steps: int = setting(0, help="evaluate every this many steps; 0: evaluate only before and after training")
+    eval_num_samples: int = setting(1, help="n completions per eval prompt (pass@n); greedy when 1")
+    eval_max_prompts: int | None = setting(
+        None, help="evaluate on at most this many held-out prompts; None: all of them")
+    eval_max_completion_length: int | None = setting(
+        None, help="the held-out eval's completion cap (None: generation.max_completion_length); lets a run train "
+                   "with a short cap and still score before and after on the same, more generous one (verl's "
+                   "val_kwargs idea)")
+    time_limit_s: float | None = setting(
+        None, help="stop at a step boundary after this long, in seconds, with a checkpoint to --resume from; "
+                   "None: no limit")
 
 
 @dataclass
@@ -214,15 +335,18 @@ class AgentConfig:
     """Tool calling: with tools, each completion may call them, get the results and continue (multi-turn);
     the tool results are context, never trained on. Empty tools: plain single-turn completions."""
 
-    tools: list[Any] = field(default_factory=list)  # functions or "pkg.module:function" paths
-    tool_timeout_s: float = 10.0  # per call; a call that runs longer gets an error message instead
-    # "pkg.module:function"(text, tokenizer) -> list[ToolCall]; None: cohort.agents.parse_tool_calls
-    tool_parser: str | None = None
-    # TRL's environment_factory: "pkg.module:Class" (or a class / zero-argument factory), or {name: that} routed
-    # by the dataset's `environment` column. Each rollout gets its own instance: reset(**row) before it, its
-    # methods as the rollout's tools, get_reward() (if defined) as one more reward column (weight 1).
-    environment_factory: Any = None
-    # run the tools and render their results on the engine's thread as each turn ends, instead of on a thread
-    # pool: faster for tools that answer in about a millisecond (a calculator), wrong for slow ones (it stalls
-    # generation while they run); see cohort.agents.rollout_loop
-    inline_tools: bool = False
+    tools: list[Any] = setting(
+        default_factory=list, help='functions or "pkg.module:function" paths the model may call; empty: no tools')
+    tool_timeout_s: float = setting(
+        10.0, help="per call, in seconds; a call that runs longer gets an error message instead")
+    tool_parser: str | None = setting(
+        None, help='"pkg.module:function"(text, tokenizer) -> list[ToolCall]; None: cohort.agents.parse_tool_calls')
+    environment_factory: Any = setting(
+        None, help="TRL's environment_factory: \"pkg.module:Class\" (or a class / zero-argument factory), or {name: "
+                   "that} routed by the dataset's `environment` column. Each rollout gets its own instance: "
+                   "reset(**row) before it, its methods as the rollout's tools, get_reward() (if defined) as one "
+                   "more reward column (weight 1). None: no environments")
+    inline_tools: bool = setting(
+        False, help="run the tools and render their results on the engine's thread as each turn ends, instead of "
+                    "on a thread pool: faster for tools that answer in about a millisecond (a calculator), wrong "
+                    "for slow ones (it stalls generation while they run); see cohort.agents.rollout_loop")

@@ -25,6 +25,21 @@ if TYPE_CHECKING:
 
 def validate_config(cfg: CohortConfig) -> None:
     """Every rule, in the order above; the first that fails raises a ConfigError naming field, value and fix."""
+    _check_batch_schedule(cfg)
+    _check_time_limits(cfg)
+    _check_lengths_and_sampling(cfg)
+    _check_resampling(cfg)
+    _check_optimizer_layout(cfg)
+    _check_choices(cfg)
+    _check_loss(cfg)
+    _check_agent(cfg)
+    _check_reward_weights(cfg)
+    validate_fields(cfg)
+    check_inputs(cfg)  # data options against the source, reward names and kwargs, tool import paths
+
+
+def _check_batch_schedule(cfg: CohortConfig) -> None:
+    """Group size, prompts per step, mini-batches (whole groups per update), iterations and steps."""
     g, t = cfg.generation, cfg.train
     _require(g.num_generations >= 2, "generation.num_generations", g.num_generations,
              "GRPO normalises rewards within a group of completions of the same prompt; use 2 or more")
@@ -34,12 +49,22 @@ def validate_config(cfg: CohortConfig) -> None:
              "optimiser update sees whole groups; choose a divisor")
     _require(t.num_iterations >= 1, "train.num_iterations", t.num_iterations, "use 1 or more")
     _require(t.max_steps >= 1, "train.max_steps", t.max_steps, "use 1 or more")
+
+
+def _check_time_limits(cfg: CohortConfig) -> None:
+    """train.max_train_time_s, run.time_limit_s and the collectives' train.dist_timeout_s."""
+    t = cfg.train
     _require(t.max_train_time_s is None or t.max_train_time_s > 0, "train.max_train_time_s",
              t.max_train_time_s, "use a positive number of seconds, or leave it unset (null) for no limit")
     _require(cfg.run.time_limit_s is None or cfg.run.time_limit_s > 0, "run.time_limit_s",
              cfg.run.time_limit_s, "use a positive number of seconds, or leave it unset (null) for no limit")
     _require(t.dist_timeout_s > 0, "train.dist_timeout_s", t.dist_timeout_s,
              "use a positive number of seconds (default 600), longer than rank 0's evaluation or save")
+
+
+def _check_lengths_and_sampling(cfg: CohortConfig) -> None:
+    """Completion caps (training and held-out), temperature, top_p and the micro-batch token budget."""
+    g = cfg.generation
     _require(g.max_completion_length >= 1, "generation.max_completion_length", g.max_completion_length,
              "use 1 or more")
     _require(cfg.run.eval_max_completion_length is None or cfg.run.eval_max_completion_length >= 1,
@@ -47,11 +72,20 @@ def validate_config(cfg: CohortConfig) -> None:
              "use 1 or more, or leave it unset to use generation.max_completion_length")
     _require(g.temperature >= 0, "generation.temperature", g.temperature, "use 0 (greedy) or more")
     _require(0 < g.top_p <= 1, "generation.top_p", g.top_p, "use a value in (0, 1]")
-    _require(t.token_budget >= 1, "train.token_budget", t.token_budget, "use a positive token count")
+    _require(cfg.train.token_budget >= 1, "train.token_budget", cfg.train.token_budget, "use a positive token count")
+
+
+def _check_resampling(cfg: CohortConfig) -> None:
+    """Dynamic sampling's bounds: reward.max_oversample and reward.max_resample_tries."""
     _require(cfg.reward.max_oversample >= 1, "reward.max_oversample", cfg.reward.max_oversample,
              "use 1 (draw only the missing prompts) or more")
     _require(cfg.reward.max_resample_tries >= 1, "reward.max_resample_tries", cfg.reward.max_resample_tries,
              "use 1 or more")
+
+
+def _check_optimizer_layout(cfg: CohortConfig) -> None:
+    """Where optimiser state lives: offload vs master weights vs FSDP sharding, and the logprob chunk size."""
+    t = cfg.train
     _require(not (t.optimizer_offload and t.master_weights), "train.optimizer_offload", t.optimizer_offload,
              "offloaded Adam moments are kept in the weights' dtype; set train.master_weights=false with it")
     _require_choice("train.sharding", t.sharding, ("none", "fsdp"),
@@ -60,14 +94,23 @@ def validate_config(cfg: CohortConfig) -> None:
              "with train.sharding=fsdp the Adam state is already split over the ranks; set it to false")
     _require(t.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens", t.logprob_chunk_tokens,
              "use a positive token count (e.g. 1024; smaller saves memory, larger launches fewer kernels)")
+
+
+def _check_choices(cfg: CohortConfig) -> None:
+    """The enums checked first: data.truncation, generation.engine, reward.on_error, train.lr_scheduler_type."""
+    t = cfg.train
     _require_choice("data.truncation", cfg.data.truncation, ("left", "drop"))
-    _require_choice("generation.engine", g.engine, ("auto", "cohort", "hf"))
+    _require_choice("generation.engine", cfg.generation.engine, ("auto", "cohort", "hf"))
     _require_choice("reward.on_error", cfg.reward.on_error, ("raise", "skip"))
     close = difflib.get_close_matches(str(t.lr_scheduler_type), _scheduler_names(), n=1, cutoff=0.6)
     _require(t.lr_scheduler_type.removeprefix("hf:") in _scheduler_names(), "train.lr_scheduler_type",
              t.lr_scheduler_type, (f"did you mean '{close[0]}'? " if close else "")
              + "use 'constant' or 'cosine' (cohort's) or one of transformers' "
              f"{', '.join(n for n in _scheduler_names() if n not in ('constant', 'cosine'))}")
+
+
+def _check_loss(cfg: CohortConfig) -> None:
+    """The loss builds from its name and parameters; train.max_nonfinite_updates bounds skipped updates."""
     try:  # unknown loss names and parameters fail here, before any work
         build_policy_loss(cfg.loss.loss_type, cfg.loss.loss_params())
     except ConfigError:
@@ -75,10 +118,16 @@ def validate_config(cfg: CohortConfig) -> None:
     except (ValueError, TypeError, ImportError) as exc:
         raise ConfigError(f"loss (loss.loss_type={cfg.loss.loss_type!r}): {exc} Set it as loss.<name>=value."
                           ) from exc
+    t = cfg.train
     _require(isinstance(t.max_nonfinite_updates, int) and t.max_nonfinite_updates >= 1,
              "train.max_nonfinite_updates", t.max_nonfinite_updates,
              "use 1 or more: how many optimiser updates in a row may be skipped for a non-finite loss or "
              "gradient norm before the run stops")
+
+
+def _check_agent(cfg: CohortConfig) -> None:
+    """Tool calling: rounds of tool calls, the tool timeout, inline_tools and the environment factory."""
+    g = cfg.generation
     _require(g.max_tool_calling_iterations is None or g.max_tool_calling_iterations >= 0,
              "generation.max_tool_calling_iterations", g.max_tool_calling_iterations,
              "use 0 or more rounds of tool calls, or leave it unset (null) for no cap")
@@ -92,8 +141,10 @@ def validate_config(cfg: CohortConfig) -> None:
                                                                 for v in factory.values())),
              "agent.environment_factory", factory,
              "give 'pkg.module:Class', or a mapping {name: 'pkg.module:Class'} routed by the 'environment' column")
+
+
+def _check_reward_weights(cfg: CohortConfig) -> None:
+    """reward.reward_weights: one per reward function."""
     weights = cfg.reward.reward_weights
     _require(weights is None or len(weights) == len(cfg.reward.funcs), "reward.reward_weights", weights,
              f"give one weight per reward function ({len(cfg.reward.funcs)})")
-    validate_fields(cfg)
-    check_inputs(cfg)  # data options against the source, reward names and kwargs, tool import paths

@@ -17,16 +17,14 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 
+from transformers import PreTrainedTokenizerFast
+
 # tokenizer -> whether its backend's decode_batch gave batch_decode's text (checked once)
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _backend(tokenizer):
     """The Rust `tokenizers.Tokenizer` when the Python tokenizer adds nothing to its decode, else None."""
-    try:
-        from transformers import PreTrainedTokenizerFast
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return None
     if not isinstance(tokenizer, PreTrainedTokenizerFast) or getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return None
     cls = type(tokenizer)

@@ -12,7 +12,6 @@ otherwise a `datasets.load_dataset` name.
 from __future__ import annotations
 
 import csv
-import importlib
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -21,6 +20,7 @@ from typing import Any
 
 from cohort.data.dataset import PromptDataset, is_conversational
 from cohort.errors import ConfigError
+from cohort.resolve import resolve_object
 
 REASONING_GYM_PREFIX = "reasoning_gym:"
 _PROMPT_LIKE = ("question", "problem", "query", "instruction", "input", "text", "messages")
@@ -94,19 +94,8 @@ def _load_rows(source: Any, *, split: str, seed: int, **kwargs: Any) -> list[dic
 
 
 def import_object(path: str) -> Any:
-    """Resolve `"pkg.mod:attr"` (attr may be dotted), with a clear error for each way it can fail."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"{path!r} is not an import path; write it as 'package.module:function'.")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"Cannot import module {module_name!r} from {path!r}: {e}. Is it on PYTHONPATH?") from e
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"Module {module_name!r} has no attribute {attr!r} (from {path!r}).")
-        obj = getattr(obj, part)
-    return obj
+    """Resolve `"pkg.mod:attr"` (attr may be dotted): `cohort.resolve.resolve_object`, the one resolver."""
+    return resolve_object(path, field="import path", expects="function")
 
 
 def _rows_from_object(obj: Any, name: str) -> list[dict[str, Any]]:

@@ -24,28 +24,31 @@ from __future__ import annotations
 import copy
 import time
 import types
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
 from cohort.errors import ConfigError
 from cohort.forward.packing import packed_pass
 
-if TYPE_CHECKING:
-    from torch.distributed.fsdp import FSDPModule
+try:  # FSDP2 (torch >= 2.6); without it train.sharding=fsdp is refused, naming the torch it needs
+    from torch.distributed.fsdp import (
+        FSDPModule,
+        MixedPrecisionPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
+except ImportError:  # pragma: no cover - CI and the GPU machines have it
+    FSDPModule = MixedPrecisionPolicy = fully_shard = register_fsdp_forward_method = None  # type: ignore[assignment,misc]
 
 PACKED_METHOD = "cohort_packed_pass"
 
 
 def fsdp_available() -> tuple[bool, str]:
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError:
+    if fully_shard is None:
         return False, f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard (FSDP2); use torch >= 2.6"
     return True, "ok"
 

@@ -26,11 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.varlen import varlen_attn
 
 from cohort.engine import triton_ops
 from cohort.engine.triton_ops import paged_decode_attention
-from cohort.forward.packed_attention import grouped_kv, prepare_flash
+from cohort.forward.packed_attention import grouped_kv, prepare_flash, varlen_attn
 
 
 @dataclass
@@ -236,11 +235,7 @@ def prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnC
 def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return False
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return varlen_attn is not None
 
 
 class AttentionOps:

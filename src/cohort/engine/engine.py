@@ -29,7 +29,7 @@ import torch
 from cohort.engine.block_manager import BlockManager
 from cohort.engine.config import EngineConfig
 from cohort.engine.model_runner import ModelRunner
-from cohort.engine.models.decoder import unwrap_model
+from cohort.engine.models.decoder import HFModule, unwrap_model
 from cohort.engine.models.registry import engine_supports
 from cohort.engine.sampler import Sampler, needs_processing
 from cohort.engine.scheduler import Scheduler
@@ -86,12 +86,7 @@ class CohortEngine:
         if not ok:
             raise ValueError(reason)
         hf = unwrap_model(model)
-        weights_device = hf.get_input_embeddings().weight.device
-        self.device = torch.device(device) if device is not None else weights_device
-        if self.device.type != weights_device.type:
-            raise ValueError(f"device={self.device} but the model's weights are on {weights_device}: the engine "
-                             "computes with the weights in place; move the model or drop device=.")
-        self.device = weights_device
+        self.device = self._weights_device(hf, device)
         if max_model_len is None:
             max_model_len = min(getattr(hf.config, "max_position_embeddings", 4096) or 4096, 4096)
         self.config = EngineConfig(
@@ -108,22 +103,42 @@ class CohortEngine:
             prefill_graph_tokens=prefill_graph_tokens,
         )
         self.tokenizer = tokenizer
-        if isinstance(eos_token_ids, int):
-            eos_token_ids = [eos_token_ids]
-        self.eos_token_ids = frozenset(eos_token_ids or ())
+        self.eos_token_ids = self._eos_set(eos_token_ids)
         self.runner = ModelRunner(hf, self.config, self.device)
         self.blocks = BlockManager(self.runner.num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.blocks)
         self.sampler = Sampler(self.device)
+        self._warm_sampler()
+        self.stats = EngineStats()
+        self._inflight: _Launch | None = None  # a queued multi-step launch (see _multi_step)
+        self._ids = itertools.count()
+        self._rng = random.Random()
+
+    @staticmethod
+    def _weights_device(hf: HFModule, device: str | torch.device | None) -> torch.device:
+        """The device the model's weights are on, after checking that `device` (if given) is of its type."""
+        weights_device = hf.get_input_embeddings().weight.device
+        requested = torch.device(device) if device is not None else weights_device
+        # the engine reads the policy's parameters in place: it cannot compute anywhere else
+        if requested.type != weights_device.type:
+            raise ValueError(f"device={requested} but the model's weights are on {weights_device}: the engine "
+                             "computes with the weights in place; move the model or drop device=.")
+        return weights_device
+
+    @staticmethod
+    def _eos_set(eos_token_ids: int | Seq[int] | None) -> frozenset[int]:
+        """The stop ids every sequence gets (unless ignore_eos), from one id, several or none."""
+        if isinstance(eos_token_ids, int):
+            eos_token_ids = [eos_token_ids]
+        return frozenset(eos_token_ids or ())
+
+    def _warm_sampler(self) -> None:
+        """Compile the sampler's CUDA variants at construction (nothing to do on the CPU or without a vocab)."""
         vocab = self.runner.vocab_size
         if self.device.type == "cuda" and vocab:
             # prefill steps sample eagerly at any row count: compile every sampler variant now, not mid-run
             with torch.cuda.device(self.device):
                 self.sampler.warm(vocab, self.config.max_num_seqs, self.runner.net.dtype)
-        self.stats = EngineStats()
-        self._inflight: _Launch | None = None  # a queued multi-step launch (see _multi_step)
-        self._ids = itertools.count()
-        self._rng = random.Random()
 
     # ---- public API --------------------------------------------------------------------------------
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]) -> list[list[Completion]]:

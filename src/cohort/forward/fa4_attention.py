@@ -28,7 +28,7 @@ def _window(window_left: int) -> int | None:
 def fa4_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
                    scale: float, window_left: int, cu_k: torch.Tensor, max_len_k: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    from flash_attn.cute.interface import _flash_attn_fwd  # type: ignore[import-not-found]
+    from flash_attn.cute.interface import _flash_attn_fwd  # type: ignore[import-not-found]  # optional dependency: FA4
 
     # return_lse: the op's inputs never require grad, and FA4 only keeps the log-sum-exp the backward needs
     # when they do or when asked
@@ -50,7 +50,7 @@ def fa4_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    lse: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, scale: float,
                    window_left: int, cu_k: torch.Tensor, max_len_k: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from flash_attn.cute.interface import _flash_attn_bwd
+    from flash_attn.cute.interface import _flash_attn_bwd  # optional dependency: FA4
 
     res = _flash_attn_bwd(q, k, v, out, dout, lse, scale, True, 0.0, window_size_left=_window(window_left),
                           window_size_right=0, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_k,

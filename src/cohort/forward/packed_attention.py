@@ -30,12 +30,16 @@ import itertools
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.varlen import varlen_attn
 from transformers import AttentionInterface, masking_utils
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from cohort.errors import ConfigError
+
+try:  # torch's FlashAttention-2 over packed rows; an older torch runs exact per-sequence SDPA instead
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None  # type: ignore[assignment]
 from cohort.forward.fa4_attention import fa4_varlen
 
 VARLEN_IMPL = "cohort_varlen"
@@ -55,7 +59,7 @@ def use_packed_kernel(name: str, device: torch.device | str | None = None) -> No
             raise ConfigError(f"model.packed_attention='fa4' runs FlashAttention-4 on CUDA GPUs, but this run trains "
                               f"on {dev.type}; set model.packed_attention=torch (on the CPU the packed forward uses "
                               "exact per-sequence SDPA)")
-        try:
+        try:  # optional dependency: FlashAttention-4 (model.packed_attention=fa4)
             from flash_attn.cute.interface import (  # type: ignore[import-not-found]  # noqa: F401
                 _flash_attn_bwd,
                 _flash_attn_fwd,
@@ -73,11 +77,7 @@ def packed_kernel() -> str:
 
 
 def _has_varlen_attn() -> bool:
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return varlen_attn is not None
 
 
 # Whether varlen_attn takes fewer KV heads than query heads: with `enable_gqa=True` where the keyword exists;

@@ -50,7 +50,7 @@ Terms (P parameters, b bytes per weight element, T tokens per forward/backward):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -204,6 +204,69 @@ def _activation_bytes(s, b, token_budget, gradient_checkpointing, compiled_layer
     return token_budget * (s["L"] * per_layer_token + outer)
 
 
+def _trained_parameters(num_params: int, lora_params) -> tuple[bool, int]:
+    """Whether LoRA adapters train, and how many parameters have gradients, masters and moments."""
+    if int(lora_params) < 0:
+        raise ConfigError(f"memory estimate lora_params={lora_params} must be >= 0 (the adapters' parameter count)")
+    lora = int(lora_params) > 0
+    return lora, int(lora_params) if lora else num_params  # LoRA: only the adapters train
+
+
+def _optimizer_bytes(optimizer: str, trained: int, state_bytes: int, offload: bool, s: dict[str, int]) -> int:
+    """Device bytes of the optimizer state of `trained` parameters (one bucket's when offloaded)."""
+    if offload and optimizer == "adamw":
+        # moments on the host; the step brings one bucket's in (the biggest holds the embedding matrix)
+        biggest = max(s["V"] * s["H"], 32 * 2**20) if s else 32 * 2**20
+        return 2 * state_bytes * min(trained, biggest)
+    return {"adamw": 2 * state_bytes * trained, "adamw_8bit": 2 * trained, "sgd": 0}[optimizer]
+
+
+def _activations_term(s, b, token_budget, gradient_checkpointing, compiled_layers, shared_key_rows) -> int:
+    """The activations term: the decoder's saved tensors plus the K/V rows shared prompts gather."""
+    activations = _activation_bytes(s, b, token_budget, gradient_checkpointing, compiled_layers)
+    if shared_key_rows:  # gathered K and V rows, kept per layer (one layer at a time when recomputed)
+        activations += int(shared_key_rows) * 2 * s["K"] * b * (1 if gradient_checkpointing else s["L"])
+    return activations
+
+
+def _logits_chunk_bytes(s, b, token_budget, completion_tokens, chunk_tokens, fused, keep_logits) -> int:
+    """The logprob kernel's buffers: one [chunk, vocab] chunk, plus every completion row's logits if kept."""
+    # fused (compiled, CUDA) kernels keep two [chunk, vocab] tensors in the weight dtype (logits, gradient)
+    # eager: the logits, an fp32 working copy (none when they are fp32 already), exp(logits) in fp32 and the
+    # gradient cast back to the weight dtype: 8 bytes per element in fp32, 12 in bf16 (measured on the CPU)
+    per_element = 2 * b if fused else (8 if b == 4 else 2 * b + 8)
+    # the kernel's input is the micro-batch's completion tokens: a chunk never holds more rows than that
+    completion_rows = min(token_budget, token_budget if completion_tokens is None else completion_tokens)
+    logits = min(chunk_tokens, completion_rows) * s["V"] * per_element
+    if keep_logits:  # every completion row's logits, in the weight dtype, held from forward to backward
+        logits += completion_rows * s["V"] * b
+    return logits
+
+
+def _lm_head_grad_bytes(s, b, lm_head_grad_fp32: bool, lora: bool) -> int:
+    """The LM-head weight gradient the logprob kernel's backward sums over chunks."""
+    if lora:  # a frozen LM head: the logprob kernel computes no weight gradient
+        return 0
+    # fp32 sum plus one chunk's product; or (lm_head_grad_fp32=False) one buffer in the weight dtype
+    return s["V"] * s["H"] * ((4 + b) if lm_head_grad_fp32 or b == 4 else b)
+
+
+def _per_rank(est: MemoryEstimate, model_config, s, b, lora: bool, shards: int) -> MemoryEstimate:
+    """The per-rank figure of `est` (one replica's) when FSDP shards the training state over `shards` ranks."""
+    p = est.num_params
+    train_bytes = 4 if est.master_weights else b  # the masters are the sharded parameters themselves
+    root = s["V"] * s["H"] * (1 if _get(model_config, "tie_word_embeddings", False) else 2) if s else 0
+    layer = (p - root) // max(1, s["L"]) if s else 0
+    # LoRA: the base (weight dtype) and the fp32 adapters are both sharded; only the adapters have gradients
+    return replace(
+        est, weights=(est.weights if lora else p * train_bytes) // shards,
+        grads=(est.grads if lora else p * train_bytes) // shards, master_weights=0,
+        optimizer=est.optimizer // shards, reference=est.reference // shards,
+        # the engine keeps whole weights in the compute dtype; FSDP gathers the root and about two layers
+        engine_weights=p * b + est.engine_weights, gathered=(root + 2 * layer) * b,
+    )
+
+
 def estimate_memory(
     model_config_or_num_params,
     *,
@@ -241,55 +304,25 @@ def estimate_memory(
         raise ConfigError(f"memory estimate optimizer={optimizer!r} is not known; use one of {list(_OPTIMIZERS)}")
     b = _dtype_bytes(dtype)
     known = not isinstance(model_config_or_num_params, int)
-    # a bare parameter count has no shape: every term that reads `s` is guarded by `known`
+    # a bare parameter count has no shape (`s` is empty): every term that reads `s` is guarded by `known`
     s: dict[str, int] = _shape(model_config_or_num_params) if known else {}
     p = count_parameters(model_config_or_num_params) if known else int(model_config_or_num_params)
-    if int(lora_params) < 0:
-        raise ConfigError(f"memory estimate lora_params={lora_params} must be >= 0 (the adapters' parameter count)")
-    lora = int(lora_params) > 0
-    t = int(lora_params) if lora else p  # the parameters with gradients, masters and moments
+    lora, t = _trained_parameters(p, lora_params)
     master = 4 * t if master_weights_fp32 and b != 4 and not lora else 0  # adapters are fp32 already
     state_bytes = 4 if (master_weights_fp32 or b == 4 or lora) else b
-    opt = {"adamw": 2 * state_bytes * t, "adamw_8bit": 2 * t, "sgd": 0}[optimizer]
-    if optimizer_offload and optimizer == "adamw":
-        # moments on the host; the step brings one bucket's in (the biggest holds the embedding matrix)
-        biggest = max(s["V"] * s["H"], 32 * 2**20) if known else 32 * 2**20
-        opt = 2 * state_bytes * min(t, biggest)
-    activations = _activation_bytes(s, b, token_budget, gradient_checkpointing, compiled_layers) if known else 0
-    if known and shared_key_rows:  # gathered K and V rows, kept per layer (one layer at a time when recomputed)
-        activations += int(shared_key_rows) * 2 * s["K"] * b * (1 if gradient_checkpointing else s["L"])
-    # fused (compiled, CUDA) kernels keep two [chunk, vocab] tensors in the weight dtype (logits, gradient)
-    # eager: the logits, an fp32 working copy (none when they are fp32 already), exp(logits) in fp32 and the
-    # gradient cast back to the weight dtype: 8 bytes per element in fp32, 12 in bf16 (measured on the CPU)
-    per_element = 2 * b if fused_logprob_kernels else (8 if b == 4 else 2 * b + 8)
-    chunk_rows = min(chunk_tokens, token_budget, token_budget if completion_tokens is None else completion_tokens)
-    logits = chunk_rows * s["V"] * per_element if known else 0
-    if keep_logits and known:  # every completion row's logits, in the weight dtype, held from forward to backward
-        logits += min(token_budget, token_budget if completion_tokens is None else completion_tokens) * s["V"] * b
-    # fp32 sum plus one chunk's product; or (lm_head_grad_fp32=False) one buffer in the weight dtype
-    lm_head_grad = (s["V"] * s["H"] * ((4 + b) if lm_head_grad_fp32 or b == 4 else b)) if known else 0
-    if lora:  # a frozen LM head: the logprob kernel computes no weight gradient
-        lm_head_grad = 0
-    if shards is not None:
-        train_bytes = 4 if master else b  # the masters are the sharded parameters themselves
-        root = (s["V"] * s["H"] * (1 if _get(model_config_or_num_params, "tie_word_embeddings", False) else 2)
-                if known else 0)
-        layer = (p - root) // max(1, s["L"]) if known else 0
-        return MemoryEstimate(
-            weights=(p * b + 4 * t if lora else p * train_bytes) // shards,
-            grads=(4 * t if lora else p * train_bytes) // shards, master_weights=0,
-            optimizer=opt // shards, activations=activations, logits_chunk=logits, lm_head_grad=lm_head_grad,
-            kv_cache=int(kv_cache_bytes), reference=p * b // shards if reference_model else 0, num_params=p,
-            activations_known=known, engine_weights=p * b + engine_bytes, gathered=(root + 2 * layer) * b,
-            kv_released_in_update=kv_released_in_update, optimizer_offloaded=optimizer_offload,
-        )
-    return MemoryEstimate(
-        weights=p * b + (4 * t if lora else 0), grads=4 * t if lora else p * b, master_weights=master, optimizer=opt,
-        activations=activations, logits_chunk=logits, lm_head_grad=lm_head_grad, kv_cache=int(kv_cache_bytes),
-        reference=p * b if reference_model else 0, num_params=p, activations_known=known,
-        engine_weights=engine_bytes, kv_released_in_update=kv_released_in_update,
+    est = MemoryEstimate(
+        weights=p * b + (4 * t if lora else 0), grads=4 * t if lora else p * b, master_weights=master,
+        optimizer=_optimizer_bytes(optimizer, t, state_bytes, optimizer_offload, s),
+        activations=_activations_term(s, b, token_budget, gradient_checkpointing, compiled_layers,
+                                      shared_key_rows) if known else 0,
+        logits_chunk=_logits_chunk_bytes(s, b, token_budget, completion_tokens, chunk_tokens,
+                                         fused_logprob_kernels, keep_logits) if known else 0,
+        lm_head_grad=_lm_head_grad_bytes(s, b, lm_head_grad_fp32, lora) if known else 0,
+        kv_cache=int(kv_cache_bytes), reference=p * b if reference_model else 0, num_params=p,
+        activations_known=known, engine_weights=engine_bytes, kv_released_in_update=kv_released_in_update,
         optimizer_offloaded=optimizer_offload,
     )
+    return est if shards is None else _per_rank(est, model_config_or_num_params, s, b, lora, shards)
 
 
 def check_fits(estimate: MemoryEstimate, device_free_bytes: int, *, headroom: float = 0.9) -> None:

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 import transformers
+from huggingface_hub import constants as hub_constants
+from huggingface_hub import try_to_load_from_cache
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from cohort.errors import ConfigError
@@ -181,10 +183,6 @@ def gemma3_270m_gguf_path(cache_dir: str | Path | None = None) -> Path:
 
 
 def _hub_cached(repo_id: str) -> bool:
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return False
     return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
 
 
@@ -231,11 +229,7 @@ def _with_pad_token(tokenizer):
 
 
 def _offline() -> bool:
-    try:
-        from huggingface_hub import constants
-    except ImportError:
-        return os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
-    return bool(constants.is_offline_mode())
+    return bool(hub_constants.is_offline_mode())
 
 
 def _from_pretrained(loader, path: str, what: str, **kwargs):

@@ -44,7 +44,7 @@ class MergedWeight:
 def merged_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor | MergedWeight]]:
     """(plain name, tensor or MergedWeight) for every parameter and floating buffer of the base model, in
     module order, tied weights once: the names and shapes `cohort serve BASE` expects."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # optional dependency (the peft extra: LoRA)
 
     base = model.get_base_model()  # type: ignore[operator]
     if getattr(getattr(model, "active_peft_config", None), "use_dora", False):

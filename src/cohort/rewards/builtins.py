@@ -42,6 +42,7 @@ def _math_verify_timeouts() -> tuple[int | None, int | None]:
 
 def math_correct(content: str, gold: str) -> bool | None:
     """Whether `content` states the same mathematical answer as `gold` (math-verify); None if gold is unparsable."""
+    # optional dependency (the data extra: math answers)
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     parse_timeout, verify_timeout = _math_verify_timeouts()

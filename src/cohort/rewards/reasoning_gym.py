@@ -21,7 +21,7 @@ _NUMERIC = re.compile(r"^\s*-?\d[\d,]*(?:\.\d+)?\s*$")
 
 @cache
 def _scorer(task: str):
-    import reasoning_gym
+    import reasoning_gym  # optional dependency (the data extra: reasoning-gym tasks)
 
     # The scorer of a default-configured instance: score_answer reads the entry's answer and metadata,
     # not the generator's settings.

@@ -158,6 +158,7 @@ def _markdown_table(rows: list[dict[str, Any]]) -> str:
 
 class _TensorBoardSink:
     def __init__(self, run_dir: Path, start_step: int) -> None:
+        # optional dependency (the logging extra: TensorBoard)
         from torch.utils.tensorboard import SummaryWriter
 
         # purge_step hides events a crashed run wrote after the checkpoint we resume from.

@@ -146,7 +146,7 @@ def plot_run(
     `out` is a directory (default: the run directory) or a `.png` path for the grid; per-key files go to
     a `curves/` folder beside the grid.
     """
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # optional dependency (the logging extra: curves)
 
     if not 0.0 <= smoothing < 1.0:
         raise ConfigError(

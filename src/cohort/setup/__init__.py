@@ -19,7 +19,7 @@ Their public names stay importable from here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,7 +53,9 @@ from cohort.setup.rewards import (
     build_turn_loop,
     with_environment_rewards,
 )
-from cohort.types import RolloutEngine, SamplingParams
+from cohort.setup.settings import check_engine_abilities, update_settings
+from cohort.types import EngineAbilities, RolloutEngine, SamplingParams
+from cohort.update import UpdateSettings
 
 __all__ = [
     "Components", "build_components", "build_engine", "engine_model_len", "frozen_copy", "longest_completion",
@@ -61,8 +63,11 @@ __all__ = [
 ]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Components:
+    """The built objects of a run, fixed once set-up ends (`dataclasses.replace` makes a changed copy). What
+    changes as training goes on is the run's `cohort.run.state.RunState`, the checkpoint's trainer state."""
+
     policy: torch.nn.Module
     tokenizer: Any
     reference: torch.nn.Module | None
@@ -76,9 +81,8 @@ class Components:
     sampling_params: SamplingParams
     advantage_kwargs: dict[str, Any]
     device: torch.device
-    num_tokens: int = 0
-    train_time_s: float = 0.0
-    last_samples: list[dict] = field(default_factory=list)
+    update_settings: UpdateSettings  # the update's one settings record (cohort.setup.settings)
+    abilities: EngineAbilities  # what the engine can do besides generate (checked once)
     turn_loop: Any = None  # agent.tools: multi-turn tool-calling rollouts (cohort.agents.rollout_loop.TurnLoop)
     processor: Any = None  # a vision-language model's processor (saved with checkpoints); None for text models
     memory_estimate: Any = None  # cohort.policy.memory.MemoryEstimate printed at start (None: architecture not readable)
@@ -141,4 +145,5 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
                           "reward_weights": (reward_runner.weights.tolist() if environments is not None
                                              and environments.reward_classes else cfg.reward.reward_weights),
                           "multi_objective_aggregation": a.multi_objective_aggregation},
-        device=device, turn_loop=turn_loop, processor=processor, memory_estimate=memory_estimate)
+        device=device, update_settings=update_settings(cfg), abilities=check_engine_abilities(cfg, engine, echo),
+        turn_loop=turn_loop, processor=processor, memory_estimate=memory_estimate)

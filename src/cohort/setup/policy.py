@@ -69,7 +69,7 @@ def with_lora(cfg: CohortConfig, policy):
     if m.lora_r <= 0:
         return policy
     try:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig, get_peft_model  # optional dependency (the peft extra: LoRA)
     except ImportError as exc:
         raise ConfigError(f"model.lora_r={m.lora_r} needs peft: pip install peft (or set model.lora_r=0).") from exc
     lora = LoraConfig(r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,

@@ -1,5 +1,5 @@
-"""transformers `TrainerCallback`s on cohort's loop: the loop's hook events become the callback calls
-transformers' Trainer makes, in its order, with transformers' own `TrainerState` / `TrainerControl`.
+"""transformers `TrainerCallback`s on cohort's loop: the loop's typed callbacks (`cohort.run.callbacks`) become
+the callback calls transformers' Trainer makes, in its order, with transformers' own `TrainerState` / `TrainerControl`.
 
 Steps are TRL's: `state.global_step` counts optimiser steps. Each optimiser update of a cohort step (one
 generation) gets on_step_begin, on_pre_optimizer_step, on_optimizer_step and on_step_end, as in TRL; the first
@@ -10,8 +10,8 @@ step's metrics are logged once, after its last update (`state.log_history` holds
 `control` flags are set as transformers' DefaultFlowCallback sets them before the user's on_step_end runs
 (should_log / should_evaluate / should_save when due, should_training_stop at max_steps) and cleared where its
 CallbackHandler clears them. A callback's `should_training_stop`, `should_log`, `should_evaluate` and
-`should_save` are honoured at the end of the cohort step (the loop's "evaluate_requested" / "save_requested").
-The state is saved in each checkpoint (the loop's "checkpoint_state" event) and restored on resume, so a
+`should_save` are honoured at the end of the cohort step (the EVALUATE / SAVE / STOP decisions of `before_log`
+and `on_log`). The state is saved in each checkpoint (`checkpoint_state`) and restored on resume, so a
 resumed run's `log_history` and `global_step` equal an uninterrupted run's.
 """
 
@@ -24,6 +24,7 @@ from typing import Any
 from transformers import TrainerControl, TrainerState
 
 from cohort import distributed
+from cohort.run.callbacks import Callback, Decision, UpdateEvent
 
 # what a checkpoint keeps of transformers' TrainerState (the rest is recomputed from the step)
 _SAVED_FIELDS = ("log_history", "total_flos", "num_input_tokens_seen", "best_metric", "best_global_step",
@@ -39,7 +40,7 @@ def _transformers_state():
     return TrainerState, TrainerControl
 
 
-class CallbackBridge:
+class CallbackBridge(Callback):
     def __init__(self, trainer, callbacks: list):
         TrainerState, TrainerControl = _transformers_state()
         self.trainer = trainer
@@ -90,43 +91,48 @@ class CallbackBridge:
         s.epoch = done / self.per_gen * cfg.train.prompts_per_step / rows
         s.num_train_epochs = math.ceil(cfg.train.max_steps * cfg.train.prompts_per_step / rows)
 
-    def hook(self, event: str, step: int, payload: dict) -> bool:
-        """The loop's hook (cohort.trainer.Hook): True from "log" ends training after the step."""
-        handler = getattr(self, f"_on_{event}", None)
-        return bool(handler(step, payload)) if handler is not None else False
+    def on_resume(self, step: int, saved: dict) -> None:
+        self._restore(saved.get("trl_state") or {})
 
-    def _on_resume(self, step: int, payload: dict) -> None:
-        self._restore(payload.get("trl_state") or {})
-
-    def _on_train_begin(self, step: int, payload: dict) -> None:
+    def on_train_begin(self, step: int) -> None:
         self._at(step)
         self.control._new_training()
         self.event("on_train_begin")
         self.control._new_epoch()
         self.event("on_epoch_begin")
 
-    def _on_step_begin(self, step: int, payload: dict) -> None:
+    def on_step_begin(self, step: int) -> None:
         self._at(step - 1)
         self._update = 0
         self._step_begin()
 
-    def _on_update_begin(self, step: int, payload: dict) -> None:
+    def on_update(self, step: int, event: UpdateEvent) -> None:
+        if event is UpdateEvent.BEGIN:
+            self._update_begin()
+        elif event is UpdateEvent.PRE_OPTIMIZER_STEP:
+            self.event("on_pre_optimizer_step")
+        elif event is UpdateEvent.OPTIMIZER_STEP:
+            self.event("on_optimizer_step")
+        else:
+            self._update_end(step)
+
+    def _update_begin(self) -> None:
         if self._update > 0:  # the first update's on_step_begin came before the step generated
             self._step_begin()
 
-    def _on_pre_optimizer_step(self, step: int, payload: dict) -> None:
-        self.event("on_pre_optimizer_step")
-
-    def _on_optimizer_step(self, step: int, payload: dict) -> None:
-        self.event("on_optimizer_step")
-
-    def _on_update_end(self, step: int, payload: dict) -> None:
+    def _update_end(self, step: int) -> None:
         self._update += 1
         self._at(step, self._update)
         self._flow(step, last_update=self._update == self.per_gen)
         self.event("on_step_end")
 
-    def _on_log(self, step: int, payload: dict) -> bool:
+    def on_log(self, step: int, metrics: dict) -> Decision:
+        """STOP when a callback (or max_steps) set should_training_stop; SAVE when should_save is set (by the
+        flow when due, or by a callback), asked after the row is logged, as transformers does."""
+        decision = Decision.STOP if self._log(step, metrics) else Decision.CONTINUE
+        return decision | (Decision.SAVE if self.control.should_save else Decision.CONTINUE)
+
+    def _log(self, step: int, payload: dict) -> bool:
         self._at(step)
         if "loss" in payload:
             self._losses.append(float(payload["loss"]))
@@ -141,16 +147,15 @@ class CallbackBridge:
             self.log_eval(evals)
         return bool(self.control.should_training_stop)
 
-    def _on_evaluate_requested(self, step: int, payload: dict) -> bool:
-        return bool(self.control.should_evaluate)  # set by the flow when due, or by a callback's on_step_end
+    def before_log(self, step: int) -> Decision:
+        # should_evaluate: set by the flow when due, or by a callback's on_step_end
+        return Decision.EVALUATE if self.control.should_evaluate else Decision.CONTINUE
 
-    def _on_save_requested(self, step: int, payload: dict) -> bool:
-        return bool(self.control.should_save)  # set by the flow when due, or by a callback
+    def checkpoint_state(self, step: int) -> dict:
+        return {"trl_state": self._saved()}
 
-    def _on_checkpoint_state(self, step: int, payload: dict) -> None:
-        payload["trl_state"] = self._saved()
-
-    def _on_save(self, step: int, payload: dict) -> None:
+    def on_save(self, step: int, path) -> None:
+        payload = {"path": path}
         comp = self.trainer._comp
         if self.control.should_training_stop and comp is not None and comp.eval_data is not None:
             # the loop evaluates the last step after its checkpoint; TRL evaluates first, then saves
@@ -165,11 +170,11 @@ class CallbackBridge:
             self.control.should_save = False
             self.event("on_save", checkpoint=payload.get("path"))
 
-    def _on_evaluate(self, step: int, payload: dict) -> None:
+    def on_evaluate(self, step: int, payload: dict) -> None:
         self.log_eval({f"eval_{k}": v for k, v in payload.items()})
         self._flush_save()
 
-    def _on_train_end(self, step: int, payload: dict) -> None:
+    def on_train_end(self, step: int) -> None:
         self._flush_save()
         self._at(step)
         self.event("on_epoch_end")

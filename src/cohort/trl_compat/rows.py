@@ -25,6 +25,7 @@ def prompt_rows(data: Any, args, what: str) -> list[dict] | None:
     """Prompt rows of a `datasets` Dataset, a list of dicts, or a column dict; None for a streaming dataset
     (IterableDataset), which needs max_steps as in TRL."""
     try:
+        # optional dependency (the data extra: Hugging Face datasets)
         from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
     except ImportError:  # pragma: no cover - datasets is a dependency
         Dataset = DatasetDict = IterableDataset = IterableDatasetDict = ()

@@ -10,6 +10,7 @@ callback bridge and `state`) and `rewards` (reward functions and models).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import json
 import logging
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from huggingface_hub import HfApi
 
 from cohort import distributed
 from cohort.checkpointing import latest_checkpoint
@@ -123,7 +125,7 @@ class GRPOTrainer:
         if tok is None:
             raise ConfigError("GRPOTrainer(model=<a model object>) also needs processing_class=<its tokenizer>.")
         if self.peft_config is not None:  # TRL's way to train LoRA adapters
-            from peft import get_peft_model
+            from peft import get_peft_model  # optional dependency (the peft extra: LoRA)
 
             policy = get_peft_model(policy, self.peft_config)
         if self.args.disable_dropout:
@@ -141,11 +143,10 @@ class GRPOTrainer:
                                                 state=self.state)
         comp = build_components(cfg, policy=policy, tokenizer=tok, train_data=train, eval_data=evald)
         if self.optimizer is not None:  # optimizers=(optimizer, scheduler), as in transformers' Trainer
-            comp.optimizer = self.optimizer
-            comp.scheduler = self.lr_scheduler or build_scheduler(
+            comp = dataclasses.replace(comp, optimizer=self.optimizer, scheduler=self.lr_scheduler or build_scheduler(
                 self.optimizer, kind=cfg.train.lr_scheduler_type, warmup_steps=cfg.train.warmup_steps,
                 total_steps=cfg.train.max_steps * cfg.train.mini_batches * cfg.train.num_iterations,
-                kwargs=cfg.train.lr_scheduler_kwargs)
+                kwargs=cfg.train.lr_scheduler_kwargs))
         self.optimizer, self.lr_scheduler = comp.optimizer, comp.scheduler
         self.model = comp.policy
         return comp
@@ -187,7 +188,7 @@ class GRPOTrainer:
         if self.args.eval_on_start and self.eval_dataset:
             self.evaluate()
         started = time.monotonic()
-        self.result = train(cfg, self._comp, hooks=[self.callback_handler.hook])
+        self.result = train(cfg, self._comp, callbacks=[self.callback_handler])
         self.callback_handler.finish(time.monotonic() - started, steps_done=len(self.result.history))
         if self.args.push_to_hub:  # TRL pushes the final model when training ends
             self.push_to_hub()
@@ -207,13 +208,9 @@ class GRPOTrainer:
             return out
         if self._comp is None:
             self._comp = self._components()
-        comp = self._comp
-        saved = comp.eval_data
-        comp.eval_data = self._encode(prompt_rows(data, self.args, "eval_dataset"), self.processing_class)
-        try:
-            metrics = evaluate(comp, self.config)
-        finally:
-            comp.eval_data = saved
+        comp = dataclasses.replace(self._comp, eval_data=self._encode(prompt_rows(data, self.args, "eval_dataset"),
+                                                                      self.processing_class))
+        metrics = evaluate(comp, self.config)
         out = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
         self.callback_handler.log_eval(out)
         return out
@@ -244,8 +241,6 @@ class GRPOTrainer:
                         "(upload it later with `huggingface-cli upload %s %s`).", local, repo, local)
             return str(local)
         try:
-            from huggingface_hub import HfApi
-
             api = HfApi(token=token or self.args.hub_token)
             api.create_repo(repo, private=self.args.hub_private_repo, exist_ok=True)
             info = api.upload_folder(repo_id=repo, folder_path=str(local), commit_message=commit_message,

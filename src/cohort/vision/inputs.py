@@ -39,7 +39,7 @@ def has_image_column(dataset: PromptDataset) -> bool:
 
 def load_image(value: Any, source: str, index: int, column: str):
     """A PIL RGB image from a PIL image, a path, bytes, or a datasets {"bytes", "path"} dict; DataError if not."""
-    from PIL import Image
+    from PIL import Image  # optional dependency (Pillow: prompts with images)
 
     where = f"Dataset {source!r}: row {index}, column {column!r}"
     try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
 from cohort.errors import ConfigError
 from cohort.policy.model import _from_pretrained, _with_pad_token
@@ -139,8 +139,6 @@ def is_vision_checkpoint(path: str) -> bool:
     """Whether the config at `path` (a folder or hub id in the local cache) describes a VLM; False when it
     cannot be read (the ordinary loader then reports the problem)."""
     try:
-        from transformers import AutoConfig
-
         return is_vision_config(AutoConfig.from_pretrained(path))
     except Exception:  # missing folder, offline hub, GGUF: the text loader's errors are the right ones
         return False

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cohort.engine import triton_rope  # the module: its kernel is looked up per call (tests swap it)
 from cohort.engine.attention import AttentionOps, AttnContext, store_kv
 from cohort.engine.models.layers import fused_ops
-from cohort.engine.triton_rope import fused_rope_kv_supported, rope_store_kv
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _UNSUPPORTED_ROPE = ("dynamic", "longrope")
@@ -127,7 +127,7 @@ class DecoderForward:
         self.windows = layer_windows(model)
         self.cos, self.sin = self._rope_tables(max_len)
         self.ops = fused_ops(self.device)
-        self.fused_rope_kv = fused_rope_kv_supported(self.device, self.head_dim)
+        self.fused_rope_kv = triton_rope.fused_rope_kv_supported(self.device, self.head_dim)
         self.fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
         if fuse_projections is None:
             fuse_projections = self._plain_linears() and self._fused_copies_fit()
@@ -240,7 +240,7 @@ class DecoderForward:
             q, k = self._head_norm(q, attn.q_norm), self._head_norm(k, attn.k_norm)
         if self.fused_rope_kv:
             # One kernel: q and k rotated in place (views of the QKV output), k and v written to the cache.
-            q, k = rope_store_kv(q, k, v, cos, sin, kv_cache[0, i], kv_cache[1, i], ctx.slot_mapping)
+            q, k = triton_rope.rope_store_kv(q, k, v, cos, sin, kv_cache[0, i], kv_cache[1, i], ctx.slot_mapping)
         else:
             q, k = self.ops.rope(q, k, cos, sin)
             # Not fused into the compiled RoPE: inductor functionalises an index_copy_ into a view of the cache
