@@ -49,6 +49,7 @@ def _looks_local(source: str) -> bool:
 
 def _reasoning_gym_task(task: str, field: str, source: str) -> tuple[type, type]:
     try:
+        # optional dependency (the data extra: reasoning-gym tasks)
         from reasoning_gym.factory import DATASETS
     except ImportError as exc:
         raise ConfigError(f"{field}={source!r} needs reasoning-gym: pip install reasoning-gym "
