@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import SchedulerType
 
+from cohort.algorithms import ESTIMATORS, build_advantage_estimator
 from cohort.errors import ConfigError
 from cohort.remote.address import parse_address
+from cohort.resolve import is_import_path
 from cohort.run.logging import resolve_report_to
 
 if TYPE_CHECKING:
@@ -51,7 +53,6 @@ def _finite(x: Any) -> bool:
 
 _DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 _SCALE_REWARDS = ("group", "batch", "none")
-_ESTIMATORS = ("grpo", "rloo")
 _AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
@@ -155,11 +156,20 @@ def _check_advantage(cfg: CohortConfig) -> None:
     if not isinstance(a.scale_rewards, bool):
         _require_choice("advantage.scale_rewards", a.scale_rewards, _SCALE_REWARDS,
                         " (group: divide by each group's std; batch: by the batch's; none: Dr. GRPO)")
-    _require_choice("advantage.estimator", a.estimator, _ESTIMATORS, " (grpo: group mean baseline; rloo: leave-one-out)")
+    if is_import_path(a.estimator):  # user code ("pkg.module:Class"): built once here, so a bad path fails now
+        try:
+            estimator = build_advantage_estimator(a.estimator)
+        except (ConfigError, TypeError) as exc:
+            raise ConfigError(f"advantage.estimator={a.estimator!r} is not valid: {exc}") from None
+    else:
+        _require_choice("advantage.estimator", a.estimator, tuple(ESTIMATORS),
+                        " (grpo: group mean baseline; rloo: leave-one-out; or an import path 'pkg.module:Class')")
+        estimator = build_advantage_estimator(a.estimator)
     _require_choice("advantage.multi_objective_aggregation", a.multi_objective_aggregation, _AGGREGATIONS)
-    _require(not (a.estimator == "rloo" and a.multi_objective_aggregation == "normalize_then_sum"),
+    why = estimator.no_normalize_then_sum
+    _require(why is None or a.multi_objective_aggregation != "normalize_then_sum",
              "advantage.multi_objective_aggregation", a.multi_objective_aggregation,
-             "advantage.estimator=rloo needs 'sum_then_normalize' (normalize_then_sum normalises over the batch)")
+             f"advantage.estimator={a.estimator} needs 'sum_then_normalize' ({why})")
 
 
 def _check_train(cfg: CohortConfig) -> None:

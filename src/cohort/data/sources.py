@@ -139,7 +139,7 @@ def _rows_from_path(path: Path, *, split: str, **kwargs: Any) -> list[dict[str, 
             data = data["data"]  # the {"data": [...]} layout many exports use
         return _rows_from_object(data, str(path))
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # optional dependency (the data extra: parquet files)
 
         return pq.read_table(path).to_pylist()
     if suffix == ".csv":
@@ -158,7 +158,7 @@ def _json_value(text: str, path: Path, where: str) -> Any:
 
 
 def _rows_from_folder(path: Path, *, split: str, **kwargs: Any) -> list[dict[str, Any]]:
-    import datasets
+    import datasets  # optional dependency (the data extra: Hugging Face datasets)
 
     if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
         ds = datasets.load_from_disk(str(path))
@@ -176,7 +176,7 @@ def _pick_split(ds: Any, split: str, name: str) -> Any:
 
 def _rows_from_hub(name: str, *, split: str, **kwargs: Any) -> list[dict[str, Any]]:
     try:
-        import datasets
+        import datasets  # optional dependency (the data extra: Hugging Face datasets)
     except ImportError as e:
         raise ConfigError(
             f"Loading {name!r} needs the `datasets` package: pip install 'cohort-rl[data]'."
@@ -198,7 +198,7 @@ def reasoning_gym_rows(task: str, *, seed: int = 0, size: int = 500, **config: A
     `metadata` (with `source_dataset`) is what `cohort.rewards.reasoning_gym` needs to score an answer.
     """
     try:
-        import reasoning_gym
+        import reasoning_gym  # optional dependency (the data extra: reasoning-gym tasks)
     except ImportError as e:
         raise ConfigError("reasoning-gym sources need `pip install reasoning-gym` (cohort-rl[data]).") from e
     try:
