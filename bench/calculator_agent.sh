@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The calculator-agent learning run of docs/benchmarks.md ("Agents"), on one GPU, in phases that each fit a
 # 10-minute device call. MODEL is SmolLM2-135M-Instruct's GGUF file; RUN the run directory; OUT where the
-# metrics, samples and curves are copied.
+# metrics, samples and curves are copied, with a manifest.json (bench/results/README.md).
 #   base   : held-out accuracy of the base model without the tool (the chain_sum_gpu instruction, no tools,
 #            no examples) and with it (the recipe as is), greedy, 400 problems
 #   train  : the recipe, stopping after TIME_LIMIT seconds of wall time with a checkpoint (run.time_limit_s)
@@ -25,3 +25,5 @@ case $phase in
       | grep -v "Converting\|Loading weights" | tail -40 ;;
 esac
 cp "$RUN"/metrics.jsonl "$RUN"/samples.jsonl "$RUN"/*.png "$OUT"/ 2>/dev/null || true
+python3 bench/manifest.py "$OUT" --command "MODEL=$MODEL RUN=$RUN OUT=$OUT bash bench/calculator_agent.sh $phase" \
+    --what "the calculator-agent run (recipes/calculator_agent.yaml), phase $phase" || echo "manifest not written" >&2

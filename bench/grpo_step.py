@@ -87,6 +87,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/'s helpers, also when imported by path
 from flops import update_flops
+from manifest import record_run
 
 SIZES = {
     "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -718,6 +719,7 @@ def parent(args) -> None:
         faster = {size: (fastest_trl(by_runner) or (None,))[0] for size, by_runner in results.items()}
         with open(args.out, "w") as fh:
             json.dump({"args": vars(args), "results": results, "faster_trl": faster}, fh, indent=1, default=str)
+        record_run(f"bench/grpo_step.py: the GRPO step, sizes {args.sizes}, runners {args.runners}", args.out, args.log)
 
 
 def main(argv=None) -> None:

@@ -3,6 +3,7 @@
     from manifest import new_run_folder, write_manifest   # bench/ scripts import their siblings this way
     folder = new_run_folder("serve")                      # bench/results/2026-11-27-serve/ (-b, -c... if taken)
     write_manifest(folder, "cohort serve vs colocated", "python3 bench/serve.py ...", ["serve.json"])
+    record_run("what it measured", args.out, args.log)   # a script's own outputs, its own command line
 
     python3 bench/manifest.py FOLDER --what TEXT --command TEXT [FILE ...]   # from a shell script (default:
                                                                              # every file in FOLDER)
@@ -23,6 +24,7 @@ import datetime
 import importlib.metadata
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -124,6 +126,36 @@ def write_manifest(folder: str | os.PathLike, what: str, command: str, files, *,
                     "commit": commit, "commit_source": commit_source, "versions": installed_versions(),
                     "docs_section": docs_section, "files": list(dict.fromkeys(names))}
     path.write_text(json.dumps(manifest, indent=2) + "\n")
+    return path
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """This process's command, as run from the repository root: the COHORT_* variables set (but
+    COHORT_BENCH_COMMIT), python3, the script's path from the root and its arguments."""
+    argv = list(sys.argv if argv is None else argv)
+    script = Path(argv[0]).resolve()
+    if script.is_relative_to(ROOT):
+        argv[0] = script.relative_to(ROOT).as_posix()
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+           if k.startswith("COHORT_") and k != "COHORT_BENCH_COMMIT"]
+    return " ".join([*env, "python3", *(shlex.quote(a) for a in argv)])
+
+
+def record_run(what: str, *paths: str | os.PathLike | None) -> Path | None:
+    """The manifest of a script's own outputs: in the folder of the first of `paths`, listing those of them that
+    lie in that folder, with this process's command line. Never raises: a run's results matter more than its
+    manifest (a failure is printed and None returned)."""
+    given = [Path(p) for p in paths if p]
+    if not given:
+        return None
+    folder = given[0].resolve().parent
+    files = [p for p in given if p.exists() and p.resolve().parent == folder]
+    try:
+        path = write_manifest(folder, what, command_line(), files)
+    except Exception as exc:  # see the docstring
+        print(f"manifest not written in {folder}: {exc!r}", file=sys.stderr, flush=True)
+        return None
+    print(f"manifest: {path}", flush=True)
     return path
 
 

@@ -266,6 +266,9 @@ def main(argv=None) -> None:
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(results, fh, indent=1)
+        from manifest import record_run  # bench/'s helper (the script's folder is on sys.path)
+
+        record_run(f"bench/memory.py: cohort's memory estimate against the measured peak, rows {args.rows}", args.out)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Re-count the update MFU of saved bench/grpo_step.py results with bench/flops.py's FLOPs.
 
-    python3 bench/mfu_recount.py bench/results/grpo-step-*.json
+    python3 bench/mfu_recount.py bench/results/*/grpo-step-*.json
 
 Until 2026-11-27 grpo_step.py counted 6 x all parameters x all tokens, the LM head on prompt tokens too,
 whose logits neither trainer computes. This prints, per row of each file, the update seconds, that count's MFU

@@ -241,8 +241,13 @@ def main() -> None:
             signal.alarm(0)
     print_table(results)
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "rollout.json"), "w") as f:
+        path = os.path.join(os.environ["OUT"], "rollout.json")
+        with open(path, "w") as f:
             json.dump(results, f, indent=1)
+        from manifest import record_run  # bench/'s helper (the script's folder is on sys.path)
+
+        record_run(f"bench/rollout.py: rollout throughput of {args.model or 'the Qwen2.5-0.5B shape'}, cohort's "
+                   "engine against HF generate", path)
 
 
 def print_table(r: dict) -> None:

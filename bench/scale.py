@@ -74,6 +74,7 @@ if HERE not in sys.path:  # grpo_step / scale_trl live beside this file
 import torch  # noqa: E402
 from flops import update_flops  # noqa: E402
 from grpo_step import PEAK_FLOPS, SIZES  # noqa: E402
+from manifest import record_run  # noqa: E402
 
 BIG_SIZES = {  # untied embeddings (Qwen2.5-7B); "tiny" exercises the same code on the CPU
     "7b": {"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
@@ -589,6 +590,7 @@ def parent(args) -> int:
         with open(args.out, "w") as fh:
             json.dump({"args": vars(args), "elapsed_s": time.monotonic() - started, "results": results}, fh,
                       indent=1, default=str)
+        record_run(f"bench/scale.py: the GRPO step over {args.gpus or 'no'} GPUs (weak scaling)", args.out, args.log)
     return 0
 
 

@@ -53,6 +53,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
+from manifest import new_run_folder, record_run  # noqa: E402
 from scale import CHILD_ENV, _free_port, _kill_group, launch  # noqa: E402
 
 ROWS = ("colocated", "server", "server-k1")
@@ -236,11 +237,13 @@ def parent(args) -> int:
     summary = {"date": datetime.date.today().isoformat(), "device": device_name, "args": vars(args),
                "command": " ".join(sys.argv), "elapsed_s": time.monotonic() - started, "results": results,
                "table": table(results)}
-    out = args.out or os.path.join(HERE, "results", f"serve-{summary['date']}.json")
+    out = args.out or os.path.join(new_run_folder(f"serve-{args.gpus}gpu", summary["date"]), "serve.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as fh:
         json.dump(summary, fh, indent=1, default=str)
     print(f"results: {out}")
+    record_run(f"bench/serve.py: cohort serve against colocated data parallel on {args.gpus} GPUs "
+               f"({args.engine_gpus} for the engine), rows {args.rows}", out, args.log)
     return 0 if all("step_s" in r for r in results) else 1
 
 
@@ -260,7 +263,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="measured steps after warmup")
     p.add_argument("--rows", default=",".join(ROWS), help=f"any of {', '.join(ROWS)}")
     p.add_argument("--budget-s", type=float, default=540.0, help="every launch is killed after this long in all")
-    p.add_argument("--out", default=None, help="JSON (default bench/results/serve-<date>.json)")
+    p.add_argument("--out", default=None,
+                   help="JSON (default: bench/results/<date>-serve-<gpus>gpu/serve.json, a new run folder)")
     p.add_argument("--log", default=None, help="the server's output")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)

@@ -3,7 +3,8 @@
 # run j trains on GPU j % N and is served from GPU (j + 1) % N, so every GPU holds as many trainers as servers
 # (the 135M model leaves each GPU mostly idle; SERVE_ARGS keeps every server's KV cache small). Each run's
 # output and metrics go to OUTDIR/seed<S>_k<K>.txt and OUTDIR/seed<S>_k<K>_metrics.jsonl, and a table of the
-# held-out accuracy at every evaluation is printed at the end (bench/serve_learning_table.py).
+# held-out accuracy at every evaluation is printed at the end (bench/serve_learning_table.py); OUTDIR/manifest.json
+# lists those files (bench/results/README.md).
 #
 #   export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false MODEL=<converted folder>
 #   bash bench/serve_learning_seeds.sh 300 /tmp/learn 2 3 4 5        # 8 runs on 4 GPUs, about 5 minutes
@@ -29,4 +30,7 @@ done
 failed=0
 for p in "${pids[@]}"; do wait "$p" || failed=$(( failed + 1 )); done
 python3 bench/serve_learning_table.py "$OUTDIR"
+files=(); for S in "${SEEDS[@]}"; do for K in 0 1; do files+=("seed${S}_k$K.txt" "seed${S}_k${K}_metrics.jsonl"); done; done
+python3 bench/manifest.py "$OUTDIR" "${files[@]}" --command "bash bench/serve_learning_seeds.sh $STEPS $OUTDIR ${SEEDS[*]}" \
+    --what "served learning, max_staleness 0 and 1, seeds ${SEEDS[*]}, $STEPS steps" || echo "manifest not written" >&2
 [ "$failed" -eq 0 ] || { echo "$failed run(s) failed: see $OUTDIR/seed*_k*.txt" >&2; exit 1; }

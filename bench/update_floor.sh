@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The 0.5B update's profile by kernel kind, then its floor from that profile's numbers, on one GPU, in one call.
+# The 0.5B update's profile by kernel kind, then its floor from that profile's numbers, on one GPU, in one call;
+# OUT gets profile.json, profile.txt, floor.txt and their manifest.json (bench/results/README.md).
 #   OUT=dir bash bench/update_floor.sh     (from the repository root; docs/benchmarks.md, "The update, round 10")
 set -euo pipefail
 export PYTHONPATH=$PWD/src:$PWD/bench:$PWD
@@ -14,3 +15,7 @@ update_s=$(python3 -c "import json, sys; s = json.load(open(sys.argv[1]))['resul
 print(sum(x['update'] for x in s) / len(s))" "$OUT/profile.json")
 python3 bench/update_floor.py --attention-ms "$(kind_ms attention)" --step-matmul-ms "$(kind_ms matmul)" \
     --update-s "$update_s" 2>&1 | tee "$OUT/floor.txt"
+# OUT/manifest.json (grpo_step.py wrote it for profile.json): the profile's text and the floor too
+python3 bench/manifest.py "$OUT" profile.txt floor.txt --command "OUT=$OUT bash bench/update_floor.sh" \
+    --what "the 0.5B update's profile by kernel kind and its floor (bench/update_floor.py)" \
+    || echo "manifest not written in $OUT" >&2

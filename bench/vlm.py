@@ -23,18 +23,19 @@ calls, prefills = prefilled prompt tokens / prompt length):
   tokens, the vision tower run once per prompt per micro-batch, images as context, chunked logprobs, one
   AdamW step; language model trained, vision tower frozen unless --train-vision; bf16 AdamW moments;
   gradient checkpointing unless --no-checkpointing).
-Writes bench/results/vlm-<date>.json (or --out) and prints the table.
+Writes bench/results/<date>-vlm-<size>/vlm-<size>.json, a new run folder with its manifest.json (or --out), and
+prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import time
 from pathlib import Path
 
 import torch
+from manifest import new_run_folder, record_run  # bench/ is the script's folder, so on sys.path
 
 IMAGE_PAD, VISION_START, VISION_END, IM_START, IM_END = 151655, 151652, 151653, 151644, 151645
 SIZES = {
@@ -275,11 +276,11 @@ def main(argv=None) -> int:
               f"{'' if pre is None else f'{pre:g}':>8} | {peak:8.1f} |")
     print("(training step tokens/s: prompt + completion tokens of the batch, per second of forward+backward+AdamW; "
           "its vision passes: once per prompt per micro-batch)")
-    out = Path(args.out) if args.out else (Path(__file__).resolve().parent / "results" /
-                                           f"vlm-{args.size}-{datetime.date.today().isoformat()}.json")
+    out = Path(args.out) if args.out else new_run_folder(f"vlm-{args.size}") / f"vlm-{args.size}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
+    record_run(f"bench/vlm.py: rollout and update of a Qwen2.5-VL-{args.size}-shaped model", out)
     return 0
 
 

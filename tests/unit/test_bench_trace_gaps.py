@@ -1,5 +1,5 @@
 """bench/trace_gaps.py's kernel categories, on kernel names taken from the 0.5B update's H100 profiles
-(bench/results/profile-update-*): each lands in the kind of work it does, and the table sums by kind."""
+(bench/results/*/profile-update-*): each lands in the kind of work it does, and the table sums by kind."""
 
 from __future__ import annotations
 
