@@ -7,37 +7,25 @@ Name them in a recipe or in `GRPOTrainer(tools=[...])` as `cohort.agents.builtin
 parentheses. Names, calls, attributes, subscripts, strings and everything else are refused, so no input can
 run code; `eval` is never used. Powers and results are bounded (no 9**9**9 that would take the CPU for hours).
 
-`python` runs code in a separate process (`python -I`: no user site-packages, no PYTHON* environment variables,
-the script's folder not on sys.path) whose working directory is a fresh temporary folder, deleted afterwards,
-with a minimal environment and these limits set in the child before the code runs:
-RLIMIT_CPU (CPU seconds), RLIMIT_AS (address space: memory blow-ups raise MemoryError), RLIMIT_FSIZE (largest
-file it may write), RLIMIT_NPROC = 0 (no new processes or threads; not enforced for root) and a wall-clock
-timeout after which its whole process group is killed. Its output is cut to `max_output_chars`.
-
-This is a resource sandbox, not a security boundary: the code runs as the training user, so it can read any
-file that user can read and write, by absolute path, anywhere that user may write (it cannot *start* in the run
-directory, and cannot fill the disk past RLIMIT_FSIZE per file); it can open network sockets. Against a
-determined attacker add OS isolation: a container or a user namespace with a read-only root and only the temp
-folder writable (bubblewrap, nsjail, gVisor, Firecracker), no network namespace, seccomp filters, a separate
-unprivileged uid and cgroup limits for memory and process count.
+`python` runs a program in a sandbox (`cohort.agents.sandbox`): a child process with resource limits, isolated by
+bubblewrap where it can start (no network, a private PID namespace and /proc, a read-only root) and otherwise a
+plain process with a warning that says what is not isolated; `COHORT_SANDBOX=auto|bwrap|process` chooses. Its wall
+clock is also cut to the time its ToolRunner gives the call (`agent.tool_timeout_s`). docs/agents.md, "Sandbox".
 """
 
 from __future__ import annotations
 
 import ast
-import contextlib
 import math
 import operator
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from cohort.agents.sandbox import PythonSandbox, SandboxLimits, SandboxResult
+from cohort.agents.tools import tool_time_left
+
+__all__ = ["CalculatorError", "PythonSandbox", "SandboxLimits", "SandboxResult", "calculator", "make_python_tool",
+           "python"]
 
 # --------------------------------------------------------------------------------------------------- calculator
 MAX_EXPRESSION_CHARS = 1000
@@ -135,120 +123,14 @@ def calculator(expression: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ python
-@dataclass(frozen=True)
-class SandboxLimits:
-    cpu_s: int = 5
-    wall_s: float = 8.0
-    memory_mb: int = 1024
-    file_size_mb: int = 16
-    max_output_chars: int = 4000
-
-
-_PRELUDE = """
-import resource, runpy, sys
-cpu, mem, fsize = {cpu}, {mem}, {fsize}
-def limit(name, value):
-    what = getattr(resource, name, None)
-    if what is None:
-        return
-    try:
-        resource.setrlimit(what, (value, value))
-    except (ValueError, OSError):
-        pass
-limit("RLIMIT_CPU", cpu)
-limit("RLIMIT_AS", mem)
-limit("RLIMIT_FSIZE", fsize)
-limit("RLIMIT_CORE", 0)
-limit("RLIMIT_NPROC", 0)
-sys.argv = ["main.py"]
-del limit, cpu, mem, fsize, resource
-try:
-    runpy.run_path("main.py", run_name="__main__")
-except SystemExit:
-    raise
-except BaseException as exc:  # the traceback from the program's own frames, without runpy's
-    import traceback
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename != "main.py":
-        tb = tb.tb_next
-    traceback.print_exception(type(exc), exc, tb or exc.__traceback__)
-    sys.exit(1)
-"""
-
-
-@dataclass(frozen=True)
-class SandboxResult:
-    stdout: str
-    stderr: str
-    returncode: int | None
-    timed_out: bool
-    cpu_limited: bool
-    workdir: str
-
-    def text(self) -> str:
-        parts = [self.stdout.rstrip("\n")] if self.stdout.strip() else []
-        if self.stderr.strip():
-            parts.append(self.stderr.rstrip("\n"))
-        if self.timed_out:
-            parts.append("Error: the code was killed at its wall-clock limit.")
-        elif self.cpu_limited:
-            parts.append("Error: the code was killed at its CPU-time limit.")
-        elif self.returncode not in (0, None) and not self.stderr.strip():
-            parts.append(f"Error: the process exited with status {self.returncode}.")
-        return "\n".join(parts) if parts else "(no output)"
-
-
-class PythonSandbox:
-    """Run Python source in a child process with resource limits; see the module docstring for what it is not."""
-
-    def __init__(self, limits: SandboxLimits | None = None):
-        self.limits = limits or SandboxLimits()
-
-    def run(self, code: str) -> SandboxResult:
-        lim = self.limits
-        workdir = tempfile.mkdtemp(prefix="cohort-sandbox-")
-        logs = tempfile.mkdtemp(prefix="cohort-sandbox-logs-")
-        try:
-            Path(workdir, "main.py").write_text(code, encoding="utf-8")
-            prelude = _PRELUDE.format(cpu=int(lim.cpu_s), mem=int(lim.memory_mb) << 20,
-                                      fsize=int(lim.file_size_mb) << 20)
-            env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
-                   "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-            with open(Path(logs, "out"), "wb") as out, open(Path(logs, "err"), "wb") as err:
-                proc = subprocess.Popen([sys.executable, "-I", "-c", prelude], cwd=workdir, env=env,
-                                        stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
-                timed_out = False
-                try:
-                    proc.wait(timeout=lim.wall_s)
-                except subprocess.TimeoutExpired:
-                    timed_out = True
-                    _kill_group(proc.pid)
-                    proc.wait()
-            rc = proc.returncode
-            cpu_limited = rc in (-signal.SIGXCPU, -signal.SIGKILL) and not timed_out
-            return SandboxResult(stdout=_head(Path(logs, "out"), lim.max_output_chars),
-                                 stderr=_head(Path(logs, "err"), lim.max_output_chars),
-                                 returncode=rc, timed_out=timed_out, cpu_limited=cpu_limited, workdir=workdir)
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-            shutil.rmtree(logs, ignore_errors=True)
-
-
-def _kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-
-
-def _head(path: Path, limit: int) -> str:
-    with open(path, "rb") as f:
-        data = f.read(limit * 4 + 1)
-    text = data.decode("utf-8", errors="replace")
-    if len(text) > limit:
-        text = text[:limit] + f"\n... [output cut at {limit} characters]"
-    return text
-
-
 _DEFAULT_SANDBOX = PythonSandbox()
+
+
+def _run_python(sandbox: PythonSandbox, code: str) -> str:
+    """Run under the sandbox's limits, and stop when the ToolRunner stops waiting (agent.tool_timeout_s), with
+    a moment left to hand back what the program printed; the wall clock is then the smaller of the two."""
+    left = tool_time_left()
+    return sandbox.run(code, wall_s=None if left is None else max(0.05, left - min(0.5, 0.25 * left))).text()
 
 
 def python(code: str) -> str:
@@ -257,12 +139,13 @@ def python(code: str) -> str:
     Args:
         code: The source code of a complete Python program. Use print() to show results.
     """
-    return _DEFAULT_SANDBOX.run(code).text()
+    return _run_python(_DEFAULT_SANDBOX, code)
 
 
-def make_python_tool(limits: SandboxLimits):
-    """A `python` tool with other limits (same name and schema), e.g. `make_python_tool(SandboxLimits(cpu_s=2))`."""
-    sandbox = PythonSandbox(limits)
+def make_python_tool(limits: SandboxLimits, mode: str | None = None):
+    """A `python` tool with other limits (same name and schema), e.g. `make_python_tool(SandboxLimits(cpu_s=2))`;
+    `mode` ("auto", "bwrap", "process") overrides $COHORT_SANDBOX."""
+    sandbox = PythonSandbox(limits, mode=mode)
 
     def python(code: str) -> str:
         """Run a Python program and return what it prints (standard output, then any error).
@@ -270,6 +153,6 @@ def make_python_tool(limits: SandboxLimits):
         Args:
             code: The source code of a complete Python program. Use print() to show results.
         """
-        return sandbox.run(code).text()
+        return _run_python(sandbox, code)
 
     return python

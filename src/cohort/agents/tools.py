@@ -13,7 +13,9 @@ the model and whose `failed` is True (counted in `tools/failure_frequency`).
 
 A timed-out sync tool cannot be stopped from Python (threads cannot be killed): its thread is a daemon, its
 result is dropped, and it keeps running until it returns. Tools that may run away should enforce their own
-limits, as `cohort.agents.builtins:python` does with a subprocess.
+limits, as `cohort.agents.builtins:python` does with a subprocess: `tool_time_left()`, called inside a tool, gives
+the seconds until the runner stops waiting for it, so it can stop at the same time (the python tool kills its
+process then).
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ import concurrent.futures
 import contextlib
 import inspect
 import json
-import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,10 +32,14 @@ from typing import Any
 
 from transformers.utils import get_json_schema
 
+from cohort.agents.workers import WORKERS, in_daemon_thread, run_sync, tool_deadline, tool_time_left
 from cohort.data.sources import import_object
 from cohort.errors import ConfigError
 
 INVALID_TOOL_NAME = "__invalid__"  # the parser's name for a call it could not read (see parsing.py)
+_run_sync = run_sync  # the old private name (bench/turns.py)
+__all__ = ["Tool", "ToolCall", "ToolResult", "ToolRunner", "build_tools", "run_turns", "tool_metrics", "tool_schema",
+           "tool_schemas", "tool_time_left"]
 
 
 @dataclass(frozen=True)
@@ -169,19 +173,23 @@ class ToolRunner:
         """Results in the order of `calls`. Safe to call from inside a running event loop (uses a helper thread).
 
         Calls to sync tools only (the common case) skip the event loop: each goes to a reused daemon worker
-        thread (`_WORKERS`) and is waited for under the timeout. An event loop and a fresh thread per call cost
-        about 1 ms a turn, under the GIL that the engine's loop needs."""
+        thread (`cohort.agents.workers.WORKERS`) and is waited for under the timeout. An event loop and a fresh
+        thread per call cost about 1 ms a turn, under the GIL that the engine's loop needs."""
         if not calls:
             return []
         if any((t := self.tools.get(c.name)) is not None and t.is_async for c in calls):
-            return _run_sync(self.arun(calls))
+            return run_sync(self.arun(calls))
         prepared = [self._prepare(c) for c in calls]
         if self.serial:
-            return [self._settle(c, p, _WORKERS.submit(p[0].function, p[1]) if not isinstance(p, ToolResult)
-                                 else None, time.monotonic() + self.timeout_s)
-                    for c, p in zip(calls, prepared)]
-        futures = [None if isinstance(p, ToolResult) else _WORKERS.submit(p[0].function, p[1]) for p in prepared]
+            results = []
+            for c, p in zip(calls, prepared):
+                deadline = time.monotonic() + self.timeout_s
+                future = None if isinstance(p, ToolResult) else WORKERS.submit(p[0].function, p[1], deadline)
+                results.append(self._settle(c, p, future, deadline))
+            return results
         deadline = time.monotonic() + self.timeout_s  # all calls run at once, each under the timeout
+        futures = [None if isinstance(p, ToolResult) else WORKERS.submit(p[0].function, p[1], deadline)
+                   for p in prepared]
         return [self._settle(c, p, f, deadline) for c, p, f in zip(calls, prepared, futures)]
 
     def _settle(self, call: ToolCall, prepared, future, deadline: float) -> ToolResult:
@@ -215,11 +223,14 @@ class ToolRunner:
             return prepared
         tool, arguments = prepared
         name = call.name
+        deadline = time.monotonic() + self.timeout_s
         try:
-            if tool.is_async:
-                value = await asyncio.wait_for(tool.function(**arguments), self.timeout_s)
-            else:
-                value = await asyncio.wait_for(_in_daemon_thread(tool.function, arguments), self.timeout_s)
+            with tool_deadline(deadline):  # this task's own context: its async tool sees it, other calls do not
+                if tool.is_async:
+                    value = await asyncio.wait_for(tool.function(**arguments), self.timeout_s)
+                else:
+                    value = await asyncio.wait_for(in_daemon_thread(tool.function, arguments, deadline),
+                                                   self.timeout_s)
         except TimeoutError:
             return ToolResult(name, f"Error: tool {name!r} timed out after {self.timeout_s:g} s.", failed=True)
         except (Exception, SystemExit) as exc:
@@ -276,7 +287,7 @@ def run_turns(turns: Sequence[tuple[ToolRunner, Sequence[ToolCall]]], max_concur
 
         return list(await asyncio.gather(*(runner.arun(calls, _gate=gate) for runner, calls in turns)))
 
-    return _run_sync(main())
+    return run_sync(main())
 
 
 def tool_metrics(results_per_rollout: Sequence[Sequence[ToolResult]]) -> dict[str, float]:
@@ -287,103 +298,3 @@ def tool_metrics(results_per_rollout: Sequence[Sequence[ToolResult]]) -> dict[st
     failed = sum(x.failed for r in results_per_rollout for x in r)
     return {"tools/call_frequency": calls / n if n else 0.0,
             "tools/failure_frequency": failed / calls if calls else 0.0}
-
-
-def _run_sync(coro):
-    """Run a coroutine to completion from sync code, also when this thread already runs an event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    box: dict[str, Any] = {}
-
-    def target():
-        try:
-            box["out"] = asyncio.run(coro)
-        except BaseException as exc:  # pragma: no cover - re-raised below
-            box["err"] = exc
-
-    t = threading.Thread(target=target, name="cohort-tool-runner", daemon=True)
-    t.start()
-    t.join()
-    if "err" in box:
-        raise box["err"]
-    return box["out"]
-
-
-class _DaemonWorkers:
-    """Reused daemon threads for sync tool calls: a call goes to an idle worker, else to a new one. A worker
-    whose call timed out stays busy until the call returns (a thread cannot be stopped) and never blocks the
-    interpreter's exit; a worker idle for `idle_s` seconds ends."""
-
-    def __init__(self, idle_s: float = 60.0) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._idle = 0
-        self._idle_s = idle_s
-
-    def submit(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            start = self._idle == 0
-            if not start:
-                self._idle -= 1  # that worker will take this job
-        self._jobs.put((future, fn, kwargs))
-        if start:
-            threading.Thread(target=self._work, name=f"cohort-tool-{getattr(fn, '__name__', 'fn')}",
-                             daemon=True).start()
-        return future
-
-    def _work(self) -> None:
-        while True:
-            try:
-                future, fn, kwargs = self._jobs.get(timeout=self._idle_s)
-            except queue.Empty:
-                with self._lock:
-                    if self._idle > 0:  # nobody counts on this worker: end it
-                        self._idle -= 1
-                        return
-                continue
-            if future.set_running_or_notify_cancel():
-                try:
-                    value = fn(**kwargs)
-                except Exception as exc:
-                    future.set_exception(exc)
-                except BaseException as exc:  # SystemExit & co. from a tool: an error for the model, not for us
-                    future.set_exception(RuntimeError(f"{type(exc).__name__}: {exc}"))
-                else:
-                    future.set_result(value)
-            with self._lock:
-                self._idle += 1
-
-
-_WORKERS = _DaemonWorkers()
-
-
-def _in_daemon_thread(fn: Callable[..., Any], kwargs: dict[str, Any]) -> asyncio.Future:
-    """Run a sync function on a daemon thread (a hung tool never blocks interpreter exit, unlike a pool's)."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future = loop.create_future()
-
-    def settle(ok: bool, value: Any):
-        if fut.done():
-            return  # timed out already: drop the late result
-        if ok:
-            fut.set_result(value)
-        else:
-            fut.set_exception(value)
-
-    def target():
-        try:
-            value = fn(**kwargs)
-        except Exception as exc:
-            ok, value = False, exc
-        except BaseException as exc:  # SystemExit & co. from a tool: an error for the model, not for us
-            ok, value = False, RuntimeError(f"{type(exc).__name__}: {exc}")
-        else:
-            ok = True
-        with contextlib.suppress(RuntimeError):  # the loop closed while the tool ran
-            loop.call_soon_threadsafe(settle, ok, value)
-
-    threading.Thread(target=target, name=f"cohort-tool-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
-    return fut
