@@ -43,6 +43,7 @@ import datetime
 import json
 import math
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -141,6 +142,8 @@ def _gpus(first: int, count: int) -> str:
 
 def start_server(args, work: str, log) -> tuple[subprocess.Popen, str]:
     port = _free_port()
+    # the server and the trainers share one key (`cohort serve` authenticates every request; docs/serving.md)
+    os.environ.setdefault("COHORT_API_KEY", secrets.token_hex(16))
     env = {**os.environ, **CHILD_ENV}
     if args.device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = _gpus(args.gpus - args.engine_gpus, args.engine_gpus)

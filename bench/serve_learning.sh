@@ -17,6 +17,8 @@
 #   ENGINE_GPU=1 TRAINER_GPU=0 PORT=8011 bash bench/serve_learning.sh 0 300 /tmp/k0 &
 #   ENGINE_GPU=0 TRAINER_GPU=1 PORT=8012 bash bench/serve_learning.sh 1 300 /tmp/k1; wait
 set -euo pipefail
+# one key for the server and the trainer (`cohort serve` authenticates every request; docs/serving.md)
+export COHORT_API_KEY=${COHORT_API_KEY:-$(python3 -c "import secrets; print(secrets.token_hex(16))")}
 K=${1:?max_staleness}; STEPS=${2:-600}; OUTDIR=${3:-runs/serve_learning_k$K}; PORT=${PORT:-8011}
 MODEL=${MODEL:-smollm2-135m-instruct}
 mkdir -p "$OUTDIR"

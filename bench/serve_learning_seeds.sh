@@ -9,6 +9,8 @@
 #   export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false MODEL=<converted folder>
 #   bash bench/serve_learning_seeds.sh 300 /tmp/learn 2 3 4 5        # 8 runs on 4 GPUs, about 5 minutes
 set -euo pipefail
+# one key for the server and the trainer (`cohort serve` authenticates every request; docs/serving.md)
+export COHORT_API_KEY=${COHORT_API_KEY:-$(python3 -c "import secrets; print(secrets.token_hex(16))")}
 STEPS=${1:?steps}; OUTDIR=${2:?output folder}; shift 2
 SEEDS=("$@"); [ ${#SEEDS[@]} -gt 0 ] || { echo "give at least one seed after STEPS and OUTDIR" >&2; exit 2; }
 N=$(python3 -c "import torch; print(torch.cuda.device_count())")

@@ -189,6 +189,14 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-timeout-s", type=float, default=120.0,
                    help="longest a weight-group collective may wait for the trainer")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="the key every request must send as 'Authorization: Bearer KEY' (default: $COHORT_API_KEY, "
+                   "else one generated and printed at start; prefer the variable, a command line is visible to "
+                   "other users); 'none' turns authentication off (a local experiment only)")
+    p.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body in MiB (larger: 413)")
+    p.add_argument("--http-workers", type=int, default=64, help="requests handled at once (threads)")
+    p.add_argument("--http-queue", type=int, default=1024,
+                   help="connections that may wait for a worker; beyond them a request is answered 503 + Retry-After")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -287,11 +295,22 @@ def _exit_now_if_nccl_aborted() -> None:
         os._exit(liveness.EXIT_SERVER_LOST)
 
 
+_MAX_ERROR_CHARS = 2000  # an error names a value; a huge one (a pasted dataset, an alias bomb) is cut here
+
+
+def error_line(exc: BaseException) -> str:
+    """`cohort: error: <message>`, the message cut to _MAX_ERROR_CHARS characters."""
+    message = str(exc)
+    if len(message) > _MAX_ERROR_CHARS:
+        message = f"{message[:_MAX_ERROR_CHARS]}... ({len(message) - _MAX_ERROR_CHARS:,} more characters)"
+    return f"cohort: error: {message}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         argv = _argv_with_recipe_fix(list(sys.argv[1:] if argv is None else argv))
     except CohortError as exc:
-        print(f"cohort: error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     args = build_parser().parse_args(argv)
     if getattr(args, "recipe", None) == "":
@@ -299,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except CohortError as exc:
-        print(f"cohort: error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         _exit_now_if_nccl_aborted()
         return 2
     except KeyboardInterrupt:

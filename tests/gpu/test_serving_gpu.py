@@ -76,7 +76,8 @@ def _logs(trainer: TrainerProcess, server: ServerProcess) -> str:
 
 
 def _health(server: ServerProcess) -> dict:
-    with urllib.request.urlopen(f"http://{server.address}/health", timeout=30) as r:
+    with urllib.request.urlopen(urllib.request.Request(f"http://{server.address}/health", headers=server.headers),
+                                timeout=30) as r:
         return json.loads(r.read())
 
 

@@ -22,6 +22,10 @@ import sys
 import threading
 from pathlib import Path
 
+from tests.helpers.serving import API_KEY
+
+from cohort.remote.client import API_KEY_ENV
+
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ("Say the digit 3", "What is 2 + 3?")
 
@@ -30,9 +34,9 @@ class TrainerProcess:
     """Test side: start the worker, send commands, read answers (None: the process ended without one)."""
 
     def __init__(self, model_dir, env: dict | None = None) -> None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT),
-                                                           os.environ.get("PYTHONPATH", "")]),
-                   TOKENIZERS_PARALLELISM="false", **(env or {}))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT),
+                                                            os.environ.get("PYTHONPATH", "")]),
+               "TOKENIZERS_PARALLELISM": "false", API_KEY_ENV: API_KEY, **(env or {})}  # API_KEY: the servers' key
         env.setdefault("NCCL_DEBUG", "WARN")  # NCCL's own view in stderr, should a test fail
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.serving_trainer", str(model_dir)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

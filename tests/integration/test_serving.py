@@ -293,12 +293,14 @@ def test_the_trainer_reconnects_to_a_restarted_server_and_re_pushes(workspace):
 
 
 def _get(server, path: str) -> dict:
-    with urllib.request.urlopen(f"http://{server.address}{path}", timeout=30) as r:
+    req = urllib.request.Request(f"http://{server.address}{path}", headers=server.headers)  # the server's key
+    with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read())
 
 
 def _post(server, path: str, body: dict) -> dict:
-    req = urllib.request.Request(f"http://{server.address}{path}", data=json.dumps(body).encode(), method="POST")
+    req = urllib.request.Request(f"http://{server.address}{path}", data=json.dumps(body).encode(), method="POST",
+                                 headers=server.headers)
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())
 

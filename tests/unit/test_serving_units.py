@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from cohort.errors import ConfigError
+from cohort.errors import CohortError, ConfigError
 from cohort.remote.client import parse_address
 from cohort.remote.pipeline import staleness_metrics
 from cohort.remote.weights import (
@@ -20,7 +20,7 @@ from cohort.remote.weights import (
     manifest_of,
     plan_buckets,
 )
-from cohort.serving import openai_api
+from cohort.serving import auth, limits, openai_api
 from cohort.serving.engine_server import RWLock
 
 
@@ -116,6 +116,38 @@ def test_openai_requests_become_token_ids_and_sampling_params():
     assert err.value.status == 404
     with pytest.raises(openai_api.RequestError, match="unknown field"):
         openai_api.completion_request({"prompt": "x", "tempreature": 1}, _Tok(), "m")
+
+
+def test_the_api_key_comes_from_the_flag_the_environment_or_is_drawn_and_is_checked_as_a_bearer_token():
+    assert auth.resolve_key("k" * 20, {"COHORT_API_KEY": "other"}) == ("k" * 20, "--api-key")
+    assert auth.resolve_key(None, {"COHORT_API_KEY": "e" * 20}) == ("e" * 20, "COHORT_API_KEY")
+    key, source = auth.resolve_key(None, {})
+    assert source == "generated" and len(key) >= 32 and key != auth.resolve_key(None, {})[0]
+    assert auth.resolve_key("none", {"COHORT_API_KEY": "x"}) == (None, "off")  # only said on the command line
+    with pytest.raises(CohortError, match="--api-key none"):
+        auth.resolve_key(None, {"COHORT_API_KEY": "none"})
+    assert auth.refusal(f"Bearer {key}", key) is None and auth.refusal(f"bearer  {key} ", key) is None
+    assert auth.refusal(None, key) == "no Authorization header"
+    assert auth.refusal(f"Basic {key}", key) and auth.refusal(f"Bearer {key}x", key) == "wrong API key"
+    assert auth.refusal(None, None) is None  # --api-key none
+
+
+def test_sampling_fields_are_range_checked_naming_the_field_the_value_and_the_fix():
+    lim = limits.Limits(vocab_size=100, context=64)
+    params = limits.sampling_params({"temperature": 0, "top_p": 1, "seed": None, "stop_token_ids": [99], "n": 2.0},
+                                    lim)
+    assert (params.temperature, params.stop_token_ids, params.n) == (0.0, (99,), 2)
+    for field, value in [("temperature", float("nan")), ("temperature", float("inf")), ("top_p", 0.0),
+                         ("min_p", 1.5), ("repetition_penalty", 0), ("max_tokens", 65), ("top_k", -1),
+                         ("stop_token_ids", [100]), ("n", True), ("seed", -1), ("stop_strings", [""])]:
+        with pytest.raises(limits.RequestError) as err:
+            limits.sampling_params({field: value}, lim)
+        assert err.value.param.startswith(f"params.{field}") and "send" in str(err.value), (field, err.value)
+    assert limits.wait_seconds(1e9, lim) == lim.max_wait_s  # a long wait is cut, not refused
+    with pytest.raises(limits.RequestError, match="wait_s=nan"):
+        limits.wait_seconds(float("nan"), lim)
+    with pytest.raises(limits.RequestError, match="64"):  # prompt + max_tokens beyond the context
+        limits.check_room([[1] * 60], [limits.sampling_params({"max_tokens": 10}, lim)], lim)
 
 
 def test_trl_server_mode_maps_to_server_placement():

@@ -13,6 +13,11 @@ unanswered for `generation.server_liveness_timeout_s` mid-push ends it. A server
 `ServerUnavailable` naming host, port and phase. A server that went away is waited for up to
 `generation.server_connect_timeout_s`; if it comes back (a restart: a new server_id), the trainer joins a new
 weight group, pushes its current weights, and retries.
+
+Authentication: every request carries `Authorization: Bearer KEY`, KEY from `api_key=` or else the environment
+variable COHORT_API_KEY (the key `cohort serve` printed at start, or was given). A server that refuses it
+answers 401, raised as `ServerAuthError` at once (never retried). The weight group's rendezvous keys live
+under a prefix the server draws for each group and tells only an authenticated trainer (/weights/init).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import threading
 import time
 import urllib.error
@@ -33,9 +39,11 @@ from cohort.engine.turns_by_regeneration import generate_turns_by_regeneration
 from cohort.errors import CohortError, ConfigError
 from cohort.remote import weights as W
 from cohort.remote.address import parse_address
-from cohort.remote.errors import ServerError, ServerUnavailable, StaleServer
+from cohort.remote.errors import ServerAuthError, ServerError, ServerUnavailable, StaleServer
 from cohort.remote.liveness import mark_nccl_aborted, run_watched
 from cohort.types import Completion, SamplingParams, TurnCallback
+
+API_KEY_ENV = "COHORT_API_KEY"  # the shared secret of `cohort serve`, read by both sides (docs/serving.md)
 
 
 def params_to_json(params: SamplingParams) -> dict:
@@ -44,9 +52,13 @@ def params_to_json(params: SamplingParams) -> dict:
 
 
 class ServerClient:
-    def __init__(self, host: str, port: int, *, timeout_s: float = 600.0, connect_timeout_s: float = 60.0) -> None:
+    """HTTP to one `cohort serve`. `api_key`: the server's key; None reads COHORT_API_KEY, "" sends none."""
+
+    def __init__(self, host: str, port: int, *, timeout_s: float = 600.0, connect_timeout_s: float = 60.0,
+                 api_key: str | None = None) -> None:
         self.host, self.port = host, port
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self.api_key = os.environ.get(API_KEY_ENV, "") if api_key is None else api_key
 
     @property
     def where(self) -> str:
@@ -56,8 +68,11 @@ class ServerClient:
                 timeout_s: float | None = None) -> dict:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
         req = urllib.request.Request(f"http://{self.host}:{self.port}{path}", data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+                                     headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return json.loads(resp.read())
@@ -76,6 +91,11 @@ class ServerClient:
         except (ValueError, AttributeError):
             err = {}
         message = f"{self.where} refused {phase} (HTTP {exc.code}): {err.get('message', exc.reason)}"
+        if exc.code == 401:
+            given = "sent no key" if not self.api_key else "sent a key the server does not accept"
+            return ServerAuthError(f"{message}. This client {given}: set the environment variable {API_KEY_ENV} "
+                                   "to the key `cohort serve` printed at start (or was given with --api-key / "
+                                   f"{API_KEY_ENV})")
         if err.get("type") == "weight_mismatch":
             return W.WeightMismatchError(message)
         if err.get("type") == "stale_version":
@@ -103,9 +123,11 @@ class RemoteEngine:
 
     def __init__(self, address: str, policy: torch.nn.Module | None = None, *, timeout_s: float = 600.0,
                  connect_timeout_s: float = 60.0, pusher: bool = True, session: str | None = None,
-                 bucket_bytes: int = W.DEFAULT_BUCKET_BYTES, liveness_timeout_s: float = 30.0) -> None:
+                 bucket_bytes: int = W.DEFAULT_BUCKET_BYTES, liveness_timeout_s: float = 30.0,
+                 api_key: str | None = None) -> None:
         host, port = parse_address(address)
-        self.client = ServerClient(host, port, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
+        self.client = ServerClient(host, port, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
+                                   api_key=api_key)  # None: COHORT_API_KEY
         self.liveness_timeout_s = liveness_timeout_s  # /health silent this long mid-push: the server is gone
         self.policy = policy
         self.pusher = pusher and policy is not None
@@ -275,7 +297,7 @@ class RemoteEngine:
         timeout_s = min(float(info.get("timeout_s", self.client.timeout_s)), self.client.timeout_s)
         try:
             group = W.make_group(self.client.host, int(info["port"]), 0, backend=info["backend"],
-                                 timeout_s=timeout_s)
+                                 timeout_s=timeout_s, prefix=str(info.get("prefix", W.DEFAULT_PREFIX)))
         except Exception as exc:
             raise ServerUnavailable(f"{self.client.where}: joining its weight group on port {info['port']} during "
                                     f"{phase} failed: {exc}") from exc

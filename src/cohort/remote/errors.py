@@ -9,6 +9,10 @@ class ServerError(CohortError):
     """The server answered with an error."""
 
 
+class ServerAuthError(ServerError):
+    """The server refused the request's API key (HTTP 401): COHORT_API_KEY (or api_key=) is missing or wrong."""
+
+
 class ServerUnavailable(ServerError):
     """The server did not answer (refused, reset, or silent past the timeout)."""
 

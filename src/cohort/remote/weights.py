@@ -8,11 +8,16 @@ switches versions only when every bucket has arrived (see server.py).
 
 The group is made without `init_process_group` (the trainer may already have its default group for data
 parallelism): a TCPStore the server hosts on a port it announces, and a ProcessGroupGloo (CPU) or
-ProcessGroupNCCL (GPU) built on it directly, with a timeout on every collective.
+ProcessGroupNCCL (GPU) built on it directly, with a timeout on every collective. The store listens on the
+server's own host only (the address `cohort serve --host` binds, never every interface), and the group's keys
+live under a prefix drawn for each group, which the server tells only an authenticated trainer: a process that
+finds the port cannot take the trainer's place in the group.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,6 +29,8 @@ from cohort.errors import CohortError
 from cohort.remote.lora_merge import is_peft_model, merged_tensors
 
 DEFAULT_BUCKET_BYTES = 256 << 20
+DEFAULT_PREFIX = "cohort-weights"  # the group's keys in the store; a server adds a secret part per group
+_EVERY_INTERFACE = ("", "0.0.0.0", "::")
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
                                                       torch.int64, torch.int32, torch.int8, torch.uint8,
                                                       torch.bool)}
@@ -152,13 +159,21 @@ def check_plan(plan: Sequence[Sequence[int]], count: int) -> None:
 # The process group
 
 
-def make_group(host: str, port: int, rank: int, *, backend: str, timeout_s: float, store=None):
+def make_group(host: str, port: int, rank: int, *, backend: str, timeout_s: float, store=None,
+               prefix: str = DEFAULT_PREFIX, bind_host: str | None = None):
     """A two-member group (rank 0: trainer, rank 1: server) over the TCPStore at host:port (the server passes its
-    own `store`, the master). Every collective on it fails after `timeout_s` instead of hanging."""
+    own `store`, the master), its keys under `prefix`. Every collective on it fails after `timeout_s` instead
+    of hanging. `bind_host`: gloo's own sockets listen on that address (the server's host), not on whatever
+    the machine's name resolves to."""
     timeout = timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(host, port, 2, False, timeout)
-    prefixed = dist.PrefixStore("cohort-weights", store)
+    prefixed = dist.PrefixStore(prefix, store)
+    if backend == "gloo" and bind_host not in (None, *_EVERY_INTERFACE):
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, as NCCL's _timeout
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+        return dist.ProcessGroupGloo(prefixed, rank, 2, options)
     if backend == "gloo":
         return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
     if backend == "nccl":
@@ -169,8 +184,22 @@ def make_group(host: str, port: int, rank: int, *, backend: str, timeout_s: floa
 
 
 def host_store(host: str, timeout_s: float):
-    """The server's end: a TCPStore master on a free port of `host` (read it from `.port`)."""
-    return dist.TCPStore(host, 0, 2, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+    """The server's end: a TCPStore master on a free port of `host` (read it from `.port`), listening on that
+    address only. (TCPStore binds every interface when it opens the port itself, so the socket is bound here
+    and handed over.)"""
+    family, _, _, _, address = socket.getaddrinfo(host or None, 0, type=socket.SOCK_STREAM,
+                                                  flags=socket.AI_PASSIVE)[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind(address)
+        sock.listen(64)
+        port = sock.getsockname()[1]
+        fd = sock.detach()  # the store owns the listening socket from here
+    try:
+        return dist.TCPStore(host, port, 2, True, timedelta(seconds=timeout_s), wait_for_workers=False,
+                             master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def send_buckets(group, tensors: Sequence[torch.Tensor], plan: Sequence[Sequence[int]], device: torch.device) -> None:

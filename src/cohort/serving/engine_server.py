@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import secrets
 import signal
 import threading
 import time
@@ -124,6 +126,8 @@ class EngineServer:
         """Completions of every prompt, all sampled with one version (returned). With `min_version`, wait up to
         `wait_s` for a push of at least that version (by the run `session`, when given), else raise
         StaleVersion."""
+        if not (math.isfinite(wait_s) and wait_s >= 0):  # a NaN wait spins for ever, an infinite one holds for ever
+            raise ValueError(f"wait_s={wait_s!r} must be a finite number of seconds >= 0")
         if min_version is not None:
             def ready() -> bool:
                 return self.pushed and session in (None, self.session) and self.version >= min_version
@@ -164,23 +168,26 @@ class EngineServer:
 
     # ---- weights -----------------------------------------------------------------------------------
     def weights_init(self) -> dict:
-        """Open a weight group: a TCPStore on a free port (announced) and, in the background, the group the
-        trainer joins as rank 0. A second init replaces the first (a trainer that reconnects)."""
+        """Open a weight group: a TCPStore on a free port of the server's host (announced) and, in the background,
+        the group the trainer joins as rank 0, its keys under a prefix drawn now (announced to the caller only,
+        who passed the HTTP authentication). A second init replaces the first (a trainer that reconnects)."""
         with self._admin:
             store = W.host_store(self.host, self.group_timeout_s)
+            prefix = f"{W.DEFAULT_PREFIX}/{secrets.token_hex(16)}"
             self._group, self._group_error, self._push = None, None, None
 
             def join() -> None:
                 try:
                     self._group = W.make_group(self.host, store.port, 1, backend=self.backend,
-                                               timeout_s=self.group_timeout_s, store=store)
+                                               timeout_s=self.group_timeout_s, store=store, prefix=prefix,
+                                               bind_host=self.host)
                 except BaseException as exc:  # reported to the next begin
                     self._group_error = exc
 
             self._group_thread = threading.Thread(target=join, name="cohort-weight-group", daemon=True)
             self._group_thread.start()
             return {"port": store.port, "backend": self.backend, "rank": 0, "world_size": 2,
-                    "timeout_s": self.group_timeout_s}
+                    "timeout_s": self.group_timeout_s, "prefix": prefix}
 
     def weights_begin(self, version: int, manifest: Sequence, plan: Sequence[Sequence[int]],
                       session: str | None = None) -> dict:
@@ -253,6 +260,18 @@ class EngineServer:
             refresh = getattr(replica.engine, "refresh_buffers", None)  # engines that cache RoPE tables
             if refresh is not None:
                 refresh()
+
+    def bounds(self) -> tuple[int | None, int | None]:
+        """(vocabulary size, context) of the served model: token ids below the first (the embedding's rows),
+        prompt + max_tokens within the second (the engine's max_model_len; None when the engine names none)."""
+        replica = self.replicas[0]
+        get_embeddings = getattr(replica.model, "get_input_embeddings", None)
+        vocab = getattr(get_embeddings() if get_embeddings is not None else None, "num_embeddings", None)
+        config = getattr(replica.engine, "config", None)
+        context = getattr(config, "max_model_len", None)
+        if context is None:  # Hugging Face generate: the model's own limit
+            context = getattr(getattr(replica.model, "config", None), "max_position_embeddings", None)
+        return (int(vocab) if vocab else None), (int(context) if context else None)
 
     def health(self) -> dict:
         return {"status": "ok", "server_id": self.server_id, "version": self.version, "pushed": self.pushed,

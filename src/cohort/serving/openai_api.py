@@ -12,80 +12,118 @@ import time
 import uuid
 from typing import Any
 
-from cohort.errors import CohortError
+from cohort.serving import limits as L
+from cohort.serving.limits import Limits, RequestError
 from cohort.types import Completion, SamplingParams
 
-
-class RequestError(CohortError):
-    """A malformed request: answered with HTTP 400 (404 for an unknown model) and OpenAI's error shape."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.param = status, param
-
+__all__ = ["RequestError", "chat_request", "chat_response", "completion_request", "completion_response",
+           "models_response"]
 
 _SAMPLING_KEYS = {"max_tokens", "temperature", "top_p", "n", "seed", "stop", "top_k", "min_p",
                   "repetition_penalty", "ignore_eos", "stop_token_ids", "logprobs"}
 _IGNORED = {"model", "user", "stream", "frequency_penalty", "presence_penalty", "echo", "best_of",
             "max_completion_tokens", "stream_options", "suffix", "logit_bias", "top_logprobs"}
+# OpenAI's names that are SamplingParams fields as they are
+_SAME = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "seed")
 
 
-def _params(body: dict, default_max_tokens: int) -> SamplingParams:
+def _check_unsupported(body: dict) -> None:
     if body.get("stream"):
         raise RequestError("stream=true is not supported by cohort serve; send stream=false", param="stream")
     for key in ("frequency_penalty", "presence_penalty"):
         if body.get(key):
-            raise RequestError(f"{key}={body[key]!r} is not supported; use repetition_penalty", param=key)
+            raise RequestError(f"{key}={L.shown(body[key])} is not supported; use repetition_penalty", param=key)
     unknown = sorted(set(body) - _SAMPLING_KEYS - _IGNORED - {"prompt", "messages"})
     if unknown:
         raise RequestError(f"unknown field(s) {unknown}", param=unknown[0])
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else list(stop)
-    max_tokens = body.get("max_tokens", body.get("max_completion_tokens")) or default_max_tokens
-    try:
-        params = SamplingParams(
-            n=int(body.get("n", 1)), max_tokens=int(max_tokens), temperature=float(body.get("temperature", 1.0)),
-            top_p=float(body.get("top_p", 1.0)), top_k=int(body.get("top_k", 0) or 0),
-            min_p=float(body.get("min_p", 0.0) or 0.0),
-            repetition_penalty=float(body.get("repetition_penalty", 1.0)),
-            stop_token_ids=tuple(int(t) for t in body.get("stop_token_ids") or ()), stop_strings=tuple(stop),
-            ignore_eos=bool(body.get("ignore_eos", False)),
-            seed=None if body.get("seed") is None else int(body["seed"]))
-    except (TypeError, ValueError) as exc:
-        raise RequestError(f"bad sampling field: {exc}") from None
-    if params.n < 1 or params.max_tokens < 1:
-        raise RequestError(f"n={params.n} and max_tokens={params.max_tokens} must be >= 1")
+
+
+def _params(body: dict, default_max_tokens: int, prompts: list[list[int]], limits: Limits,
+            logprobs: str) -> SamplingParams:
+    """SamplingParams from OpenAI's fields, each range-checked (limits.py); null means the default. Without
+    max_tokens a request gets `default_max_tokens`, or the room its longest prompt leaves in the context."""
+    _check_unsupported(body)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    values: dict[str, Any] = {key: body.get(key) for key in _SAME}
+    values["stop_strings"] = stop
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+    if max_tokens is None and limits.context is not None:
+        max_tokens = max(1, min(default_max_tokens, limits.context - max(map(len, prompts), default=0)))
+    values["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
+    params = L.sampling_params(values, limits, where="", names={"stop_strings": "stop"})
+    given = body.get("logprobs")
+    if given is not None and logprobs == "bool":  # chat: a boolean
+        L.flag(given, "logprobs")
+    elif given is not None and not isinstance(given, bool):  # completions: how many, 0..20 (or a boolean)
+        L.integer(given, "logprobs", 0, 20, "send null, true/false or an integer 0..20")
+    L.check_room(prompts, [params] * len(prompts), limits, field="prompt")
     return params
 
 
 def check_model(body: dict, served: str) -> None:
     name = body.get("model")
     if name not in (None, "", served):
-        raise RequestError(f"The model `{name}` does not exist; this server serves {served!r}", status=404,
+        raise RequestError(f"The model `{L.shown(name)}` does not exist; this server serves {served!r}", status=404,
                            param="model")
 
 
-def completion_request(body: dict, tokenizer, served: str) -> tuple[list[list[int]], SamplingParams]:
-    """Prompts (a string, a list of strings, token ids, or a list of token-id lists) -> ids, params."""
-    check_model(body, served)
-    prompt = body.get("prompt")
+def _prompt_ids(prompt: Any, tokenizer, limits: Limits) -> list[list[int]]:
+    """`prompt` (a string, a list of strings, token ids, or a list of token-id lists) as token-id lists."""
     if prompt is None or prompt == "" or prompt == []:
-        raise RequestError("prompt is required", param="prompt")
-    if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):  # one prompt, text or token ids
-        prompt = [prompt]
-    ids = [tokenizer(p)["input_ids"] if isinstance(p, str) else [int(t) for t in p] for p in prompt]
-    return ids, _params(body, default_max_tokens=16)
+        prompt = None
+    elif isinstance(prompt, str) or (isinstance(prompt, list)
+                                     and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        prompt = [prompt]  # one prompt, text or token ids
+    if not isinstance(prompt, list):
+        raise RequestError("prompt is required: a string, a list of strings, token ids or a list of token-id lists",
+                           param="prompt")
+    if len(prompt) > limits.max_prompts:
+        raise RequestError(f"prompt has {len(prompt)} prompts; send at most {limits.max_prompts} per request",
+                           param="prompt")
+    ids = [tokenizer(L.text(p, f"prompt[{i}]", limits.max_text_chars))["input_ids"] if isinstance(p, str) else p
+           for i, p in enumerate(prompt)]
+    return L.prompts(ids, limits, field="prompt")
 
 
-def chat_request(body: dict, tokenizer, served: str) -> tuple[list[list[int]], SamplingParams]:
+def completion_request(body: dict, tokenizer, served: str,
+                       limits: Limits | None = None) -> tuple[list[list[int]], SamplingParams]:
+    """Prompts (a string, a list of strings, token ids, or a list of token-id lists) -> ids, params."""
+    limits = limits or Limits()
     check_model(body, served)
-    messages = body.get("messages")
+    ids = _prompt_ids(body.get("prompt"), tokenizer, limits)
+    return ids, _params(body, 16, ids, limits, logprobs="int")
+
+
+def _check_messages(messages: Any, limits: Limits) -> list[dict]:
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise RequestError("messages must be a non-empty list of {role, content} objects", param="messages")
+    if len(messages) > limits.max_messages:
+        raise RequestError(f"messages has {len(messages)} entries; send at most {limits.max_messages}",
+                           param="messages")
+    for i, m in enumerate(messages):
+        L.text(m.get("role"), f"messages[{i}].role", 64, empty=False)
+        content = m.get("content")
+        if content is not None and not isinstance(content, list):
+            L.text(content, f"messages[{i}].content", limits.max_text_chars)
+    return messages
+
+
+def chat_request(body: dict, tokenizer, served: str,
+                 limits: Limits | None = None) -> tuple[list[list[int]], SamplingParams]:
+    limits = limits or Limits()
+    check_model(body, served)
+    messages = _check_messages(body.get("messages"), limits)
     if getattr(tokenizer, "chat_template", None) is None:
         raise RequestError("the served model's tokenizer has no chat template; use /v1/completions", param="messages")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return [tokenizer(text, add_special_tokens=False)["input_ids"]], _params(body, default_max_tokens=256)
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # the template's own checks (jinja raises its own errors): the messages' fault
+        raise RequestError(f"messages could not be rendered with the chat template: {type(exc).__name__}: "
+                           f"{str(exc)[:200]}", param="messages") from None
+    ids = L.prompts([tokenizer(text, add_special_tokens=False)["input_ids"]], limits, field="messages")
+    return ids, _params(body, 256, ids, limits, logprobs="bool")
 
 
 def _usage(prompts: list[list[int]], groups: list[list[Completion]]) -> dict:

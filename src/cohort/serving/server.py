@@ -1,26 +1,29 @@
-"""`cohort serve MODEL`: the engine as an HTTP server (stdlib ThreadingHTTPServer, JSON bodies).
+"""`cohort serve MODEL`: the engine as an HTTP server (stdlib http.server, JSON bodies, a bounded thread pool).
 
-Routes (docs/serving.md has the full protocol):
+Routes (docs/serving.md has the full protocol); every one needs `Authorization: Bearer KEY` (auth.py):
     GET  /health                  {"status", "server_id", "version", "pushed", "model", "replicas", ...}
     GET  /version                 {"version", "server_id", "pushed"}
     POST /generate                token ids in -> token ids, sampling logprobs, finish reasons, version out
-    POST /weights/init            open a weight group; answers the TCPStore port the trainer joins
+    POST /weights/init            open a weight group; answers the TCPStore port and key prefix the trainer joins
     POST /weights/begin           announce version, manifest (name, shape, dtype) and bucket plan; checked
     POST /weights/commit          wait for the buckets, switch the version atomically
     GET  /v1/models, POST /v1/completions, POST /v1/chat/completions   (OpenAI-compatible)
 
-Errors are JSON `{"error": {"message", "type", "param", "code"}}` with status 400 (bad request), 404 (unknown
-route or model), 409 (weight mismatch, stale version) or 500.
+Errors are JSON `{"error": {"message", "type", "param", "code"}}` with status 400 (bad request: every field is
+range-checked, limits.py), 401 (no or wrong API key), 404 (unknown route or model), 408/411/413 (body late,
+without Content-Length, too large: httpd.py), 409 (weight mismatch, stale version), 503 (busy) or 500.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 import sys
 import threading
 import traceback
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import torch
@@ -30,31 +33,42 @@ from cohort.engine import CohortEngine, engine_supports
 from cohort.engine.hf_backend import HFGenerateEngine
 from cohort.errors import CohortError
 from cohort.policy.model import _with_pad_token, load_policy
+from cohort.remote.client import API_KEY_ENV
 from cohort.remote.weights import WeightMismatchError
-from cohort.serving import openai_api
+from cohort.serving import auth, openai_api
+from cohort.serving import limits as L
 from cohort.serving.engine_server import EngineServer, Replica, StaleVersion
+from cohort.serving.httpd import PooledHTTPServer, content_length, linger, read_body
+from cohort.serving.limits import Limits
 from cohort.setup.engine import eos_ids
 from cohort.setup.policy import resolve_dtype
 from cohort.types import Completion, SamplingParams
 
 
-def params_from_json(data: dict) -> SamplingParams:
-    names = {f.name for f in dataclasses.fields(SamplingParams)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise openai_api.RequestError(f"unknown sampling field(s) {unknown}; known: {sorted(names)}")
-    values: dict[str, Any] = {k: tuple(v) if k in ("stop_token_ids", "stop_strings") else v for k, v in data.items()}
-    return SamplingParams(**values)
+def params_from_json(data: Any, limits: Limits | None = None) -> SamplingParams:
+    """SamplingParams from /generate's `params` object, every field checked (limits.sampling_params)."""
+    return L.sampling_params(data, limits or Limits())
 
 
 def completion_to_json(c: Completion) -> dict:
     return {"token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
 
 
+def _printable(text: str, size: int = 120) -> str:
+    """A client-chosen string (a path) as a log line may show it: no control characters, bounded."""
+    return "".join(c if c.isprintable() else "?" for c in text[:size]) + ("..." if len(text) > size else "")
+
+
 class _Handler(BaseHTTPRequestHandler):
     server_version = "cohort-serve"
     protocol_version = "HTTP/1.1"
-    engine: EngineServer  # set on the subclass made by `make_http_server`
+    timeout = 30  # seconds a connection may stay silent: reading a request, or idle between two
+    linger_s = 2.0  # after an answer that left the body unread: how long its rest is read and dropped
+    # set on the subclass made by `make_http_server` (engine and limits by `set_engine`)
+    engine: EngineServer
+    api_key: str | None = None
+    limits: Limits = Limits()
+    _unread = False  # the request's body is not read (yet): answering closes the connection
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # one line per request would drown the trainer's log
@@ -63,103 +77,137 @@ class _Handler(BaseHTTPRequestHandler):
         routes = {"/health": self.engine.health,
                   "/version": lambda: {k: self.engine.health()[k] for k in ("version", "server_id", "pushed")},
                   "/v1/models": lambda: openai_api.models_response(self.engine.model_name)}
-        self._answer(routes.get(self.path.split("?")[0]))
+        self._route(routes)
 
     def do_POST(self) -> None:
         routes = {"/generate": self._generate, "/weights/init": lambda b: self.engine.weights_init(),
-                  "/weights/begin": lambda b: self.engine.weights_begin(b["version"], b["manifest"], b["plan"],
-                                                                        b.get("session")),
-                  "/weights/commit": lambda b: self.engine.weights_commit(b["version"]),
+                  "/weights/begin": self._weights_begin,
+                  "/weights/commit": lambda b: self.engine.weights_commit(L.version(b.get("version"))),
                   "/v1/completions": self._completions, "/v1/chat/completions": self._chat}
-        route = routes.get(self.path.split("?")[0])
-        self._answer(None if route is None else lambda: route(self._body()))
+        self._route({path: (lambda route=route: route(self._body())) for path, route in routes.items()})
+
+    def _route(self, routes: dict) -> None:
+        """Authentication first (before the body is read, on every route), then the route."""
+        self._unread = bool(self.headers.get("Transfer-Encoding")) or \
+            (self.headers.get("Content-Length") or "0").strip() != "0"
+        if self._authorized():
+            self._answer(routes.get(self.path.split("?")[0]))
+
+    def _authorized(self) -> bool:
+        """True when the request carries the key; else answer 401 (one log line, never the key) and False."""
+        why = auth.refusal(self.headers.get("Authorization"), self.api_key)
+        if why is None:
+            return True
+        print(f"cohort serve: 401 {self.command} {_printable(self.path)} from {self.client_address[0]}: {why}",
+              file=sys.stderr, flush=True)
+        message = ("missing or wrong API key: send 'Authorization: Bearer <key>' with the key `cohort serve` "
+                   f"printed at start (or was given with --api-key / {API_KEY_ENV})")
+        self._send(401, _error(message, "authentication_error", code="invalid_api_key"),
+                   {"WWW-Authenticate": 'Bearer realm="cohort serve"'})
+        return False
+
+    def handle_expect_100(self) -> bool:
+        """`Expect: 100-continue` (curl, before a large body): invite the body only from a client with the key."""
+        self._unread = True
+        return self._authorized() and super().handle_expect_100()
 
     def _body(self) -> dict:
-        length = int(self.headers.get("Content-Length") or 0)
+        data = read_body(self.rfile, content_length(self.headers, self.limits.max_body_bytes))
+        self._unread = False
         try:
-            body = json.loads(self.rfile.read(length) or b"{}")
-        except json.JSONDecodeError as exc:
-            raise openai_api.RequestError(f"the body is not valid JSON: {exc}") from None
+            body = json.loads(data or b"{}")
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, an integer of too many digits, nesting
+            raise L.RequestError(f"the body is not valid JSON: {str(exc)[:200]}") from None
         if not isinstance(body, dict):
-            raise openai_api.RequestError("the body must be a JSON object")
+            raise L.RequestError("the body must be a JSON object")
         return body
 
     def _answer(self, handler) -> None:
         if handler is None:
-            return self._send(404, _error(f"no route {self.command} {self.path}", "not_found"))
+            return self._send(404, _error(f"no route {self.command} {_printable(self.path)}", "not_found"))
         try:
             return self._send(200, handler())
-        except openai_api.RequestError as exc:
+        except L.RequestError as exc:
             return self._send(exc.status, _error(str(exc), "invalid_request_error", exc.param))
         except (WeightMismatchError, StaleVersion) as exc:
             kind = "weight_mismatch" if isinstance(exc, WeightMismatchError) else "stale_version"
             return self._send(409, _error(str(exc), kind, server_id=self.engine.server_id))
-        except (CohortError, ValueError, KeyError, TypeError) as exc:
+        except (CohortError, ValueError, KeyError, TypeError, ArithmeticError) as exc:
             return self._send(400, _error(f"{type(exc).__name__}: {exc}", "invalid_request_error"))
         except Exception as exc:  # a server answers every request, it never dies of one
             traceback.print_exc(file=sys.stderr)
             return self._send(500, _error(f"{type(exc).__name__}: {exc}", "internal_error"))
 
-    def _send(self, status: int, payload: dict) -> None:
+    def _send(self, status: int, payload: dict, headers: dict[str, str] | None = None) -> None:
         data = json.dumps(payload).encode()
         try:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            if self._unread:  # the body is not read: the connection cannot carry another request
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
-        except (BrokenPipeError, ConnectionResetError):
+            if self._unread:
+                self.wfile.flush()
+                linger(self.connection, self.limits.max_body_bytes, self.linger_s)
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
             # The client left before its answer (a trainer that finished with a rollout request queued ahead):
             # one line, not a traceback per request.
-            print(f"cohort serve: {self.command} {self.path}: the client closed the connection before the answer",
-                  file=sys.stderr, flush=True)
+            print(f"cohort serve: {self.command} {_printable(self.path)}: the client closed the connection before "
+                  "the answer", file=sys.stderr, flush=True)
 
     # ---- routes ------------------------------------------------------------------------------------
     def _generate(self, body: dict) -> dict:
-        prompts = body.get("prompts")
-        if not isinstance(prompts, list) or not all(isinstance(p, list) for p in prompts):
-            raise openai_api.RequestError("prompts must be a list of token-id lists", param="prompts")
-        raw = body.get("params") or {}
-        if isinstance(raw, list):  # one per prompt (a multi-turn round: each conversation its own room and seed)
-            if len(raw) != len(prompts):
-                raise openai_api.RequestError(f"params: got {len(raw)} for {len(prompts)} prompts; give one "
-                                              "object, or one per prompt", param="params")
-            params: SamplingParams | list[SamplingParams] = [params_from_json(item or {}) for item in raw]
-        else:
-            params = params_from_json(raw)
-        min_version = body.get("min_version")
-        groups, version = self.engine.generate(prompts, params, min_version=min_version,
-                                               wait_s=float(body.get("wait_s", 0.0)), session=body.get("session"))
+        prompts, params, keywords = L.generate_request(body, self.limits)
+        groups, version = self.engine.generate(prompts, params, **keywords)
         return {"version": version, "server_id": self.engine.server_id,
                 "completions": [[completion_to_json(c) for c in g] for g in groups]}
 
+    def _weights_begin(self, body: dict) -> dict:
+        manifest, plan = body.get("manifest"), body.get("plan")
+        if not isinstance(manifest, list) or not isinstance(plan, list):
+            raise L.RequestError("/weights/begin needs `manifest` and `plan` lists", param="manifest")
+        return self.engine.weights_begin(L.version(body.get("version")), manifest, plan,
+                                         L.session(body.get("session"), self.limits))
+
     def _completions(self, body: dict) -> dict:
         tok, name = self.engine.tokenizer, self.engine.model_name
-        prompts, params = openai_api.completion_request(body, tok, name)
+        prompts, params = openai_api.completion_request(body, tok, name, self.limits)
         groups, version = self.engine.generate(prompts, params)
         return openai_api.completion_response(body, tok, name, prompts, groups, version)
 
     def _chat(self, body: dict) -> dict:
         tok, name = self.engine.tokenizer, self.engine.model_name
-        prompts, params = openai_api.chat_request(body, tok, name)
+        prompts, params = openai_api.chat_request(body, tok, name, self.limits)
         groups, version = self.engine.generate(prompts, params)
         return openai_api.chat_response(body, tok, name, prompts, groups, version)
 
 
-def _error(message: str, kind: str, param: str | None = None, **extra) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None, **extra}}
+def _error(message: str, kind: str, param: str | None = None, code: str | None = None, **extra) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code, **extra}}
 
 
-def make_http_server(engine: EngineServer | None, host: str, port: int) -> ThreadingHTTPServer:
-    """Bound at once (a port in use fails before any model loads); `set_engine` before serving if None."""
-    handler = type("CohortHandler", (_Handler,), {"engine": engine})
-    httpd = ThreadingHTTPServer((host, port), handler)
-    httpd.daemon_threads = True
-    return httpd
+def make_http_server(engine: EngineServer | None, host: str, port: int, *, api_key: str | None = None,
+                     max_body_bytes: int = Limits.max_body_bytes, workers: int = 64,
+                     queued: int = 1024) -> PooledHTTPServer:
+    """Bound at once (a port in use fails before any model loads); `set_engine` before serving if None.
+    `api_key` None: no authentication (`--api-key none`)."""
+    handler = type("CohortHandler", (_Handler,), {"api_key": api_key, "limits": Limits(max_body_bytes=max_body_bytes)})
+    server = PooledHTTPServer((host, port), handler, workers=workers, queued=queued)
+    if engine is not None:
+        set_engine(server, engine)
+    return server
 
 
-def set_engine(httpd: ThreadingHTTPServer, engine: EngineServer) -> None:
-    httpd.RequestHandlerClass.engine = engine  # type: ignore[attr-defined]
+def set_engine(server: PooledHTTPServer, engine: EngineServer) -> None:
+    """Serve `engine`; the requests' bounds follow its vocabulary and context."""
+    handler: Any = server.RequestHandlerClass
+    vocab, context = engine.bounds()
+    handler.engine = engine
+    handler.limits = dataclasses.replace(handler.limits, vocab_size=vocab, context=context)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -209,29 +257,49 @@ def build_replicas(args) -> tuple[list[Replica], Any]:
     return replicas, tokenizer
 
 
+def _http_options(args) -> dict:
+    """make_http_server's keywords from `cohort serve`'s options, checked; prints the key (or the warning)."""
+    max_body_mb = float(getattr(args, "max_body_mb", 16.0))
+    workers, queued = int(getattr(args, "http_workers", 64)), int(getattr(args, "http_queue", 1024))
+    if not (math.isfinite(max_body_mb) and max_body_mb > 0):
+        raise CohortError(f"--max-body-mb={max_body_mb} must be a positive number of MiB, e.g. 16")
+    if workers < 1 or queued < 0:
+        raise CohortError(f"--http-workers={workers} must be >= 1 and --http-queue={queued} >= 0")
+    key, source = auth.resolve_key(getattr(args, "api_key", None), os.environ)
+    return {"api_key": key, "key_source": source, "max_body_bytes": int(max_body_mb * (1 << 20)),
+            "workers": workers, "queued": queued}
+
+
 def serve(args) -> int:
-    """`cohort serve`: build, announce the address on stdout (one line), serve until killed."""
+    """`cohort serve`: build, announce the key and the address on stdout, serve until killed."""
     if args.threads:
         torch.set_num_threads(args.threads)
     if not 0 < args.kv_cache_fraction <= 1:
         raise CohortError(f"--kv-cache-fraction={args.kv_cache_fraction} must be in (0, 1], e.g. 0.8")
-    try:
-        httpd = make_http_server(None, args.host, args.port)  # requests wait in the backlog until serve_forever
+    options = _http_options(args)
+    source = options.pop("key_source")
+    try:  # requests wait in the backlog until serve_forever
+        server = make_http_server(None, args.host, args.port, **options)
     except OSError as exc:
         raise CohortError(f"--host={args.host} --port={args.port}: cannot listen there ({exc}); pick another port "
                           "(0: a free one) or stop what uses it") from None
     replicas, tokenizer = build_replicas(args)
     engine = EngineServer(replicas, tokenizer, model_name=args.served_model_name or args.model, host=args.host,
                           group_timeout_s=args.group_timeout_s)
-    set_engine(httpd, engine)
-    host, port = str(httpd.server_address[0]), int(httpd.server_address[1])
+    set_engine(server, engine)
+    host, port = str(server.server_address[0]), int(server.server_address[1])
+    line, warning = auth.announcement(options["api_key"], source, f"{host}:{port}")
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    if line:
+        print(line, flush=True)
     print(f"cohort serve: ready on http://{host}:{port} (model {engine.model_name}, {len(replicas)} replica(s) on "
           f"{', '.join(str(r.device) for r in replicas)}, weights over {engine.backend}, "
           f"{engine.health()['engine']})", flush=True)
     try:
-        httpd.serve_forever()
+        server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
-        httpd.server_close()
+        server.server_close()
     return 0
