@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tests.helpers.serving import API_KEY
 
+from cohort.cli import _exit_now_if_nccl_aborted  # imported up front: nothing is imported at exit
 from cohort.remote.client import API_KEY_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -206,8 +207,6 @@ def main(model_dir: str) -> None:
             break
     # as the CLI leaves after an error: os._exit(75) once an NCCL weight group was aborted (its teardown can
     # wait forever on a frozen peer), a normal exit otherwise
-    from cohort.cli import _exit_now_if_nccl_aborted
-
     _exit_now_if_nccl_aborted()
 
 
