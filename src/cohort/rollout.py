@@ -9,6 +9,10 @@ The result is a `RolloutBatch` of plain lists and tensors; it knows nothing of t
 With a `turn_loop` (tool calling, `cohort.agents.rollout_loop.TurnLoop`), completions are multi-turn: each
 holds the model's turns and the tool results between them, and `completion_masks` says which tokens are the
 model's (the only ones the loss trains on).
+
+Estimators that need more than the rewards get it here: each completion's trained token count (opo,
+reinforce_plus_plus), and for remax one extra greedy completion per prompt (temperature 0, n = 1), scored by
+the same reward functions and never trained on (`cohort.algorithms.estimator_base`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,12 @@ from typing import Any
 import torch
 
 from cohort.agents.environments import append_observation
-from cohort.algorithms import compute_advantages
+from cohort.algorithms import (
+    DEFAULT_ESTIMATOR,
+    AdvantageEstimator,
+    build_advantage_estimator,
+    compute_advantages,
+)
 from cohort.data import PromptBatch
 from cohort.data.dataset import _tokenize_prompt
 from cohort.data.detokenize import batch_decode
@@ -102,9 +111,11 @@ def generate_in_environments(turn_loop, engine: RolloutEngine, tokenizer, batch:
 
 
 def _generate_and_score(engine: RolloutEngine, tokenizer, batch: PromptBatch, *, params: SamplingParams,
-                        reward_runner, trainer_state, turn_loop=None) -> tuple[list[Completion], list[Any], Any, Any]:
+                        reward_runner, trainer_state, turn_loop=None,
+                        greedy_baseline: bool = False) -> tuple[list[Completion], list[Any], Any, Any, Any]:
     """Also returns the per-rollout (prompts, prompt_ids) with environments (reset may change each rollout's
-    prompt), else None (the batch's prompts, G times each)."""
+    prompt), else None (the batch's prompts, G times each), and with `greedy_baseline` the `RewardResult` of
+    one greedy completion per prompt (remax's baseline, else None)."""
     g = params.n
     columns = {k: _repeat(v, g) for k, v in batch.columns.items()}
     prompts, per_rollout = _repeat(batch.prompts, g), None
@@ -123,7 +134,11 @@ def _generate_and_score(engine: RolloutEngine, tokenizer, batch: PromptBatch, *,
         prompts=prompts, completions=texts,
         completion_ids=[c.token_ids for c in completions], columns=columns, trainer_state=trainer_state,
     )
-    return completions, texts, result, per_rollout
+    greedy = None
+    if greedy_baseline:  # the same prompts, reward functions and turn loop; one greedy completion each
+        greedy = _generate_and_score(engine, tokenizer, batch, params=dataclasses.replace(params, n=1, temperature=0.0),
+                                     reward_runner=reward_runner, trainer_state=trainer_state, turn_loop=turn_loop)[2]
+    return completions, texts, result, per_rollout, greedy
 
 
 def collect_rollouts(
@@ -168,8 +183,9 @@ def collect_rollouts(
     fill another rank's gap, so a rank may need another try, or take all-equal groups on the last try,
     where a pooled filter would not have. With one rank this is exactly the single-process loop."""
     g = params.n
+    greedy = _estimator(advantage_kwargs).needs_greedy_baseline
     score = functools.partial(_generate_and_score, engine, tokenizer, params=params, reward_runner=reward_runner,
-                              trainer_state=trainer_state, turn_loop=turn_loop)
+                              trainer_state=trainer_state, turn_loop=turn_loop, greedy_baseline=greedy)
     if not dynamic_sampling:
         batch = next_prompts(num_prompts)
         kept, metrics = [(batch, *score(batch))], {"sampling/tries": 1.0}
@@ -183,7 +199,7 @@ def _dynamic_sampling(score, next_prompts: Callable[[int], PromptBatch], num_pro
                       advantage_kwargs: dict[str, Any], max_resample_tries: int, max_oversample: int,
                       gather_rewards) -> tuple[list[tuple], dict[str, float]]:
     """DAPO's filter (see collect_rollouts): the kept groups of every try, and the sampling metrics."""
-    kept: list[tuple[PromptBatch, list[Completion], list[Any], Any, Any]] = []
+    kept: list[tuple[PromptBatch, list[Completion], list[Any], Any, Any, Any]] = []
     have, tries, zero_std_groups, seen_groups = 0, 0, 0, 0
     while True:
         need = num_prompts - have
@@ -201,14 +217,15 @@ def _dynamic_sampling(score, next_prompts: Callable[[int], PromptBatch], num_pro
             continue
         if want < draw:
             batch = _first_prompts(batch, want)
-        completions, texts, result, per_rollout = score(batch)
-        zero = compute_advantages(result.rewards, g, **advantage_kwargs).is_std_zero.view(-1, g)[:, 0]
+        completions, texts, result, per_rollout, greedy = score(batch)
+        zero = compute_advantages(result.rewards, g, **advantage_kwargs,
+                                  **_estimator_inputs(completions, greedy)).is_std_zero.view(-1, g)[:, 0]
         seen_groups += len(_encoded(batch))
         zero_std_groups += int(zero.sum())
         keep = (~zero).nonzero().flatten().tolist()[:need]
         if tries >= max_resample_tries:  # the last try fills the step, all-equal groups included
             keep = sorted(keep + zero.nonzero().flatten().tolist()[:need - len(keep)])
-        kept.append(_select_groups(batch, completions, texts, result, per_rollout, keep, g))
+        kept.append(_select_groups(batch, completions, texts, result, per_rollout, greedy, keep, g))
         have += len(_encoded(kept[-1][0]))
     if gather_rewards is not None:  # the counts of every rank, so the metrics describe the whole step
         counts = gather_rewards(torch.tensor([zero_std_groups, seen_groups])).view(-1, 2).sum(dim=0)
@@ -230,7 +247,7 @@ def _first_prompts(batch: PromptBatch, count: int) -> PromptBatch:
                        columns={k: v[:count] for k, v in batch.columns.items()}, indices=batch.indices[:count])
 
 
-def _select_groups(batch: PromptBatch, completions, texts, result, per_rollout, keep: list[int], g: int):
+def _select_groups(batch: PromptBatch, completions, texts, result, per_rollout, greedy, keep: list[int], g: int):
     rows = [i * g + j for i in keep for j in range(g)]
     new_batch = PromptBatch(
         prompts=[batch.prompts[i] for i in keep], prompt_ids=[_encoded(batch)[i] for i in keep],
@@ -239,13 +256,26 @@ def _select_groups(batch: PromptBatch, completions, texts, result, per_rollout, 
     )
     if per_rollout is not None:
         per_rollout = tuple([column[r] for r in rows] for column in per_rollout)
-    return new_batch, [completions[r] for r in rows], [texts[r] for r in rows], result.select(rows), per_rollout
+    return (new_batch, [completions[r] for r in rows], [texts[r] for r in rows], result.select(rows), per_rollout,
+            None if greedy is None else greedy.select(keep))
+
+
+def _estimator(advantage_kwargs: dict[str, Any]) -> AdvantageEstimator:
+    return build_advantage_estimator(advantage_kwargs.get("estimator", DEFAULT_ESTIMATOR))
+
+
+def _estimator_inputs(completions: Sequence[Completion], greedy) -> dict[str, Any]:
+    """compute_advantages' inputs beyond the rewards: each completion's trained tokens (the model's, not tool
+    results) and, with remax, the greedy completions' [P, F] rewards (the estimator uses what it declares)."""
+    lengths = torch.tensor([sum(c.mask) if c.mask is not None else len(c.token_ids) for c in completions],
+                           dtype=torch.float32)
+    return {"lengths": lengths, "baseline_rewards": None if greedy is None else greedy.rewards}
 
 
 def _assemble(kept, g: int, advantage_kwargs: dict[str, Any], mask_truncated: bool,
               metrics: dict[str, float], gather=None, rank: int = 0) -> RolloutBatch:
-    prompt_ids, completions, texts, prompts, results = [], [], [], [], []
-    for batch, comps, txts, result, per_rollout in kept:
+    prompt_ids, completions, texts, prompts, results, greedy = [], [], [], [], [], []
+    for batch, comps, txts, result, per_rollout, baseline in kept:
         if per_rollout is None:
             prompt_ids += _repeat(batch.prompt_ids, g)
             prompts += _repeat(batch.prompts, g)
@@ -255,13 +285,17 @@ def _assemble(kept, g: int, advantage_kwargs: dict[str, Any], mask_truncated: bo
         completions += comps
         texts += txts
         results.append(result)
+        greedy += [] if baseline is None else [baseline]
     result = results[0].concat(results) if len(results) > 1 else results[0]
+    baselines = greedy[0].concat(greedy) if greedy else None
+    extras = _estimator_inputs(completions, baselines)
     if gather is None:
-        adv = compute_advantages(result.rewards, g, **advantage_kwargs)
+        adv = compute_advantages(result.rewards, g, **advantage_kwargs, **extras)
         batch_rewards = adv.rewards
-    else:
+    else:  # the lengths and greedy rewards of every rank too, in the same rank order as the rewards
         n = result.rewards.shape[0]
-        adv = compute_advantages(gather(result.rewards), g, **advantage_kwargs)
+        extras = {k: None if v is None else gather(v) for k, v in extras.items()}
+        adv = compute_advantages(gather(result.rewards), g, **advantage_kwargs, **extras)
         batch_rewards = adv.rewards  # every rank's: reward_std is over the whole step, as TRL gathers it
         mine = slice(rank * n, (rank + 1) * n)
         adv = dataclasses.replace(adv, advantages=adv.advantages[mine], rewards=adv.rewards[mine])
@@ -273,6 +307,8 @@ def _assemble(kept, g: int, advantage_kwargs: dict[str, Any], mask_truncated: bo
     # TRL 1.16's reward_std: the std of the batch's rewards; cohort's mean of per-group stds keeps its own name
     metrics["reward_std"] = float(_nanstd(batch_rewards))
     metrics["reward_std_group_mean"] = float(adv.group_std.mean()) if adv.group_std.numel() else 0.0
+    if baselines is not None:  # remax: the greedy completions' mean combined reward (this rank's prompts)
+        metrics["remax/greedy_reward"] = float(torch.nanmean(baselines.total))
     return RolloutBatch(
         prompt_ids=prompt_ids, completion_ids=[c.token_ids for c in completions],
         sampling_logprobs=[c.logprobs for c in completions], finish_reasons=finish,

@@ -13,7 +13,10 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-trl = pytest.importorskip("trl")
+trl = pytest.importorskip("trl", reason="compares with TRL itself: pip install trl==1.16.0")
+# the facade's config keeps cohort's default data.source (reasoning-gym's chain_sum), which its checks import
+pytest.importorskip("reasoning_gym", reason="needs reasoning-gym: pip install reasoning-gym==0.1.25 (a GPU machine "
+                                            "without the index: pip install --no-deps .gl/rg/*.whl)")
 
 _KEYS = ("loss", "grad_norm", "entropy", "reward", "reward_std")
 

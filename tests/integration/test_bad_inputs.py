@@ -30,9 +30,13 @@ class Case:
     loads_model: bool = False  # the mistake only shows once the model (or a reward) has run
     command: str = "train"  # train | eval | raw (args are the whole command line)
     run_dir: str = "none"  # none: no run directory before; run: a finished run; user: a folder of user files
+    env: tuple[tuple[str, str], ...] = ()  # environment variables set for the command ({ws} as in args)
 
 
 C = Case
+# YAML's "billion laughs", small: 11 x 11 x 11 x 11 x 11 values from a 200-character override
+_LAUGHS = "[&a [x, x, x, x, x, x, x, x, x, x, x], " + ", ".join(
+    f"&{x} [{', '.join([f'*{p}'] * 11)}]" for p, x in zip("abc", "bcd")) + ", [" + ", ".join(["*d"] * 11) + "]]"
 CASES: list[Case] = [
     # ---- config: ranges, enums, cross-field rules
     C("negative learning rate", "config", ("train.learning_rate=-1e-6",),
@@ -115,6 +119,14 @@ CASES: list[Case] = [
     C("empty data file", "data", ("data.source={ws}/empty.jsonl",), ("empty.jsonl", "is empty (0 rows)", "check the path")),
     C("no prompt column", "data", ("data.source={ws}/noprompt.jsonl",),
       ("noprompt.jsonl", "columns found: ['question', 'digit']", "set data.prompt_column=question")),
+    C("lone surrogate in a prompt", "data", ("data.source={ws}/surrogate.jsonl",),
+      ("surrogate.jsonl", "line 2, column 'prompt', character 5", "lone surrogate", "remove it")),
+    C("data file that is not UTF-8", "data", ("data.source={ws}/latin1.jsonl",),
+      ("latin1.jsonl", "line 2, column 16 is not UTF-8 (byte 0xe9)", "save the file as UTF-8")),
+    C("chat template that raises", "data",
+      ("model.chat_template={ws}/no_system.jinja", "data.options.conversational=true", "data.system_prompt=Be brief"),
+      ("the chat template of", "raised on row 0", "TemplateError: this template has no system role",
+       "drop data.system_prompt"), loads_model=True),
     # ---- rewards
     C("reward name typo", "rewards", ("reward.funcs=[acuracy]",), ("reward.funcs[0]='acuracy'", "did you mean 'accuracy'?")),
     C("reward function missing", "rewards", ("reward.funcs=[tests.helpers.toy_task:digit_shar]",),
@@ -133,6 +145,12 @@ CASES: list[Case] = [
       ("wrong_length", "values"), loads_model=True),
     C("reward raises", "rewards", ("reward.funcs=[tests.helpers.toy_task:raises]",),
       ("raises", "reward backend unavailable"), loads_model=True),
+    C("reward None for every sample", "rewards", ("reward.funcs=[tests.integration.test_bad_inputs_more:none_for_all]",),
+      ("'none_for_all' returned None for all 4 completions", "zero loss", "return a float",
+       "0.0 when the function does not apply"), loads_model=True),
+    C("reward over its time limit", "rewards",
+      ("reward.funcs=[tests.integration.test_bad_inputs_more:sleeps_a_minute]", "reward.timeout_s=0.5"),
+      ("'sleeps_a_minute' timed out after 0.5 s", "raise its limit reward.timeout_s"), loads_model=True),
     # ---- model paths and the context
     C("missing model folder", "model", ("model.name_or_path=/no/such/model",),
       ("model.name_or_path='/no/such/model'", "does not exist", "check the path")),
@@ -142,6 +160,9 @@ CASES: list[Case] = [
       ("not_a_model", "folder without config.json", "Hugging Face model folder")),
     C("missing gguf file", "model", ("model.gguf_file=/no/such/model.gguf",),
       ("model.gguf_file='/no/such/model.gguf'", "does not exist")),
+    C("COHORT_CACHE_DIR is a file", "model", ("model.name_or_path={ws}/weights.gguf",),
+      ("COHORT_CACHE_DIR=", "toy.jsonl", "is a file, not a folder", "point COHORT_CACHE_DIR at a folder"),
+      env=(("COHORT_CACHE_DIR", "{ws}/toy.jsonl"),)),
     C("completion longer than the context", "model", ("generation.max_completion_length=300",),
       ("generation.max_completion_length=300", "context of 256 tokens", "lower it"), loads_model=True),
     C("context above the model's", "model", ("generation.max_model_len=512",),
@@ -158,6 +179,14 @@ CASES: list[Case] = [
     C("recipe is not YAML", "cli", ("train", "{ws}/broken.yaml"), ("broken.yaml", "is not valid YAML"), command="raw"),
     C("recipe is a list", "cli", ("train", "{ws}/list.yaml"), ("list.yaml", "must be a mapping of sections"),
       command="raw"),
+    C("recipe is an image", "cli", ("train", "{ws}/picture.yaml"),
+      ("picture.yaml", "is not a UTF-8 text file (byte 0x89 at line 1)"), command="raw"),
+    C("recipe with NUL bytes", "cli", ("train", "{ws}/nul.yaml"), ("nul.yaml", "is a binary file"), command="raw"),
+    C("recipe over 1 MiB", "cli", ("train", "{ws}/huge.yaml"), ("huge.yaml", "over the 1 MiB"), command="raw"),
+    C("recipe alias bomb", "cli", ("train", "{ws}/laughs.yaml"),
+      ("laughs.yaml", "expands to more than 100,000 values", "aliases"), command="raw"),
+    C("override alias bomb", "cli", (f"train.max_steps={_LAUGHS}",),
+      ("the override 'train.max_steps' expands to more than 100,000 values", "aliases")),
     C("override without '='", "cli", ("train", "{ws}/ok.yaml", "max_steps"),
       ("'max_steps'", "must look like section.field=value"), command="raw"),
     C("section without field", "cli", ("train=3",), ("'train' names a section", "set one of its fields")),
@@ -165,6 +194,15 @@ CASES: list[Case] = [
       run_dir="run"),
     C("overwrite a folder that is no run", "cli", ("--overwrite",),
       ("run.overwrite=True refuses to delete", "does not look like a cohort run"), run_dir="user"),
+    C("run directory under a file", "cli", ("run.output_dir={ws}/toy.jsonl/run",),
+      ("run.output_dir=", "cannot be created", "toy.jsonl' is a file, not a folder", "choose another run.output_dir")),
+    C("WORLD_SIZE not a number", "cli", (), ("WORLD_SIZE='two'", "not a whole number", "launch with torchrun"),
+      env=(("WORLD_SIZE", "two"),)),
+    C("WORLD_SIZE without torchrun", "cli", (),
+      ("WORLD_SIZE=2", "MASTER_ADDR and MASTER_PORT are not set", "torchrun --nproc-per-node 2"),
+      env=(("WORLD_SIZE", "2"),)),
+    C("RANK not a number", "cli", (), ("RANK='first'", "not a whole number"),
+      env=(("WORLD_SIZE", "2"), ("RANK", "first"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"))),
     C("resume from a missing checkpoint", "cli", ("run.resume=/no/such/step-000004",),
       ("run.resume='/no/such/step-000004'", "does not exist", "give a checkpoint folder")),
     C("bad override after --resume", "cli", ("--resume", "train.max_stpes=6"),
@@ -177,7 +215,7 @@ CASES: list[Case] = [
 # ----------------------------------------------------------------------------------------------- the doc
 def render_doc() -> str:
     lines = [
-        "# Bad inputs: what cohort says",
+        f"# Bad inputs: what cohort says ({len(CASES)} cases, each one run by the tests)",
         "",
         "Every row is a command a person could type; each ends with exit status 2 and one `cohort: error:` line",
         "that names the field, the value and the fix, without a traceback, and leaves no run directory created",
@@ -187,6 +225,8 @@ def render_doc() -> str:
         "Generated from `CASES` in `tests/integration/test_bad_inputs.py` (`python -m tests.integration.test_bad_inputs`",
         "rewrites this file; `test_doc_matches_cases` fails when they differ). The toy defaults every `train` row",
         "starts from: a tiny model folder, `data.source=<ws>/toy.jsonl`, 2 steps of 2 prompts x 2 completions.",
+        "A row that starts with `NAME=value` runs the command with that environment variable set (and the",
+        "torchrun variables and `COHORT_CACHE_DIR` unset otherwise).",
         "",
         "| # | area | input | the message names | when |",
         "|---|---|---|---|---|",
@@ -194,6 +234,7 @@ def render_doc() -> str:
     for i, c in enumerate(CASES, 1):
         head = {"train": "cohort train ", "eval": "cohort eval ", "raw": "cohort "}[c.command]
         shown = " ".join(a.replace("{ws}", "<ws>") for a in c.args)
+        head = "".join(f"{k}={v.replace('{ws}', '<ws>')} " for k, v in c.env) + head
         if c.run_dir != "none":
             shown += f"  (run.output_dir: {'an earlier run' if c.run_dir == 'run' else 'a folder of user files'})"
         expect = "; ".join(f"`{e}`" for e in c.expect).replace("|", "\\|")
@@ -228,6 +269,18 @@ def workspace(tmp_path_factory):
     (root / "not_a_model" / "notes.txt").write_text("weights are elsewhere")
     (root / "broken.yaml").write_text("train: {max_steps: 3\n")
     (root / "list.yaml").write_text("- train\n- data\n")
+    (root / "surrogate.jsonl").write_text('{"prompt": "Say 1", "digit": "1"}\n{"prompt": "Say \\ud800 2", "digit": "2"}\n')
+    (root / "latin1.jsonl").write_bytes(b'{"prompt": "Say 1", "digit": "1"}\n{"prompt": "caf\xe9 2", "digit": "2"}\n')
+    (root / "no_system.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('this template has no system role') }}"
+        "{% endif %}{{ m['content'] }}\n{% endfor %}")
+    (root / "weights.gguf").write_bytes(b"GGUF" + bytes(60))
+    (root / "picture.yaml").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    (root / "nul.yaml").write_bytes(b"train:\n  max_steps: 3\x00\n")
+    (root / "huge.yaml").write_text("train: {max_steps: 0}\n" + ("# " + "x" * 98 + "\n") * 11_000)
+    laughs = ["a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    laughs += [f"{x}: &{x} [{', '.join([f'*{p}'] * 9)}]" for p, x in zip("abcdefgh", "bcdefghi")]
+    (root / "laughs.yaml").write_text("\n".join(laughs) + "\n")
     (root / "ok.yaml").write_text(f"model:\n  name_or_path: {model_dir}\ndata:\n  source: {toy}\n")
     # an earlier run's files (config, metrics, a checkpoint), to check that a refused command leaves them
     # byte for byte as they were (tests/integration/test_cli_errors.py trains and resumes for real)
@@ -262,6 +315,7 @@ def _snapshot(path: Path) -> dict[str, str] | None:
 
 
 _TIMES: dict[str, float] = {}
+_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "COHORT_CACHE_DIR")  # cleared per case
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -274,6 +328,10 @@ def test_bad_input(case: Case, workspace, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(setup_policy, "load_policy", lambda *a, **k: loads.append(a) or real_load(*a, **k))
     out = {"none": tmp_path / "run", "run": workspace["run"], "user": workspace["user"]}[case.run_dir]
     before = _snapshot(out)
+    for name in _ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in case.env:
+        monkeypatch.setenv(name, value.replace("{ws}", str(workspace["root"])))
     args = [a.replace("{ws}", str(workspace["root"])) for a in case.args]
     if case.command == "train":
         argv = ["train", *_defaults(workspace["model"], workspace["toy"], out), *args]

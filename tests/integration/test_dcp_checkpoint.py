@@ -286,7 +286,7 @@ def spawn(worker, world: int, out: Path, *args) -> None:
 # ----------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def out(tmp_path_factory) -> Path:
-    pytest.importorskip("peft")
+    pytest.importorskip("peft", reason="needs peft (LoRA): pip install peft")
     out = tmp_path_factory.mktemp("dcp")
     for kind in KINDS:  # unsharded checkpoints, as a run without sharding writes them
         model, opt, sched = build(kind, seed=3, shard=False)

@@ -105,7 +105,7 @@ def _load_on_two(rank: int, world: int, out: str, init_file: str) -> None:
 
 
 def test_dcp_checkpoint_of_eight_ranks_loads_on_two(tmp_path):
-    pytest.importorskip("peft")
+    pytest.importorskip("peft", reason="needs peft (LoRA): pip install peft")
     spawn(_save_on_eight, 8, tmp_path)
     spawn(_load_on_two, 2, tmp_path)
     for kind in ("llama", "lora"):

@@ -223,7 +223,7 @@ def test_fused_projection_copies_match_and_refresh_after_an_update():
 
 
 def test_lora_adapters_apply_without_merging():
-    peft = pytest.importorskip("peft")
+    peft = pytest.importorskip("peft", reason="needs peft (LoRA): pip install peft")
     model = tiny_model("qwen3")
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"],
                              init_lora_weights=False)  # random A and B: the adapter changes the outputs

@@ -187,7 +187,7 @@ def test_gumbel_noise_is_finite_for_every_hash():
 
 
 def test_gemma3_lora_adapters_apply_without_merging():
-    peft = pytest.importorskip("peft")
+    peft = pytest.importorskip("peft", reason="needs peft (LoRA): pip install peft")
     model = tiny_model("gemma3")
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
                              init_lora_weights=False)

@@ -43,7 +43,7 @@ def test_loop_branch_runs(name, tmp_path):
 
 
 def test_lora_trains_only_the_adapters(tmp_path):
-    pytest.importorskip("peft")
+    pytest.importorskip("peft", reason="needs peft (LoRA): pip install peft")
     cfg = apply_overrides(toy_config(tmp_path, steps=2), ["model.lora_r=4", "loss.beta=0.04"]).validate()
     comp = toy_components(cfg)
     base_before = {n: p.detach().clone() for n, p in comp.policy.named_parameters() if "lora_" not in n}

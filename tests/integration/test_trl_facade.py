@@ -40,7 +40,7 @@ def test_facade_trains_with_model_object(tmp_path):
 
 
 def test_facade_takes_a_peft_config(tmp_path):
-    peft = pytest.importorskip("peft")
+    peft = pytest.importorskip("peft", reason="needs peft (LoRA): pip install peft")
     tok = make_tiny_tokenizer()
     args = GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=8, num_generations=4,
                       max_completion_length=8, max_steps=1, report_to="jsonl", extra={"train.device": "cpu"})

@@ -11,8 +11,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from cohort import GRPOConfig, GRPOTrainer  # was: from trl import GRPOConfig, GRPOTrainer
 
-datasets = pytest.importorskip("datasets")
+datasets = pytest.importorskip("datasets", reason="the examples use datasets.Dataset: pip install datasets")
 Dataset = datasets.Dataset
+TRL_MISSING = "runs TRL's own code: pip install trl==1.16.0"
 
 MATH = [{"prompt": [{"role": "user", "content": "What is 2+2? Put the answer in \\boxed{}."}], "solution": "4"}]
 
@@ -48,8 +49,14 @@ def _small(tmp_path, **kw):  # the documented defaults, with short completions s
     return GRPOConfig(**{**base, **kw})
 
 
+def _trls_accuracy_reward():
+    """TRL's own reward function (it calls log_extra); it needs trl and math-verify, else the test skips."""
+    pytest.importorskip("math_verify", reason="TRL's accuracy_reward needs math-verify: pip install math-verify")
+    return pytest.importorskip("trl.rewards", reason=TRL_MISSING).accuracy_reward
+
+
 def test_quick_start(model_dir, tmp_path, monkeypatch):
-    from trl.rewards import accuracy_reward  # TRL's own reward function (it calls log_extra)
+    accuracy_reward = _trls_accuracy_reward()
 
     monkeypatch.chdir(tmp_path)
     dataset = Dataset.from_list(MATH)  # was: load_dataset("trl-lib/DeepMath-103K", split="train")
@@ -180,7 +187,7 @@ def test_async_reward_functions_with_a_sync_one(model_dir, tmp_path):
 
 
 def test_peft_lora(model_dir, tmp_path):
-    peft = pytest.importorskip("peft")
+    peft = pytest.importorskip("peft", reason="needs peft (LoRA): pip install peft")
 
     def reward_len(completions, **kwargs):
         return [-abs(20 - len(completion)) for completion in completions]
@@ -200,8 +207,7 @@ def test_peft_lora(model_dir, tmp_path):
 def test_log_extra_columns_of_trls_accuracy_reward_reach_the_samples(model_dir, tmp_path):
     import json
 
-    from trl.rewards import accuracy_reward
-
+    accuracy_reward = _trls_accuracy_reward()
     trainer = GRPOTrainer(model=model_dir, reward_funcs=accuracy_reward, train_dataset=Dataset.from_list(MATH * 2),
                           args=_small(tmp_path, log_completions=True, max_steps=1))
     trainer.train()
@@ -214,7 +220,7 @@ def test_trls_own_grpo_script_with_cohorts_classes(model_dir, tmp_path, monkeypa
     run by cohort's GRPOTrainer: the script's `from trl import GRPOConfig, GRPOTrainer` is the only change."""
     import json
 
-    import trl
+    trl = pytest.importorskip("trl", reason=TRL_MISSING)
     from trl.scripts import grpo
 
     import cohort

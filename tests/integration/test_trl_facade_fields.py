@@ -11,11 +11,10 @@ import pytest
 
 import cohort
 from cohort import GRPOConfig
-from cohort.config.overrides import _set
 from cohort.errors import ConfigError
 from cohort.trl_compat.fields import EXTRA_FIELDS, TABLE, kind, markdown_table
 
-trl = pytest.importorskip("trl")
+trl = pytest.importorskip("trl", reason="needs TRL: pip install trl==1.16.0")
 TRL_FIELDS = {f.name: f for f in dataclasses.fields(trl.GRPOConfig)}
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,22 +52,54 @@ def test_every_trl_field_has_a_status_and_trls_default():
         assert default == _trl_default(f), name
 
 
+# TRL 1.16's GRPOConfig defaults of the mapped fields, as cohort must hold them: (cohort key, value), literal
+TRL_DEFAULTS_IN_COHORT = {
+    "learning_rate": ("train.learning_rate", 1e-6), "weight_decay": ("train.weight_decay", 0.0),
+    "adam_beta1": ("train.adam_beta1", 0.9), "adam_beta2": ("train.adam_beta2", 0.999),
+    "adam_epsilon": ("train.adam_epsilon", 1e-8), "max_grad_norm": ("train.max_grad_norm", 1.0),
+    "gradient_checkpointing": ("model.gradient_checkpointing", True), "torch_compile": ("model.compile_layers", False),
+    "save_only_model": ("run.save_only_model", False), "save_total_limit": ("run.save_total_limit", None),
+    "seed": ("train.seed", 42), "ddp_timeout": ("train.dist_timeout_s", 1800.0),
+    "trust_remote_code": ("model.trust_remote_code", False), "num_generations": ("generation.num_generations", 8),
+    "max_completion_length": ("generation.max_completion_length", 512), "shuffle_dataset": ("data.shuffle", True),
+    "temperature": ("generation.temperature", 1.0), "top_p": ("generation.top_p", 1.0),
+    "top_k": ("generation.top_k", 0), "repetition_penalty": ("generation.repetition_penalty", 1.0),
+    "vllm_enable_sleep_mode": ("generation.release_kv_during_update", False),
+    "vllm_server_timeout": ("generation.server_connect_timeout_s", 240.0),
+    "vllm_max_model_length": ("generation.max_model_len", None), "beta": ("loss.beta", 0.0),
+    "num_iterations": ("train.num_iterations", 1), "epsilon": ("loss.epsilon", 0.2), "delta": ("loss.delta", None),
+    "epsilon_high": ("loss.epsilon_high", None), "importance_sampling_level": ("loss.importance_sampling_level", "token"),
+    "reward_weights": ("reward.reward_weights", None),
+    "multi_objective_aggregation": ("advantage.multi_objective_aggregation", "sum_then_normalize"),
+    "loss_type": ("loss.loss_type", "dapo"), "mask_truncated_completions": ("generation.mask_truncated_completions", False),
+    "top_entropy_quantile": ("loss.top_entropy_quantile", 1.0), "entropy_coef": ("loss.entropy_coef", 0.0),
+    "max_tool_calling_iterations": ("generation.max_tool_calling_iterations", None),
+    "vllm_importance_sampling_correction": ("loss.sampler_is_correction", True),
+    "vllm_importance_sampling_clip_max": ("loss.sampler_is_clip_max", 3.0),
+    "vllm_importance_sampling_clip_min": ("loss.sampler_is_clip_min", None),
+    "off_policy_mask_threshold": ("loss.off_policy_mask_threshold", None),
+    "use_bias_correction_kl": ("loss.use_bias_correction_kl", True), "log_completions": ("run.log_completions", False),
+}
+# mapped parameters of other losses than the default dapo (only that loss reads them)
+OTHER_LOSS_FIELDS = ("sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos",
+                     "vespo_k_neg", "vespo_lambda_neg")
+
+
 def test_every_mapped_default_reaches_cohort_as_trls():
     cfg = GRPOConfig(output_dir="out").to_cohort(num_rows=64)
     from cohort.algorithms import policy_loss_parameters
 
     dapo = policy_loss_parameters("dapo")
-    for name, (default, status) in TABLE.items():
-        if kind(status) != "mapped":
-            continue
+    mapped = {name for name, (_, status) in TABLE.items() if kind(status) == "mapped"}
+    assert mapped == set(TRL_DEFAULTS_IN_COHORT) | set(OTHER_LOSS_FIELDS)
+    for name, (status, expected) in TRL_DEFAULTS_IN_COHORT.items():
+        assert TABLE[name][1] == status, name
         section, key = status.split(".", 1)
         if section == "loss" and key != "loss_type":
-            if key not in dapo:  # another loss's parameter (sapo_*, vespo_*): only that loss reads it
-                continue
-            got = cfg.loss.loss_params().get(key, dapo[key])
+            got = cfg.loss.loss_params().get(key, dapo[key])  # (unset: the loss's own default)
         else:
             got = getattr(getattr(cfg, section), key)
-        assert got == default, (name, got, default)
+        assert got == expected, (name, got, expected)
     # the derived ones with TRL's meaning
     assert cfg.train.lr_scheduler_type == "linear" and cfg.train.adam_beta2 == 0.999
     assert cfg.generation.max_completion_length == 512 and cfg.model.gradient_checkpointing is True
@@ -99,20 +130,41 @@ def test_defaults_log_nothing(caplog):
     assert not [r for r in caplog.records if r.name == "cohort.trl_compat"]
 
 
+# a value unlike TRL's default for each mapped (non-loss) field -> (cohort key, the value cohort must hold)
+MAPPED_VALUES = {
+    "learning_rate": (2.000001, "train.learning_rate", 2.000001), "weight_decay": (2.0, "train.weight_decay", 2.0),
+    "adam_beta1": (2.9, "train.adam_beta1", 2.9), "adam_beta2": (2.999, "train.adam_beta2", 2.999),
+    "adam_epsilon": (2.00000001, "train.adam_epsilon", 2.00000001),
+    "max_grad_norm": (3.0, "train.max_grad_norm", 3.0),
+    "gradient_checkpointing": (False, "model.gradient_checkpointing", False),
+    "torch_compile": (True, "model.compile_layers", True), "save_only_model": (True, "run.save_only_model", True),
+    "save_total_limit": (3, "run.save_total_limit", 3), "seed": (44, "train.seed", 44),
+    "ddp_timeout": (1802, "train.dist_timeout_s", 1802.0), "trust_remote_code": (True, "model.trust_remote_code", True),
+    "num_generations": (4, "generation.num_generations", 4),
+    "max_completion_length": (514, "generation.max_completion_length", 514),
+    "shuffle_dataset": (False, "data.shuffle", False), "temperature": (3.0, "generation.temperature", 3.0),
+    "top_p": (3.0, "generation.top_p", 3.0), "top_k": (2, "generation.top_k", 2),
+    "repetition_penalty": (3.0, "generation.repetition_penalty", 3.0),
+    "vllm_enable_sleep_mode": (True, "generation.release_kv_during_update", True),
+    "vllm_server_timeout": (242.0, "generation.server_connect_timeout_s", 242.0),
+    "vllm_max_model_length": (1024, "generation.max_model_len", 1024),
+    "num_iterations": (3, "train.num_iterations", 3), "reward_weights": ([1.0], "reward.reward_weights", [1.0]),
+    "multi_objective_aggregation": ("normalize_then_sum", "advantage.multi_objective_aggregation",
+                                    "normalize_then_sum"),
+    "mask_truncated_completions": (True, "generation.mask_truncated_completions", True),
+    "max_tool_calling_iterations": (2, "generation.max_tool_calling_iterations", 2),
+    "log_completions": (True, "run.log_completions", True),
+}
+
+
 def test_a_mapped_field_sets_its_cohort_key():
-    for name, (default, status) in TABLE.items():
-        if kind(status) != "mapped" or status.startswith("loss."):
-            continue
-        value = _other(name, default) if not isinstance(default, str) else default
-        if default is None:
-            value = {"reward_weights": [1.0]}.get(name, 0.5)
-        if name == "num_generations":
-            value = 4
+    mapped = {name for name, (_, status) in TABLE.items() if kind(status) == "mapped" and not status.startswith("loss.")}
+    assert mapped == set(MAPPED_VALUES)
+    for name, (value, status, expected) in MAPPED_VALUES.items():
+        assert TABLE[name][1] == status, name
         cfg = GRPOConfig(**{name: value}).to_cohort(num_rows=64)
         section, key = status.split(".", 1)
-        probe = cohort.CohortConfig()
-        _set(probe, status, value)
-        assert getattr(getattr(cfg, section), key) == getattr(getattr(probe, section), key), name
+        assert getattr(getattr(cfg, section), key) == expected, name
 
 
 def test_loss_fields_reach_the_loss_that_reads_them():
@@ -227,25 +279,47 @@ def test_logging_strategy_no():
 
 
 # ------------------------------------------------------------------------- a trl.GRPOConfig object as args
+# (a TRL script's GRPOConfig arguments, what cohort's config must hold for them with 64 prompts), literal
 _SCRIPTS = [
-    dict(output_dir="out", use_cpu=True, bf16=False),
-    dict(output_dir="out", use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=4,
-         steps_per_generation=4, gradient_accumulation_steps=2, max_steps=10, logging_steps=2, save_strategy="no",
-         lr_scheduler_type="cosine", warmup_steps=0.1, report_to="none", learning_rate=3e-6, beta=0.04,
-         loss_type="grpo", scale_rewards="batch", gradient_checkpointing=False, max_completion_length=64,
-         generation_kwargs={"stop_strings": ["</answer>"]}, chat_template_kwargs={"enable_thinking": False}),
+    (dict(output_dir="out", use_cpu=True, bf16=False),
+     # TRL defaults: 8 completions per generation = 1 prompt of 8; 64 prompts x 3 epochs = 192 steps
+     {"train.prompts_per_step": 1, "train.mini_batches": 1, "train.max_steps": 192, "run.logging_steps": 10,
+      "run.save_steps": 500, "run.save_at_end": True, "train.lr_scheduler_type": "linear", "train.warmup_steps": 0,
+      "train.learning_rate": 1e-6, "loss.loss_type": "dapo", "advantage.scale_rewards": "group",
+      "model.gradient_checkpointing": True, "generation.max_completion_length": 512, "generation.stop_strings": [],
+      "model.dtype": "float32", "train.device": "cpu", "generation.num_generations": 8, "run.output_dir": "out"},
+     None),
+    (dict(output_dir="out", use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=4,
+          steps_per_generation=4, gradient_accumulation_steps=2, max_steps=10, logging_steps=2, save_strategy="no",
+          lr_scheduler_type="cosine", warmup_steps=0.1, report_to="none", learning_rate=3e-6, beta=0.04,
+          loss_type="grpo", scale_rewards="batch", gradient_checkpointing=False, max_completion_length=64,
+          generation_kwargs={"stop_strings": ["</answer>"]}, chat_template_kwargs={"enable_thinking": False}),
+     # 4 x 4 = 16 completions = 4 prompts of 4; 4 / 2 = 2 updates per generation; 10 / 2 = 5 steps
+     {"train.prompts_per_step": 4, "train.mini_batches": 2, "train.max_steps": 5, "run.logging_steps": 1,
+      "run.save_steps": 0, "run.save_at_end": False, "train.lr_scheduler_type": "hf:cosine", "train.warmup_steps": 1,
+      "train.learning_rate": 3e-6, "loss.loss_type": "grpo", "advantage.scale_rewards": "batch",
+      "model.gradient_checkpointing": False, "generation.max_completion_length": 64,
+      "generation.stop_strings": ["</answer>"], "model.dtype": "float32", "train.device": "cpu",
+      "generation.num_generations": 4, "run.output_dir": "out"},
+     {"enable_thinking": False}),
 ]
 
 
-@pytest.mark.parametrize("kwargs", _SCRIPTS)
-def test_a_trl_config_object_maps_as_cohorts_own(kwargs, caplog):
+def _values(cfg, keys) -> dict:
+    return {k: getattr(getattr(cfg, k.split(".")[0]), k.split(".")[1]) for k in keys}
+
+
+@pytest.mark.parametrize(("kwargs", "expected", "template_kwargs"), _SCRIPTS, ids=["defaults", "script"])
+def test_a_trl_config_object_maps_as_cohorts_own(kwargs, expected, template_kwargs, caplog):
     theirs = trl.GRPOConfig(**kwargs)
     with caplog.at_level(logging.WARNING, logger="cohort.trl_compat"):
         converted = GRPOConfig.from_trl(theirs)
     assert not caplog.records, caplog.text  # TRL's resolved defaults are defaults, nothing to announce
     ours = GRPOConfig(**kwargs)
-    assert converted.to_cohort(num_rows=64).to_dict() == ours.to_cohort(num_rows=64).to_dict()
-    assert converted.chat_template_kwargs == ours.chat_template_kwargs
+    assert _values(converted.to_cohort(num_rows=64), expected) == expected
+    assert _values(ours.to_cohort(num_rows=64), expected) == expected
+    assert converted.to_cohort(num_rows=64).loss.loss_params() == ({"beta": 0.04} if kwargs.get("beta") else {})
+    assert converted.chat_template_kwargs == ours.chat_template_kwargs == template_kwargs
 
 
 def test_a_trl_config_object_keeps_trls_resolved_bf16_and_its_checks():

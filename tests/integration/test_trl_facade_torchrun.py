@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from tests.helpers.toy_task import write_toy_workspace
 
-pytest.importorskip("datasets")
+pytest.importorskip("datasets", reason="needs datasets: pip install datasets")
 REPO = Path(__file__).resolve().parents[2]
 _WALL_CLOCK = ("step_time", "train_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
 

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from cohort import GRPOConfig, GRPOTrainer
 from cohort.errors import ConfigError
 
-datasets = pytest.importorskip("datasets")
+datasets = pytest.importorskip("datasets", reason="needs datasets: pip install datasets")
 
 
 def _args(tmp_path, **kw):

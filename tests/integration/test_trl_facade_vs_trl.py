@@ -15,8 +15,8 @@ import pytest
 from tests.helpers.toy_task import digit_share, toy_rows, write_toy_workspace
 from transformers import TrainerCallback
 
-trl = pytest.importorskip("trl")
-datasets = pytest.importorskip("datasets")
+trl = pytest.importorskip("trl", reason="needs TRL: pip install trl==1.16.0")
+datasets = pytest.importorskip("datasets", reason="needs datasets: pip install datasets")
 
 
 def reward_len(completions, **kwargs):

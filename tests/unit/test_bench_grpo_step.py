@@ -136,7 +136,7 @@ def test_trl_settings_defaults_vs_tuned(bench_trl):
 def test_trl_settings_make_one_generation_batch_per_step(bench_trl, tuned, tmp_path):
     """In TRL 1.16's GRPOConfig both rows generate the whole step (256 completions) at once, and only the
     tuned row turns gradient checkpointing off."""
-    trl = pytest.importorskip("trl")
+    trl = pytest.importorskip("trl", reason="needs TRL: pip install trl==1.16.0")
     cfg = trl.GRPOConfig(output_dir=str(tmp_path), num_generations=8, use_cpu=True, report_to="none",
                          **bench_trl.trl_settings(tuned, 256))
     assert cfg.generation_batch_size == 256
@@ -190,8 +190,8 @@ def test_runner_order_puts_trl_defaults_first_and_rejects_unknown(bench):
 
 def test_trl_tuned_child_runs_exact_lengths_on_cpu(bench_trl):
     """The tuned TRL row end to end on the tiny size: one micro-batch holds the step, no checkpointing."""
-    pytest.importorskip("trl")
-    pytest.importorskip("datasets")
+    pytest.importorskip("trl", reason="needs TRL: pip install trl==1.16.0")
+    pytest.importorskip("datasets", reason="needs datasets: pip install datasets")
     args = argparse.Namespace(size="tiny", device="cpu", warmup=1, steps=1, prompts=2, generations=2,
                               prompt_len=8, completion_len=12, trl_tuned_micro=32)
     result = bench_trl.run_trl(args, tuned=True)

@@ -6,7 +6,7 @@ from tests.helpers.tiny_models import tiny_llama
 
 from cohort.checkpointing import load_checkpoint, save_checkpoint
 
-peft = pytest.importorskip("peft")
+peft = pytest.importorskip("peft", reason="needs peft (LoRA): pip install peft")
 
 
 def lora(seed: int):

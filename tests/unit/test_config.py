@@ -9,6 +9,7 @@ from cohort.errors import ConfigError
 
 
 def test_recipe_and_overrides(tmp_path):
+    pytest.importorskip("reasoning_gym", reason="needs reasoning-gym: pip install reasoning-gym==0.1.25")  # the default data.source
     recipe = tmp_path / "r.yaml"
     recipe.write_text("generation:\n  num_generations: 4\ntrain:\n  prompts_per_step: 8\n")
     cfg = load_config(recipe, ["loss.epsilon=0.3", "train.learning_rate=2e-6", "data.options.min_terms=2",
@@ -39,6 +40,7 @@ def test_missing_recipe_file():
 
 
 def test_dump_round_trips(tmp_path):
+    pytest.importorskip("reasoning_gym", reason="needs reasoning-gym: pip install reasoning-gym==0.1.25")  # the default data.source
     cfg = apply_overrides(CohortConfig(), ["loss.loss_type=cispo", "train.max_steps=7"])
     recipe = tmp_path / "dump.yaml"
     recipe.write_text(dump_config(cfg))

@@ -59,7 +59,7 @@ def test_json_with_data_key(tmp_path):
 
 
 def test_datasets_folder_and_object(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    datasets = pytest.importorskip("datasets", reason="needs datasets: pip install datasets")
     ds = datasets.Dataset.from_list(ROWS)
     assert load_prompt_dataset(ds)[0]["answer"] == "5"
     ds.save_to_disk(str(tmp_path / "saved"))
@@ -74,14 +74,14 @@ def test_datasets_folder_and_object(tmp_path):
 
 
 def test_datasets_builder_on_local_files(tmp_path):
-    pytest.importorskip("datasets")
+    pytest.importorskip("datasets", reason="needs datasets: pip install datasets")
     path = _write(tmp_path, "jsonl")
     ds = load_prompt_dataset("json", data_files=str(path))
     assert len(ds) == 3 and ds[0]["answer"] == "5"
 
 
 def test_unknown_hub_name_is_config_error(monkeypatch):
-    datasets = pytest.importorskip("datasets")
+    datasets = pytest.importorskip("datasets", reason="needs datasets: pip install datasets")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # no network retries: fail at once
     with pytest.raises(ConfigError, match=r"Could not load dataset 'surely/not-a-dataset-xyz'.*reasoning_gym"):
@@ -100,6 +100,7 @@ def test_callable_object_and_import_path():
 
 
 def test_reasoning_gym_source():
+    pytest.importorskip("reasoning_gym", reason="needs reasoning-gym: pip install reasoning-gym==0.1.25")
     ds = load_prompt_dataset("reasoning_gym:chain_sum", size=6, seed=5, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
     assert len(ds) == 6 and ds.reward_columns == ["answer", "metadata"]
     for row in ds:

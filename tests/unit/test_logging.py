@@ -77,7 +77,7 @@ def test_console_prints_compact_lines_every_n_steps(tmp_path):
 
 
 def test_tensorboard_events_hold_the_scalars(tmp_path):
-    pytest.importorskip("tensorboard")
+    pytest.importorskip("tensorboard", reason="needs tensorboard: pip install tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     with MetricLogger(tmp_path, total_steps=2, report_to=["tensorboard"]) as logger:

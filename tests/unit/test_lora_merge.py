@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 
-import peft
 import pytest
 import torch
 from tests.helpers.tiny_models import tiny_llama
@@ -13,6 +12,8 @@ from tests.helpers.tiny_models import tiny_llama
 from cohort.errors import ConfigError
 from cohort.remote import weights as W
 from cohort.remote.lora_merge import MergedWeight
+
+peft = pytest.importorskip("peft", reason="LoRA needs peft: pip install peft (or cohort-rl[peft])")
 
 
 def _lora(model):

@@ -136,8 +136,12 @@ def test_cispo_detached_clipped_weight_keeps_gradient():
 def test_cispo_epsilon_high_default_and_guard():
     assert get_policy_loss("cispo").epsilon_high == 5.0
     assert build_policy_loss("cispo", {"epsilon_high": None}).epsilon_high == 5.0  # unset -> sound default
-    with pytest.raises(ValueError, match=r"epsilon_high=0.2 under cispo is the absolute cap"):
-        get_policy_loss("cispo", epsilon_high=0.2)
+    # below 1 a cap would down-weight on-policy tokens: it is a clip range (MiniMax-M1, verl), 1 + 0.28
+    with pytest.warns(UserWarning, match=r"epsilon_high=0.28 under cispo.*eps_max = 1 \+ 0.28 = 1.28"):
+        assert get_policy_loss("cispo", epsilon_high=0.28).epsilon_high == pytest.approx(1.28)
+    assert get_policy_loss("cispo", epsilon_high=1.2).epsilon_high == 1.2  # >= 1: the cap itself, as TRL
+    with pytest.raises(ValueError, match=r"epsilon_high=-0.1 under cispo must be >= 0"):
+        get_policy_loss("cispo", epsilon_high=-0.1)
     with pytest.raises(ValueError, match="'epsilon' is not known"):  # cispo has no lower clip
         get_policy_loss("cispo", epsilon=0.2)
 

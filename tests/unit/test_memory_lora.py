@@ -23,7 +23,7 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 
 
 def test_lora_count_by_hand_and_against_peft():
-    peft = pytest.importorskip("peft")
+    peft = pytest.importorskip("peft", reason="needs peft (LoRA): pip install peft")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     # H=64, Q=64, K=2 x 16=32, I=128, r=4: q 4(64+64)=512, k 4(64+32)=384, v 384, o 512, gate/up 4(64+128)=768
@@ -101,7 +101,7 @@ def test_32b_lora_row_command(scale, tmp_path):
 
 def test_setup_estimates_a_lora_run_as_lora(tmp_path):
     """build_components hands the adapters' count to the estimate: no LM-head gradient, adapter-sized moments."""
-    pytest.importorskip("peft")
+    pytest.importorskip("peft", reason="needs peft (LoRA): pip install peft")
     from tests.integration.test_trainer_learns import toy_components, toy_config
 
     cfg = toy_config(tmp_path, steps=1)

@@ -40,6 +40,7 @@ def assert_png(path):
 
 
 def test_plot_run_writes_a_valid_grid_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="needs matplotlib: pip install matplotlib")
     write_metrics(tmp_path)
     paths = plot_run(tmp_path)
     assert paths == [tmp_path / "curves.png"]
@@ -49,6 +50,7 @@ def test_plot_run_writes_a_valid_grid_png(tmp_path):
 
 
 def test_per_key_files_and_explicit_keys(tmp_path):
+    pytest.importorskip("matplotlib", reason="needs matplotlib: pip install matplotlib")
     write_metrics(tmp_path)
     paths = plot_run(
         tmp_path, keys=["reward", "rewards/*"], out=tmp_path / "plots" / "main.png", per_key=True

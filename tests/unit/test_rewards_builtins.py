@@ -29,11 +29,16 @@ from cohort.rewards import (
 
 @pytest.mark.parametrize("module", [builtins_module, rg_module, grouping_module])
 def test_doctests(module):
+    if module is builtins_module:
+        pytest.importorskip("math_verify", reason="needs math-verify: pip install math-verify")
+    if module is rg_module:
+        pytest.importorskip("reasoning_gym", reason="needs reasoning-gym: pip install reasoning-gym==0.1.25")
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
 
 
 def test_accuracy_math_verify():
+    pytest.importorskip("math_verify", reason="needs math-verify: pip install math-verify")
     completions = [r"The result is $\frac{2}{6}$", r"\boxed{0.5}", "<think>maybe 3</think><answer>4</answer>", "no idea"]
     solution = [r"\frac{1}{3}", r"\frac{1}{2}", "4", "4"]
     assert accuracy(completions, solution=solution) == [1.0, 1.0, 1.0, 0.0]
@@ -43,6 +48,7 @@ def test_accuracy_math_verify():
 
 
 def test_accuracy_conversational_and_missing_gold():
+    pytest.importorskip("math_verify", reason="needs math-verify: pip install math-verify")
     assert accuracy([[{"role": "assistant", "content": r"\boxed{7}"}]], answer=["7"]) == [1.0]
     with pytest.raises(ValueError, match="needs a 'solution' or 'answer' column"):
         accuracy(["7"])
@@ -78,6 +84,7 @@ def test_soft_overlong_punishment_by_hand():
 
 
 def test_cosine_scaled_length_by_hand():
+    pytest.importorskip("math_verify", reason="needs math-verify: pip install math-verify")
     f = cosine_scaled_length(max_len=10)
     completions = ["7", "7", "7", "8", "8", "8"]
     ids = [[0] * n for n in (0, 5, 10, 0, 5, 10)]
@@ -118,6 +125,7 @@ def test_filter_zero_std_groups():
 
 
 def test_reasoning_gym_chain_sum_right_and_wrong():
+    pytest.importorskip("reasoning_gym", reason="needs reasoning-gym: pip install reasoning-gym==0.1.25")
     from cohort.data import load_prompt_dataset
 
     ds = load_prompt_dataset("reasoning_gym:chain_sum", size=4, seed=3, min_terms=3, max_terms=3, min_digits=2, max_digits=2)
@@ -140,6 +148,7 @@ def test_reasoning_gym_chain_sum_right_and_wrong():
 
 
 def test_reasoning_gym_metadata_as_json_string():
+    pytest.importorskip("reasoning_gym", reason="needs reasoning-gym: pip install reasoning-gym==0.1.25")
     import json
 
     meta = {"source_dataset": "chain_sum", "source_index": 0, "num_terms": 2, "num_digits": 1, "expression": "4 - 1"}

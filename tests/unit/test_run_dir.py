@@ -187,3 +187,28 @@ def test_crash_and_resume_flow_keeps_files_consistent(tmp_path):
     assert torch.equal(
         model.lm_head.weight, LlamaForCausalLM.from_pretrained(latest_checkpoint(run)).lm_head.weight
     )
+
+
+def test_open_run_dir_holds_the_lock_through_overwrite_and_removes_it_at_the_end(tmp_path):
+    from cohort.errors import RunDirInUseError
+
+    run = make_run(tmp_path / "run")
+    with open_run_dir(run, resume=False, overwrite=True) as run_dir:
+        assert sorted(p.name for p in run_dir.iterdir()) == [".cohort.lock"]  # the old run gone, the lock kept
+        with pytest.raises(RunDirInUseError, match="in use by another cohort run"), open_run_dir(
+                run, resume=True, overwrite=False):
+            pass
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # no trash, no half-made folder left behind
+    assert list(run.iterdir()) == []  # the lock file goes with the run
+
+
+def test_a_refused_open_leaves_the_directory_as_it_was(tmp_path):
+    run = make_run(tmp_path / "run")
+    before = sorted(p.name for p in run.iterdir())
+    with pytest.raises(ConfigError, match="already exists and is not empty"), open_run_dir(
+            run, resume=False, overwrite=False):
+        pass
+    assert sorted(p.name for p in run.iterdir()) == before  # no lock file left
+    with pytest.raises(ConfigError, match="choose one"), open_run_dir(tmp_path / "new", resume=True, overwrite=True):
+        pass
+    assert not (tmp_path / "new").exists()

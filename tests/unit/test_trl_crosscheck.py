@@ -268,7 +268,7 @@ def trl_stand_in(trainer_cls, cfg, logps, entropy):
 
 @pytest.mark.parametrize(("loss_type", "overrides"), CASES, ids=IDS)
 def test_matches_trl_compute_loss(loss_type, overrides):
-    trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
+    trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer", reason="needs TRL: pip install trl==1.16.0")
     cfg = settings(loss_type, overrides)
     b = make_batch(seed=CASES.index((loss_type, overrides)))
     loss, metrics, grad, ent_grad = ours(cfg, b)

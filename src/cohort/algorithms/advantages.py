@@ -21,7 +21,7 @@ import torch
 from .estimators import AdvantageEstimator, build_advantage_estimator, nanstd
 
 ScaleRewards = Literal["group", "batch", "none"]
-Estimator = Literal["grpo", "rloo"]
+Estimator = Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "gpg"]
 Aggregation = Literal["sum_then_normalize", "normalize_then_sum"]
 
 _SCALES = ("group", "batch", "none")
@@ -111,6 +111,8 @@ def compute_advantages(
     reward_weights: Sequence[float] | torch.Tensor | None = None,
     multi_objective_aggregation: Aggregation = "sum_then_normalize",
     eps: float = 1e-4,
+    lengths: Sequence[int] | torch.Tensor | None = None,
+    baseline_rewards: torch.Tensor | None = None,
 ) -> AdvantageResult:
     """Group-relative advantages (GRPO, DeepSeekMath, arXiv:2402.03300) and variants.
 
@@ -122,12 +124,19 @@ def compute_advantages(
       arXiv:2402.14740) ``b = (sum_{j != i} r_j) / (n_g - 1)`` over the scorable rows of the group.
     - ``A = r - b``, then divided by ``std_g + eps`` (``scale_rewards="group"``), ``std_B + eps``
       (``"batch"``, PPO-Lite, arXiv:2508.08221) or not at all (``"none"``, Dr. GRPO, arXiv:2503.20783).
+    - ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``remax``, ``opo`` and ``gpg`` own their
+      scaling and ignore ``scale_rewards`` (`cohort.algorithms.baselines`).
 
     Multiple reward functions (``rewards`` of shape [N, F], weights ``w``):
 
     - ``"sum_then_normalize"`` (default): ``r = nansum_f w_f r_f`` then the above.
     - ``"normalize_then_sum"`` (GDPO, arXiv:2601.05242): ``r = nansum_f w_f (r_f - mean_g,f) / (std_g,f + eps)``,
       then ``A = (r - mean_B) / (std_B + eps)`` over the batch (``scale_rewards`` is not used, as in TRL).
+
+    Estimators that need more than the rewards (`AdvantageEstimator.needs_lengths`,
+    ``needs_greedy_baseline``) get ``lengths`` ([N] trained tokens per completion: opo, reinforce_plus_plus)
+    and ``baseline_rewards`` ([P] or [P, F], one greedy completion's rewards per prompt, combined with the same
+    weights: remax); the others ignore both.
 
     Rows whose every function is NaN get ``A = 0`` and are left out of every mean and std. A group whose
     rewards are all equal has ``std = 0`` and so ``A = 0 / eps = 0`` (no NaN).
@@ -149,10 +158,43 @@ def compute_advantages(
     if multi_objective_aggregation == "normalize_then_sum":
         combined, advantages, scaling_std = _normalize_then_sum(per_func, weights, G, eps)
     else:
-        combined = (per_func * weights).nansum(dim=1)
-        combined[torch.isnan(per_func).all(dim=1)] = torch.nan
-        advantages, scaling_std = built.advantages(combined, G, scale_rewards=scale_rewards, eps=eps)
+        combined = _combine(per_func, weights)
+        extras = _estimator_inputs(built, combined, G, lengths, baseline_rewards, weights)
+        advantages, scaling_std = built.advantages(combined, G, scale_rewards=scale_rewards, eps=eps, **extras)
     return _result(combined, advantages, scaling_std, G)
+
+
+def _combine(per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[N, F] -> [N]: the weighted nansum, NaN where every function is NaN (an unscorable row)."""
+    combined = (per_func * weights).nansum(dim=1)
+    combined[torch.isnan(per_func).all(dim=1)] = torch.nan
+    return combined
+
+
+def _estimator_inputs(built: AdvantageEstimator, combined: torch.Tensor, group_size: int,
+                      lengths: Sequence[int] | torch.Tensor | None, baseline_rewards: torch.Tensor | None,
+                      weights: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    """The keyword arguments beyond the rewards that `built` declares it needs (none for grpo and rloo)."""
+    extras: dict[str, torch.Tensor | None] = {}
+    if getattr(built, "needs_lengths", False):
+        extras["lengths"] = None
+        if lengths is not None:
+            lens = torch.as_tensor(lengths, dtype=combined.dtype, device=combined.device).reshape(-1)
+            if lens.numel() != combined.numel():
+                raise ValueError(f"lengths has {lens.numel()} entries for {combined.numel()} rewards; give one "
+                                 "token count per completion.")
+            extras["lengths"] = lens
+    if getattr(built, "needs_greedy_baseline", False):
+        extras["baseline_rewards"] = None
+        if baseline_rewards is not None:
+            base = baseline_rewards.to(combined.dtype)
+            base = base.unsqueeze(1) if base.dim() == 1 else base
+            if base.shape != (combined.numel() // group_size, weights.numel()):
+                raise ValueError(f"baseline_rewards has shape {tuple(baseline_rewards.shape)}; expected one row "
+                                 f"per prompt ({combined.numel() // group_size}) and one column per reward "
+                                 f"function ({weights.numel()}).")
+            extras["baseline_rewards"] = _combine(base, weights)
+    return extras
 
 
 def _result(combined: torch.Tensor, advantages: torch.Tensor, scaling_std: torch.Tensor,

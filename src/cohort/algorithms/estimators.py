@@ -5,15 +5,22 @@ An estimator turns the combined per-sample rewards of whole groups into advantag
 (NaN -> 0, the logged group statistics). With ``mean_g`` / ``std_g`` the NaN-ignoring mean and Bessel std of
 a row's group, ``n_g`` its count of scorable rows:
 
-========  ================  ==========================================  ============================
-name      class             baseline ``b``, then ``A = (r - b) / s``    paper
-========  ================  ==========================================  ============================
-``grpo``  GRPOEstimator     ``mean_g``                                  arXiv:2402.03300
-``rloo``  RLOOEstimator     ``(sum_{j != i} r_j) / (n_g - 1)``          arXiv:2402.14740
-========  ================  ==========================================  ============================
+================================  ===============================  ============================================
+name                              class                            advantage ``A``
+================================  ===============================  ============================================
+``grpo``                          GRPOEstimator                    ``(r - mean_g) / s``  (arXiv:2402.03300)
+``rloo``                          RLOOEstimator                    ``(r - sum_{j != i} r_j / (n_g - 1)) / s``
+``reinforce_plus_plus``           ReinforcePlusPlusEstimator       ``whiten_B(r)``  (arXiv:2501.03262)
+``reinforce_plus_plus_baseline``  ReinforcePlusPlusBaseline...     ``whiten_B(r - mean_g)``
+``remax``                         ReMaxEstimator                   ``r - r_greedy``  (arXiv:2310.10505)
+``opo``                           OPOEstimator                     ``r - sum_g(len r) / sum_g(len)``
+``gpg``                           GPGEstimator                     ``alpha (r - mean_g) / f_norm``
+================================  ===============================  ============================================
 
-``s`` is set by ``scale_rewards`` for every estimator that keeps the base `AdvantageEstimator.advantages`:
-``std_g + eps`` (group), ``std_batch + eps`` (batch) or 1 (none).
+``s`` is set by ``scale_rewards`` for every estimator that keeps the base `AdvantageEstimator.advantages`
+(grpo, rloo): ``std_g + eps`` (group), ``std_batch + eps`` (batch) or 1 (none). The others own their scaling
+and do not read ``scale_rewards``: `cohort.algorithms.baselines` has them and their sources (verl's
+``core_algos.py``).
 
 User code plugs in by import path, ``"my_pkg.estimators:MyEstimator"`` (config ``advantage.estimator``),
 naming a subclass of `AdvantageEstimator` (or a zero-argument factory returning one) that overrides
@@ -31,55 +38,30 @@ import torch
 from cohort.errors import ConfigError
 from cohort.resolve import is_import_path, resolve_object
 
+from .baselines import (
+    GPGEstimator,
+    OPOEstimator,
+    ReinforcePlusPlusBaselineEstimator,
+    ReinforcePlusPlusEstimator,
+    ReMaxEstimator,
+)
+from .estimator_base import AdvantageEstimator, nanstd
 
-def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
-    """Standard deviation with Bessel's correction, NaN entries ignored.
-
-    ``std = sqrt( sum_valid (x - mean)^2 / (n_valid - 1) )``; NaN when fewer than 2 valid entries.
-    """
-    if dim is None:
-        x, dim = x.reshape(-1), 0
-    mean = torch.nanmean(x, dim=dim, keepdim=True)
-    sq = torch.nansum((x - mean) ** 2, dim=dim, keepdim=keepdim)
-    count = (~torch.isnan(x)).sum(dim=dim, keepdim=keepdim).to(x.dtype)
-    # Fewer than 2 valid entries: NaN, so the caller maps the advantage to 0 (no signal in such a group).
-    var = torch.where(count > 1, sq / (count - 1).clamp(min=1), torch.full_like(sq, torch.nan))
-    return torch.sqrt(var)
-
-
-@dataclass
-class AdvantageEstimator:
-    """Base of every estimator: a group baseline (the one method a variant defines) and the shared scaling.
-
-    no_normalize_then_sum: why the estimator has no ``multi_objective_aggregation="normalize_then_sum"``
-        form (GDPO normalises each function by its group mean and std, then the sum over the batch), or None
-        where that form is the estimator's own (grpo). `compute_advantages` raises with this reason.
-    """
-
-    name: ClassVar[str] = "advantage_estimator"
-    no_normalize_then_sum: ClassVar[str | None] = (
-        "normalize_then_sum normalises each reward function by its group mean and std, then the sum over the "
-        "batch; it does not use an estimator's baseline")
-
-    def baseline(self, grouped: torch.Tensor) -> torch.Tensor:
-        """[P, G] rewards (NaN = unscorable) -> the baseline each row is centred on, [P, G] or [P, 1]."""
-        raise NotImplementedError
-
-    def advantages(self, rewards: torch.Tensor, group_size: int, *, scale_rewards: str,
-                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """[N] combined rewards, groups of ``group_size`` contiguous -> ([N] advantages, [N] scaling std).
-
-        ``A = (r - baseline) / (std + eps)`` with std the row's group std (``"group"``) or the batch std
-        (``"batch"``); ``A = r - baseline`` for ``"none"`` (the scaling std is still returned: it is TRL's
-        zero-std mask). NaN advantages are allowed: the caller maps them to 0.
-        """
-        grouped = rewards.view(-1, group_size)
-        advantages = (grouped - self.baseline(grouped)).reshape(-1)
-        group_std_rows = nanstd(grouped, dim=1, keepdim=True).expand_as(grouped).reshape(-1)
-        scaling_std = nanstd(rewards).expand_as(rewards) if scale_rewards == "batch" else group_std_rows
-        if scale_rewards != "none":
-            advantages = advantages / (scaling_std + eps)
-        return advantages, scaling_std
+__all__ = [
+    "DEFAULT_ESTIMATOR",
+    "ESTIMATORS",
+    "AdvantageEstimator",
+    "GPGEstimator",
+    "GRPOEstimator",
+    "OPOEstimator",
+    "RLOOEstimator",
+    "ReMaxEstimator",
+    "ReinforcePlusPlusBaselineEstimator",
+    "ReinforcePlusPlusEstimator",
+    "build_advantage_estimator",
+    "list_advantage_estimators",
+    "nanstd",
+]
 
 
 @dataclass
@@ -115,6 +97,11 @@ DEFAULT_ESTIMATOR = "grpo"
 ESTIMATORS: dict[str, type[AdvantageEstimator]] = {
     "grpo": GRPOEstimator,
     "rloo": RLOOEstimator,
+    "reinforce_plus_plus": ReinforcePlusPlusEstimator,
+    "reinforce_plus_plus_baseline": ReinforcePlusPlusBaselineEstimator,
+    "remax": ReMaxEstimator,
+    "opo": OPOEstimator,
+    "gpg": GPGEstimator,
 }
 
 

@@ -8,6 +8,7 @@ Each class owns its parameters; which aggregation a *name* uses is set in `cohor
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -77,10 +78,13 @@ class CISPOLoss(PolicyLoss):
 
         L = -sg( min(r, eps_max) ) * A * logp,     grad = -min(r, eps_max) * A * grad logp
 
-    ``epsilon_high`` here is the absolute cap ``eps_max`` on the ratio, not ``1 + eps``. TRL pitfall: its
-    ``epsilon_high`` defaults to ``epsilon`` (0.2) when unset, which under cispo caps every weight at 0.2 and
-    silently shrinks all updates five-fold. Our default is ScaleRL's recommended ``epsilon_high = 5.0``, and
-    a cap below 1 is rejected (it could never leave an on-policy token its full weight).
+    ``epsilon_high`` here is the absolute cap ``eps_max`` on the ratio (ScaleRL, TRL), not ``1 + eps``.
+    TRL pitfall: its ``epsilon_high`` defaults to ``epsilon`` (0.2) when unset, which under cispo caps every
+    weight at 0.2 and silently shrinks all updates five-fold. Our default is ScaleRL's recommended
+    ``epsilon_high = 5.0``. A value below 1 can only be a clip *range* (what ``epsilon_high`` means for every
+    other loss, and for CISPO in MiniMax-M1 and verl: ``eps_max = 1 + epsilon_high``), e.g. a DAPO recipe's
+    0.28 kept when only ``loss.loss_type`` is switched to cispo: it is read so, with a warning, never as a
+    cap that would down-weight on-policy tokens.
 
     Metric: cispo_clip_ratio (fraction of loss tokens with ``r > eps_max`` and ``A > 0``, as TRL).
     """
@@ -92,12 +96,17 @@ class CISPOLoss(PolicyLoss):
         super().__post_init__()
         if self.epsilon_high is None:
             self.epsilon_high = 5.0
+        if self.epsilon_high < 0.0:
+            raise ValueError(f"epsilon_high={self.epsilon_high} under cispo must be >= 0: the cap eps_max (>= 1) on "
+                             "the importance ratio, or a clip range below 1 (eps_max = 1 + epsilon_high). ScaleRL "
+                             "(arXiv:2510.13786) recommends eps_max = 5.0, our default.")
         if self.epsilon_high < 1.0:
-            raise ValueError(
-                f"epsilon_high={self.epsilon_high} under cispo is the absolute cap eps_max on the importance "
-                "ratio (not 1 + eps): a cap below 1 down-weights even on-policy tokens. Fix: use eps_max >= 1; "
-                "ScaleRL (arXiv:2510.13786) recommends 5.0, our default."
-            )
+            cap = 1.0 + self.epsilon_high
+            warnings.warn(f"loss.epsilon_high={self.epsilon_high} under cispo: a cap below 1 would down-weight even "
+                          f"on-policy tokens, so it is read as a clip range (MiniMax-M1, verl): eps_max = 1 + "
+                          f"{self.epsilon_high} = {cap:g}. Set loss.epsilon_high to the cap itself (>= 1; ScaleRL "
+                          "recommends 5.0) to silence this.", stacklevel=2)
+            self.epsilon_high = cap
 
     def objective(self, ctx: RatioContext) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         weight = torch.clamp(ctx.ratio, max=self.epsilon_high).detach()

@@ -1,7 +1,8 @@
 """The atomic publish protocol that the unsharded and the sharded save share.
 
 A checkpoint is written into a hidden temporary sibling (`.tmp-step-000100-<id>/`); trainer_state.json is
-written last (a folder without it is incomplete by construction), the tree is fsynced, renamed into place with
+written after every other file (a folder without it is incomplete by construction), then manifest.json (every
+file's size and SHA-256, `cohort.checkpointing.manifest`), the tree is fsynced, renamed into place with
 `os.replace`, and only then is `latest` replaced atomically and older checkpoints pruned. A crash at any
 point leaves the previous checkpoint whole and `latest` pointing at it; the next save sweeps the temporaries.
 """
@@ -17,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from cohort.checkpointing.manifest import FileEntry, write_manifest
 from cohort.checkpointing.retention import prune
 from cohort.errors import ConfigError
 from cohort.run.directory import atomic_write_text, fsync_dir
@@ -50,11 +52,15 @@ def _json_ok(value: Any) -> bool:
     return True
 
 
-def complete_and_publish(tmp: Path, final: Path, state_text: str, keep_last: int | None) -> None:
-    """Write trainer_state.json last (a directory without it is incomplete by construction), fsync, rename
-    into place, point `latest` at it, prune; a failure removes the temporary and leaves `latest` as it was."""
+def complete_and_publish(tmp: Path, final: Path, state_text: str, keep_last: int | None, *,
+                         optimizer_state: bool, known: Mapping[str, FileEntry] | None = None) -> None:
+    """Write trainer_state.json (a directory without it is incomplete by construction), then the manifest of
+    every file (`known`: entries the ranks of a sharded save hashed already; `optimizer_state`: whether the
+    optimizer was saved), fsync, rename into place, point `latest` at it, prune; a failure removes the
+    temporary and leaves `latest` as it was."""
     try:
         (tmp / TRAINER_STATE_FILE).write_text(state_text, encoding="utf-8")
+        write_manifest(tmp, optimizer_state=optimizer_state, known=known)
         _fsync_tree(tmp)
         _move_into_place(tmp, final)
     except BaseException:

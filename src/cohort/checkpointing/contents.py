@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from cohort.checkpointing import dcp
+from cohort.checkpointing.manifest import check_listing, read_manifest
+from cohort.errors import CheckpointError
 from cohort.run.layout import OPTIMIZER_FILE
 
 
@@ -28,9 +29,18 @@ def describe_size(path: str | os.PathLike) -> str:
     text = f"{_human_bytes(size['total'])} on disk"
     if size["optimizer"]:
         text += f" ({_human_bytes(size['optimizer'])} of it optimizer state; run.save_only_model=true leaves it out)"
-    elif not has_optimizer_state(path):
+    elif _saved_without_optimizer(Path(path)):
         text += " (weights only: run.save_only_model)"
     return text
+
+
+def _saved_without_optimizer(path: Path) -> bool:
+    """What the manifest records, for the log line alone: an unreadable one (a stale view of a shared
+    filesystem on another rank, say) is reported by the load that needs it, not here."""
+    try:
+        return not read_manifest(path).optimizer_state
+    except CheckpointError:
+        return False
 
 
 def _human_bytes(n: float) -> str:
@@ -42,10 +52,8 @@ def _human_bytes(n: float) -> str:
 
 
 def has_optimizer_state(path: str | os.PathLike) -> bool:
-    """Whether a checkpoint holds optimizer state (not when saved with run.save_only_model)."""
-    path = Path(path)
-    if (path / OPTIMIZER_FILE).is_file():
-        return True
-    if dcp.has_sharded_state(path):
-        return any(k.startswith("optim.") for k in dcp._saved_keys(path / dcp.DCP_DIR))
-    return False
+    """Whether a checkpoint holds optimizer state (not when saved with run.save_only_model), as its manifest
+    records it. The manifest and the folder's listing are checked first (a CheckpointError for a checkpoint
+    without manifest, a missing, resized or unlisted file: a missing optimizer.pt is damage, not a weights-only
+    checkpoint); `load_checkpoint` checks the hashes before it reads anything."""
+    return check_listing(Path(path)).optimizer_state

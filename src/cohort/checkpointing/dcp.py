@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -38,12 +38,19 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule
 
+from cohort.checkpointing.dcp_reader import (
+    OPTIM_KEY,
+    OPTIMIZER_PREFIX,
+    SafeLoadPlanner,
+    SafeReader,
+    read_metadata,
+)
 from cohort.checkpointing.errors import CheckpointError
 from cohort.checkpointing.weights import unwrap_model
 
 DCP_DIR = "dcp"
 _MODEL_KEY = "model"
-_OPTIM_KEY = "optim"
+_OPTIM_KEY = OPTIM_KEY
 # Module names that wrappers insert into parameter names and that no Hugging Face model uses itself.
 _WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 
@@ -162,10 +169,13 @@ def load_sharded_state(path: Path, model: torch.nn.Module, optimizer: torch.opti
     The live model may be sharded over a different number of ranks than the saving one (DCP reads each
     rank's slice of every tensor from whichever files hold it), or not sharded at all (a single process,
     e.g. to evaluate). Optimizer states (Adam's step, exp_avg, exp_avg_sq) are restored exactly.
+
+    Call it on a checkpoint whose files were verified against its manifest (`load_checkpoint` does). DCP's
+    metadata and the non-tensor values are unpickled by `dcp_reader`'s restricted readers, never by DCP's own.
     """
     directory = path / DCP_DIR
     saved = _saved_keys(directory)
-    if optimizer is not None and not any(k.startswith(_OPTIM_KEY + ".") for k in saved):
+    if optimizer is not None and not any(k.startswith(OPTIMIZER_PREFIX) for k in saved):
         raise CheckpointError(
             f"checkpoint {str(path)!r} was saved without optimizer state, so it cannot be restored; "
             "pass optimizer=None to load_checkpoint to load the weights alone"
@@ -175,7 +185,7 @@ def load_sharded_state(path: Path, model: torch.nn.Module, optimizer: torch.opti
     state = _live_state(model, optimizer)
     _check_model_keys(path, model, set(state[_MODEL_KEY]), saved)
     try:
-        dcp.load(state, checkpoint_id=directory)
+        dcp.load(state, storage_reader=SafeReader(directory), planner=SafeLoadPlanner())
     except CheckpointException as e:
         damaged = _damaged_files(directory)
         named = (f"damaged file(s): {'; '.join(damaged)}: they are truncated or damaged (a copy cut short, a full "
@@ -194,7 +204,7 @@ def load_sharded_state(path: Path, model: torch.nn.Module, optimizer: torch.opti
 def _damaged_files(directory: Path) -> list[str]:
     """The shard files of a DCP checkpoint that are missing or shorter than its metadata says."""
     try:
-        storage = FileSystemReader(directory).read_metadata().storage_data or {}
+        storage = read_metadata(directory).storage_data or {}
     except Exception:  # unreadable metadata is reported by _saved_keys
         return []
     needed: dict[str, int] = {}
@@ -215,10 +225,11 @@ def _damaged_files(directory: Path) -> list[str]:
 def _saved_keys(directory: Path) -> set[str]:
     """The flattened keys (`model.<fqn>`, `optim.state.<fqn>.exp_avg`, ...) a DCP checkpoint holds."""
     try:
-        metadata = FileSystemReader(directory).read_metadata()
-    except (OSError, ValueError, RuntimeError) as e:
+        metadata = read_metadata(directory)
+    except Exception as e:  # OSError, a truncated pickle, one refused by the restricted unpickler
         raise CheckpointError(
-            f"sharded checkpoint {str(directory)!r} has no readable .metadata ({e}); it is incomplete or damaged"
+            f"sharded checkpoint {str(directory)!r} has no readable .metadata ({type(e).__name__}: {e}); it is "
+            "incomplete or damaged: resume from another checkpoint or start over"
         ) from e
     return set(metadata.state_dict_metadata)
 

@@ -1,14 +1,13 @@
-"""The checkpoint error type, and the message for a file that cannot be read."""
+"""The checkpoint error type (defined in `cohort.errors`, so that `cohort.run.state` can raise it too), and the
+message for a file that cannot be read."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from cohort.errors import CohortError
+from cohort.errors import CheckpointError
 
-
-class CheckpointError(CohortError):
-    """A checkpoint that cannot be read or does not fit the model it is loaded into."""
+__all__ = ["CheckpointError", "damaged"]
 
 
 def damaged(file: Path, e: BaseException) -> CheckpointError:

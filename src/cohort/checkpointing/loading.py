@@ -1,6 +1,8 @@
 """`load_checkpoint`: exact resume, restoring a checkpoint into live objects in place.
 
-Every .pt file is read with torch's safe loader (weights_only=True): cohort writes only tensors and plain
+Before anything in the folder is parsed, every file is checked against the checkpoint's manifest.json
+(`cohort.checkpointing.manifest`: missing, changed or unlisted files, a checkpoint without a manifest); then
+every .pt file is read with torch's safe loader (weights_only=True): cohort writes only tensors and plain
 containers, and a tampered file cannot run code. A missing or unreadable file is a CheckpointError that names
 it and the fix.
 """
@@ -13,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from cohort.checkpointing import dcp
 from cohort.checkpointing.errors import CheckpointError, damaged
+from cohort.checkpointing.manifest import Manifest, verify_checkpoint, verify_on_every_rank
 from cohort.checkpointing.rng import set_rng_state
 from cohort.checkpointing.weights import load_model_weights, read_full_weights, unwrap_model
 from cohort.errors import ConfigError
@@ -45,6 +49,10 @@ def load_checkpoint(
     A checkpoint with `dcp/` (saved sharded) is read through torch.distributed.checkpoint: call this on every
     rank; the number of ranks may differ from the saving run's, and the live model may be sharded or not.
     An FSDP2-sharded model also loads an unsharded checkpoint's weights, but not its optimizer.pt.
+
+    First every file is checked against manifest.json (a CheckpointError naming the first file missing,
+    changed or not listed, and nothing loaded); when the load is collective (a process group, and `dcp/` or a
+    sharded model), the ranks share the hashing.
     """
     path = Path(path)
     state_file = path / TRAINER_STATE_FILE
@@ -52,6 +60,12 @@ def load_checkpoint(
         raise ConfigError(
             f"{str(path)!r} is not a complete cohort checkpoint (no {TRAINER_STATE_FILE}); pass a "
             f"checkpoints/step-NNNNNN directory, or a run directory to `latest_checkpoint` first"
+        )
+    manifest = _verified(path, model)
+    if optimizer is not None and not manifest.optimizer_state:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} was saved without optimizer state (no {OPTIMIZER_FILE}: run.save_only_model), "
+            "so the optimizer cannot be restored; pass optimizer=None to load_checkpoint to load the weights alone"
         )
     if dcp.has_sharded_state(path):
         dcp.load_sharded_state(path, model, optimizer)
@@ -73,6 +87,13 @@ def load_checkpoint(
         raise damaged(state_file, e) from e
 
 
+def _verified(path: Path, model: torch.nn.Module) -> Manifest:
+    """The checkpoint's manifest once every file matches it; collective where the load itself is."""
+    collective = dist.is_available() and dist.is_initialized() and (
+        dcp.has_sharded_state(path) or dcp.is_sharded(model))
+    return verify_on_every_rank(path) if collective else verify_checkpoint(path)
+
+
 def _rng_file(path: Path, rank: int) -> Path:
     """This rank's RNG file; rank 0's rng.pt where the checkpoint has none for it (saved on fewer ranks, or
     unsharded)."""
@@ -81,8 +102,6 @@ def _rng_file(path: Path, rank: int) -> Path:
 
 
 def _refuse_unsharded_optimizer(path: Path) -> None:
-    if not (path / OPTIMIZER_FILE).is_file():
-        _torch_load(path / OPTIMIZER_FILE, "cpu", "optimizer")  # raises: saved without one
     raise CheckpointError(
         f"checkpoint {str(path)!r} was saved unsharded: its {OPTIMIZER_FILE} holds whole-tensor optimizer "
         "states keyed by parameter position, which cannot be converted into this FSDP-sharded optimizer. "

@@ -2,7 +2,8 @@
 
 One process writes the policy in Hugging Face format (`save_pretrained`, safetensors), the tokenizer, the
 optimizer and scheduler state dicts and the RNG state (torch.save of tensors and plain containers only, so
-they load with weights_only=True) into a temporary folder, which `atomic.complete_and_publish` puts in place.
+they load with weights_only=True) into a temporary folder, which `atomic.complete_and_publish` completes (the
+trainer state, then the manifest of every file's hash) and puts in place.
 An FSDP2-sharded policy goes to `sharded_saving` instead.
 """
 
@@ -88,7 +89,7 @@ def _save_unsharded(run_dir: str | os.PathLike, step: int, model: Any, tokenizer
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    complete_and_publish(tmp, final, state_text, keep_last)
+    complete_and_publish(tmp, final, state_text, keep_last, optimizer_state=optimizer is not None)
     return final
 
 

@@ -5,6 +5,8 @@ written by torch.distributed.checkpoint, loadable on any number of ranks), and e
 `rng-{r}.pt` beside rank 0's rng.pt (also written as rng-0.pt). The Hugging Face files are still there,
 gathered by rank 0. The atomic guarantee holds across ranks: rank 0 names the temporary directory, every rank
 writes into it, and only once every rank reports success does rank 0 rename it into place and move `latest`.
+Its manifest.json covers the files of every rank: after the barrier every rank hashes a share of the folder's
+files (of those it sees) and rank 0 writes the one manifest from all the shares.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from cohort.checkpointing.atomic import (
     trainer_state_json,
 )
 from cohort.checkpointing.errors import CheckpointError
+from cohort.checkpointing.manifest import FileEntry, hash_files, scan
 from cohort.checkpointing.rng import rng_state
 from cohort.run.directory import CHECKPOINTS_DIR
 from cohort.run.layout import RNG_FILE, SCHEDULER_FILE, checkpoint_path, rank_rng_file
@@ -37,8 +40,8 @@ def save_sharded(run_dir: str | os.PathLike, step: int, model: Any, tokenizer: A
     """The collective save of an FSDP2-sharded model; see the module docstring for what it writes.
 
     Every rank runs the same collectives in the same order: a broadcast (the temporary directory), DCP's
-    save, the gathers of the Hugging Face export, an all-gather of each rank's outcome, a broadcast of rank
-    0's outcome. A step that fails raises on every rank, and nothing outside the hidden temporary directory
+    save, the gathers of the Hugging Face export, an all-gather of each rank's outcome, an all-gather of
+    each rank's listing of the folder, an all-gather of the files' hashes, a broadcast of rank 0's outcome. A step that fails raises on every rank, and nothing outside the hidden temporary directory
     changes until every rank has written its part.
     """
     rank = dist.get_rank()
@@ -82,11 +85,49 @@ def save_sharded(run_dir: str | os.PathLike, step: int, model: Any, tokenizer: A
             raise error
         raise CheckpointError(f"checkpoint step {step} was not saved: rank(s) failed writing it: {failed}")
 
-    # 4. Rank 0 completes the directory (trainer_state.json last: without it a directory is incomplete),
-    #    moves it into place, points `latest` at it and prunes; every rank waits for its outcome.
+    # 4. The manifest covers every rank's files: every rank lists the folder and hashes a share of them.
+    known = _hash_shares(tmp, rank, step)
+    # 5. Rank 0 completes the directory (trainer_state.json, then the manifest: without them a directory is
+    #    incomplete), moves it into place, points `latest` at it and prunes; every rank waits for its outcome.
     _on_rank0(rank, f"checkpoint step {step}: putting it in place",
-              lambda: complete_and_publish(tmp, final, state_text, keep_last))
+              lambda: complete_and_publish(tmp, final, state_text, keep_last, optimizer_state=optimizer is not None,
+                                           known=known))
     return final
+
+
+def _hash_shares(tmp: Path, rank: int, step: int) -> dict[str, FileEntry]:
+    """The size and SHA-256 of every file written so far, hashed in parallel, gathered on every rank.
+
+    Every rank lists the folder (the exchange of outcomes was the barrier: every rank's files are in it) and
+    the listings are shared; each file is hashed by one of the ranks that listed it, so a file is never lost
+    to a stale directory listing (NFS caches them) while its writer sees it. A failure on any rank raises on
+    every rank.
+    """
+    world = dist.get_world_size()
+    error, listing = None, []
+    try:
+        listing = sorted(scan(tmp)[0])
+    except OSError as e:
+        error = f"{type(e).__name__}: {e}"
+    listings: list[Any] = [None] * world
+    dist.all_gather_object(listings, listing)
+    seen = [set(names) for names in listings]
+    mine: dict[str, FileEntry] = {}
+    if error is None:
+        names = sorted(set().union(*seen))
+        owners = [[r for r in range(world) if name in seen[r]] for name in names]
+        try:
+            mine = hash_files(tmp, [n for i, (n, who) in enumerate(zip(names, owners)) if who[i % len(who)] == rank])
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+    shares: list[Any] = [None] * world
+    dist.all_gather_object(shares, (mine, error))
+    failed = {r: err for r, (_entries, err) in enumerate(shares) if err is not None}
+    if failed:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"checkpoint step {step} was not saved: rank(s) failed hashing its files: {failed}")
+    return {name: entry for entries, _err in shares for name, entry in entries.items()}
 
 
 def _on_rank0(rank: int, what: str, fn: Any) -> Any:

@@ -243,9 +243,12 @@ def check_inputs(cfg: Any) -> None:
 
 # ------------------------------------------------------------------------------------ the file system (CLI)
 def check_model_path(name_or_path: str, gguf_file: str | None = None) -> None:
-    """The model path's mistakes that need no loading: a missing local path, a folder that is no model."""
+    """The model path's mistakes that need no loading: a missing local path, a folder that is no model, a
+    COHORT_CACHE_DIR (where GGUF models are converted) that is a file."""
     name = str(name_or_path)
     path = Path(name).expanduser()
+    if os.environ.get("COHORT_CACHE_DIR"):
+        model_mod.default_cache_dir()
     if name.lower() in model_mod.SMOLLM2_NAMES and not path.exists():
         if name.lower() == model_mod.SMOLLM2_NAMES[0]:
             model_mod.smollm2_gguf_path()  # names the missing package
@@ -278,6 +281,7 @@ def check_run_dir(cfg: Any) -> None:
     if path.exists() and not path.is_dir():
         raise ConfigError(f"run.output_dir={run.output_dir!r} is a file, not a directory: choose another "
                           "run.output_dir")
+    _check_writable(run.output_dir, path)
     nonempty = path.is_dir() and next(path.iterdir(), None) is not None
     resume = run.resume not in (False, None, "")
     if nonempty and not resume and not run.overwrite:
@@ -294,6 +298,19 @@ def check_run_dir(cfg: Any) -> None:
             raise ConfigError(f"run.resume={run.resume!r} does not exist; give a checkpoint folder "
                               f"(e.g. {os.path.join(run.output_dir, 'checkpoints', 'step-000010')}) or true for "
                               "the newest one")
+
+
+def _check_writable(value: str, path: Path) -> None:
+    """The run directory, or the nearest folder above it that exists, must let this user create files."""
+    existing = path.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing != path.absolute() and not existing.is_dir():
+        raise ConfigError(f"run.output_dir={value!r} cannot be created: {str(existing)!r} is a file, not a folder; "
+                          "choose another run.output_dir")
+    if existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"run.output_dir={value!r} cannot be written: this user may not create files in "
+                          f"{str(existing)!r}; choose another run.output_dir (or fix the folder's permissions)")
 
 
 def check_data_paths(cfg: Any) -> None:

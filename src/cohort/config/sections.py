@@ -167,7 +167,8 @@ class RewardConfig:
     reward_weights: list[float] | None = setting(
         None, help="one weight per reward function, in order (negative: a penalty); None: 1.0 each")
     timeout_s: float | None = setting(
-        None, help="longest one reward function call may take, in seconds; None: no limit")
+        300.0, help="longest one reward function call may take, in seconds (an overrun is an error naming the "
+                    "function, or a skipped batch with on_error=skip); null: no limit")
     on_error: Literal["raise", "skip"] = setting(
         "raise", help="a reward function that raises: raise stops the run; skip: the sample's reward becomes None "
                       "and is counted")
@@ -183,10 +184,13 @@ class RewardConfig:
 class AdvantageConfig:
     scale_rewards: str = setting(
         "group", help="divide advantages by the std of: group (each group's), batch (the batch's), none (Dr. GRPO)")
-    estimator: str = setting("grpo", help="grpo (group mean baseline) | rloo (leave-one-out baseline)")
+    estimator: str = setting(
+        "grpo", help="grpo (group mean baseline) | rloo (leave-one-out) | reinforce_plus_plus (batch-whitened) | "
+                     "reinforce_plus_plus_baseline | remax (greedy baseline) | opo (length-weighted) | gpg | "
+                     '"pkg.mod:Class"; all but grpo and rloo ignore scale_rewards (docs/algorithms.md)')
     multi_objective_aggregation: str = setting(
         "sum_then_normalize", help="several reward functions: sum_then_normalize (weighted sum, then advantages) "
-                                   "or normalize_then_sum (normalise each reward, then sum; not with rloo)")
+                                   "or normalize_then_sum (normalise each reward, then sum; grpo only)")
 
 
 @dataclass

@@ -8,13 +8,14 @@
 
 from cohort.data.dataset import EncodeStats, PromptBatch, PromptDataset, is_conversational, prompt_key
 from cohort.data.sampler import PromptSampler, drop_overlap, reasoning_gym_eval_set, train_eval_split
-from cohort.data.sources import import_object, load_prompt_dataset, reasoning_gym_rows
+from cohort.data.sources import check_text, import_object, load_prompt_dataset, reasoning_gym_rows
 
 __all__ = [
     "EncodeStats",
     "PromptBatch",
     "PromptDataset",
     "PromptSampler",
+    "check_text",
     "drop_overlap",
     "import_object",
     "is_conversational",

@@ -239,11 +239,32 @@ def _tokenize_prompt(tokenizer: Any, prompt: Any, source: str, index: int, templ
             f"Dataset {source!r} has conversational prompts but the tokenizer has no chat template. Set "
             "tokenizer.chat_template, or use text prompts (load them without conversational=True)."
         )
-    out = tokenizer.apply_chat_template(
-        prompt, add_generation_prompt=True, tokenize=True, return_dict=True, **template_kwargs
-    )
+    try:
+        out = tokenizer.apply_chat_template(
+            prompt, add_generation_prompt=True, tokenize=True, return_dict=True, **template_kwargs
+        )
+    except Exception as exc:  # jinja2's TemplateError (raise_exception), UndefinedError, TypeError, ...
+        raise ConfigError(_template_error(tokenizer, prompt, source, index, exc)) from None
     ids = out["input_ids"]
     # Some tokenizers return a batch of one for a single conversation.
     if ids and isinstance(ids[0], list):
         ids = ids[0]
     return [int(t) for t in ids]
+
+
+def _template_error(tokenizer: Any, prompt: list[Any], source: str, index: int, exc: Exception) -> str:
+    """One line: the template (model.chat_template, else the tokenizer's own), the row, what it raised."""
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    roles = [str(m.get("role")) for m in prompt]
+    reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+    if len(reason) > 300:
+        reason = reason[:297] + "..."
+    return (f"Dataset {source!r}: the chat template of {name!r} (model.chat_template when set, else the "
+            f"tokenizer's own) raised on row {index} (roles {roles}, first message "
+            f"{_excerpt(prompt[0].get('content'))}): {reason}. Fix the template, or the row's messages (e.g. "
+            "drop data.system_prompt for a template without a system role).")
+
+
+def _excerpt(value: Any, limit: int = 60) -> str:
+    text = str(value).replace("\n", "\\n")
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")

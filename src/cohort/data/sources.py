@@ -12,8 +12,10 @@ otherwise a `datasets.load_dataset` name.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from cohort.resolve import resolve_object
 
 REASONING_GYM_PREFIX = "reasoning_gym:"
 _PROMPT_LIKE = ("question", "problem", "query", "instruction", "input", "text", "messages")
+_SURROGATE = re.compile("[\ud800-\udfff]")  # half of a UTF-16 pair: no tokenizer or UTF-8 file can take it
 
 
 def load_prompt_dataset(
@@ -70,6 +73,7 @@ def load_prompt_dataset(
                     conversational=conversational)
         for row in rows
     ]
+    check_text(rows, f"data.source={str(name)!r}")
     return PromptDataset(rows, source=str(name))
 
 
@@ -124,17 +128,17 @@ def _rows_from_path(path: Path, *, split: str, **kwargs: Any) -> list[dict[str, 
         return _rows_from_folder(path, split=split, **kwargs)
     if suffix == ".jsonl":
         rows = []
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if line.strip():
-                    rows.append(_json_value(line, path, f" line {number}"))
+        for number, line in enumerate(_read_text(path).split("\n"), 1):
+            if line.strip():
+                rows.append(_json_value(line, path, f" line {number}"))
+                _check_text(rows[-1], f"data.source={str(path)!r}: line {number}")
         if not all(isinstance(r, Mapping) for r in rows):
             bad = next(i for i, r in enumerate(rows) if not isinstance(r, Mapping))
             raise ConfigError(f"data.source={str(path)!r}: row {bad + 1} is a {type(rows[bad]).__name__}, not a "
                               "JSON object; write one {\"prompt\": ...} object per line.")
         return rows
     if suffix == ".json":
-        data = _json_value(path.read_text(encoding="utf-8"), path, "")
+        data = _json_value(_read_text(path), path, "")
         if isinstance(data, Mapping) and isinstance(data.get("data"), list):
             data = data["data"]  # the {"data": [...]} layout many exports use
         return _rows_from_object(data, str(path))
@@ -144,9 +148,54 @@ def _rows_from_path(path: Path, *, split: str, **kwargs: Any) -> list[dict[str, 
         return pq.read_table(path).to_pylist()
     if suffix == ".csv":
         # csv keeps every value a string: numbers stay exactly as written (gold answers are compared as text).
-        with path.open(encoding="utf-8", newline="") as f:
-            return [dict(r) for r in csv.DictReader(f)]
+        return [dict(r) for r in csv.DictReader(io.StringIO(_read_text(path), newline=""))]
     raise ConfigError(f"Cannot read {str(path)!r}: unknown extension {suffix!r}; use .jsonl, .json, .parquet or .csv.")
+
+
+def _read_text(path: Path) -> str:
+    """The file's text as UTF-8; bytes that are not UTF-8 are a ConfigError naming the line and column."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")  # a byte-order mark, as some editors write, is not part of the text
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ConfigError(f"data.source={str(path)!r}: line {line}, column {column} is not UTF-8 (byte "
+                          f"0x{data[exc.start]:02x}); save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+                          ) from None
+
+
+def _surrogate_at(value: Any, column: str) -> tuple[str, int] | None:
+    """(the column, e.g. prompt[0].content, and the character index) of the first lone surrogate in a value."""
+    if isinstance(value, str):
+        found = _SURROGATE.search(value)
+        return (column, found.start()) if found else None
+    items: Any = ()
+    if isinstance(value, Mapping):
+        items = ((f"{column}.{k}" if column else str(k), v) for k, v in value.items())
+    elif isinstance(value, list | tuple):
+        items = ((f"{column}[{i}]", v) for i, v in enumerate(value))
+    for where, item in items:
+        hit = _surrogate_at(item, where)
+        if hit is not None:
+            return hit
+    return None
+
+
+def check_text(rows: Sequence[Any], source: str) -> None:
+    """Every row's text must be encodable: a lone surrogate (an escaped \\ud800 in JSON) breaks the tokenizer
+    and every file it is written to. A ConfigError names `source`, the row (from 1) and the column."""
+    for i, row in enumerate(rows):
+        _check_text(row, f"{source}: row {i + 1}")
+
+
+def _check_text(row: Any, where: str) -> None:
+    hit = _surrogate_at(row, "")
+    if hit is not None:
+        column, at = hit
+        raise ConfigError(f"{where}, column {column!r}, character {at + 1} is a lone surrogate (half of a UTF-16 "
+                          "pair, e.g. an escaped \\ud800 in JSON), which is not text; remove it or write the whole "
+                          "pair")
 
 
 def _json_value(text: str, path: Path, where: str) -> Any:

@@ -49,14 +49,53 @@ def init_from_env(timeout_s: float | None = None) -> DistInfo:
     timeout_s (`train.dist_timeout_s`) bounds every collective: a rank waiting longer for a peer raises
     (gloo) or is torn down by NCCL's watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING=1, set here unless the
     environment already says otherwise) instead of hanging the launch. None: torch's default."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size_from_env()
     if world > 1 and not dist.is_initialized():
+        local_rank = _check_launch(world)
         timeout = None if timeout_s is None else timedelta(seconds=timeout_s)  # None: torch's default
         if torch.cuda.is_available():
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
     return current()
+
+
+_LAUNCH_FIX = "launch with torchrun (torchrun --nproc-per-node N -m cohort.cli train ...), or unset it for one process"
+
+
+def _env_int(name: str, default: int, minimum: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ConfigError(f"the environment variable {name}={raw[:100]!r} is not a whole number; "
+                          f"{_LAUNCH_FIX}") from None
+    if value < minimum:
+        raise ConfigError(f"the environment variable {name}={value} is not valid (at least {minimum}); {_LAUNCH_FIX}")
+    return value
+
+
+def world_size_from_env() -> int:
+    """WORLD_SIZE as torchrun sets it (1 when unset); a ConfigError when it is not a positive whole number."""
+    return _env_int("WORLD_SIZE", 1, 1)
+
+
+def _check_launch(world: int) -> int:
+    """With WORLD_SIZE > 1: RANK and LOCAL_RANK are numbers in range and torchrun's rendezvous (MASTER_ADDR,
+    MASTER_PORT) is set, else a ConfigError, not torch's traceback. Returns LOCAL_RANK."""
+    rank, local_rank = _env_int("RANK", 0, 0), _env_int("LOCAL_RANK", 0, 0)
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise ConfigError(f"the environment variable WORLD_SIZE={world} asks for {world} processes, but "
+                          f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set, so they cannot "
+                          f"meet: launch with torchrun --nproc-per-node {world} -m cohort.cli train ... (it sets "
+                          "them), or unset WORLD_SIZE for one process")
+    _env_int("MASTER_PORT", 0, 1)
+    if rank >= world:
+        raise ConfigError(f"the environment variable RANK={rank} is not below WORLD_SIZE={world}; {_LAUNCH_FIX}")
+    return local_rank
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextvars
 import inspect
 import itertools
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -102,6 +103,15 @@ def prepare_flash(device) -> None:
     if _varlen_has_gqa_keyword():
         GROUPED_KV["native"] = GROUPED_KV["keyword"] = True
         return
+    GROUPED_KV["native"] = ok = _grouped_kv_works(device)
+    if not ok:
+        _announce_slow_path("the KV heads are expanded to the query heads in every layer (slower, more memory "
+                            "on models with fewer KV than query heads)",
+                            "this torch's varlen_attn neither takes enable_gqa nor groups KV heads correctly")
+
+
+def _grouped_kv_works(device: torch.device) -> bool:
+    """Whether varlen_attn on `device` gives grouped KV heads the forward and gradients of expanded ones."""
     with torch.inference_mode(False):
         gen = torch.Generator(device=device).manual_seed(0)
         q, k, v = (torch.randn(48, h, 64, device=device, generator=gen, dtype=torch.bfloat16).requires_grad_()
@@ -123,7 +133,7 @@ def prepare_flash(device) -> None:
                  for a, b in zip(grouped, expanded, strict=True))
     except RuntimeError:  # a kernel that checks the head counts
         ok = False
-    GROUPED_KV["native"] = ok
+    return ok
 
 
 def grouped_kv(query, key, value, kwargs: dict):
@@ -161,6 +171,34 @@ def _flash_eligible(query) -> bool:
     if not (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)):
         return False
     return _KERNEL["name"] == "fa4" or _has_varlen_attn()
+
+
+def _on_cuda(query) -> bool:
+    return bool(query.is_cuda)
+
+
+def _slow_path_reason(query) -> str | None:
+    """Why a packed forward on CUDA takes the per-segment SDPA loop instead of a flash kernel; None off CUDA
+    (where the loop is the designed path) or when a flash kernel runs."""
+    if not _on_cuda(query) or _flash_eligible(query):
+        return None
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        return (f"the flash varlen kernels take bfloat16/float16 and this forward runs in {query.dtype} "
+                "(model.dtype=bfloat16 takes the fast path)")
+    return ("this torch has no torch.nn.attention.varlen.varlen_attn (a newer torch has it; or "
+            "model.packed_attention=fa4 with flash-attn-4)")
+
+
+_WARNED: set[str] = set()  # the slow-path reasons already announced in this process
+
+
+@torch.compiler.disable  # a graph break only on this slow path, which breaks the graph anyway (.tolist())
+def _announce_slow_path(what: str, reason: str) -> None:
+    """One warning per reason and process, the first time a slower path is taken on CUDA."""
+    if reason in _WARNED:
+        return
+    _WARNED.add(reason)
+    warnings.warn(f"packed attention on CUDA: {what}, because {reason}", RuntimeWarning, stacklevel=3)
 
 
 def _segment_sdpa(query, key, value, cu_q, cu_k, scaling, window=None):
@@ -229,6 +267,9 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
         out = attend(q, k, v, cu_q32, cu_k32, int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), scaling,
                      window)
         return out.unsqueeze(0), None
+    reason = _slow_path_reason(query)
+    if reason is not None:
+        _announce_slow_path("a per-segment SDPA loop in Python (slower than a flash varlen kernel)", reason)
     return _segment_sdpa(query, key, value, cu, cu_k, scaling, window), None
 
 

@@ -50,9 +50,18 @@ _DTYPES = {
 
 
 def default_cache_dir() -> Path:
-    """Where converted GGUF models live: $COHORT_CACHE_DIR/models or ~/.cache/cohort/models."""
+    """Where converted GGUF models live: $COHORT_CACHE_DIR/models or ~/.cache/cohort/models. A ConfigError
+    when COHORT_CACHE_DIR (or a folder on the way to it) is a file."""
     root = os.environ.get("COHORT_CACHE_DIR")
-    return Path(root) / "models" if root else Path.home() / ".cache" / "cohort" / "models"
+    folder = Path(root).expanduser() / "models" if root else Path.home() / ".cache" / "cohort" / "models"
+    for part in (folder, *folder.parents):
+        if part.exists():
+            if not part.is_dir():
+                where = f"COHORT_CACHE_DIR={root!r}" if root else f"the cache folder {str(folder)!r}"
+                raise ConfigError(f"{where} cannot hold converted models: {str(part)!r} is a file, not a folder; "
+                                  f"point COHORT_CACHE_DIR at a folder{' (or unset it)' if root else ''}")
+            break
+    return folder
 
 
 def resolve_dtype(dtype: str | torch.dtype | None):

@@ -20,12 +20,20 @@ from cohort.rewards.builtins import (
 )
 from cohort.rewards.combination import RewardRunner
 from cohort.rewards.grouping import filter_zero_std_groups
-from cohort.rewards.protocol import RewardError, RewardFunc, RewardResult, completion_text, reward_name
+from cohort.rewards.protocol import (
+    AllNoneRewardsError,
+    RewardError,
+    RewardFunc,
+    RewardResult,
+    completion_text,
+    reward_name,
+)
 from cohort.rewards.reasoning_gym import extract_answer, reasoning_gym_score
 from cohort.rewards.registry import builtin_names, get_reward_function
 from cohort.rewards.reward_model import RewardModel
 
 __all__ = [
+    "AllNoneRewardsError",
     "RewardError",
     "RewardFunc",
     "RewardModel",

@@ -1,27 +1,35 @@
 """Run several reward functions on a batch of completions and combine them: `RewardRunner`.
 
 Async functions are started first on one shared event loop (a daemon thread), so they run concurrently with
-each other and with the sync functions, which run next in the calling thread (or in a helper thread when a
-timeout is set, since a running Python function cannot be interrupted otherwise). Every return value is
-checked: a raise, a timeout, a wrong number of values, or a value that is not a finite number gives a
-`RewardError` naming the function, the sample and the fix; with `on_error="skip"` the sample gets NaN for
-that function instead and is counted. A function that raises on the batch is re-run one sample at a time to
-find which sample fails, so the error names it (and, when skipping, the other samples keep their rewards).
+each other and with the sync functions, which run next in the calling thread. Every call has a time limit
+(`timeout_s`, 300 s unless set; None: no limit), enforced for every kind of function (`cohort.rewards.limits`
+for sync ones, `asyncio.wait_for` plus a deadline on the result for async ones, so a coroutine that blocks the
+event loop is caught too). Every return value is checked: a raise, a timeout, a wrong number of values, or a
+value that is not a finite number gives a `RewardError` naming the function, the sample and the fix; with
+`on_error="skip"` the sample gets NaN for that function instead and is counted. A function that raises on the
+batch is re-run one sample at a time to find which sample fails, so the error names it (and, when skipping,
+the other samples keep their rewards). A training batch in which no function scored any completion (all None)
+is an `AllNoneRewardsError`: it would train on zero advantages; an evaluation batch only warns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import threading
+import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
 
 from cohort.errors import ConfigError
+from cohort.rewards.limits import Outcome, call_with_limit
 from cohort.rewards.protocol import (
     RESERVED_ARGS,
+    AllNoneRewardsError,
     RewardError,
     RewardResult,
     accepted_kwargs,
@@ -32,10 +40,7 @@ from cohort.rewards.protocol import (
 from cohort.rewards.registry import get_reward_function
 
 OnError = Literal["raise", "skip"]
-
-
-class _Timeout(Exception):
-    pass
+DEFAULT_TIMEOUT_S = 300.0  # reward.timeout_s's default: a call that takes longer is an error, not a hang
 
 
 _loop: asyncio.AbstractEventLoop | None = None
@@ -61,7 +66,8 @@ class RewardRunner:
 
     funcs: callables, builtin names ("accuracy", ...) or import paths ("pkg.mod:fn").
     weights: one per function (default all 1.0), used by `RewardResult.total`.
-    timeout_s: per function call; None waits forever. on_error: "raise" or "skip" (see module docstring).
+    timeout_s: per function call (default 300 s); None waits forever. on_error: "raise" or "skip" (see module
+    docstring).
     """
 
     def __init__(
@@ -69,7 +75,7 @@ class RewardRunner:
         funcs: Sequence[Any] | Any,
         weights: Sequence[float] | None = None,
         *,
-        timeout_s: float | None = None,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
         on_error: OnError = "raise",
     ):
         funcs = list(funcs) if isinstance(funcs, list | tuple) else [funcs]
@@ -121,14 +127,33 @@ class RewardRunner:
         errors = dict.fromkeys(self.names, 0)
         calls = {i: self._kwargs_for(i, batch) for i in range(len(self.funcs))}
         # Start every async function before running the sync ones, so they all overlap.
+        started = time.monotonic()
         pending = {i: self._submit_async(i, calls[i]) for i in calls if _is_async(self.funcs[i])}
         outcomes = {i: self._run_sync(i, kw) for i, kw in calls.items() if i not in pending}
-        outcomes.update({i: future.result() for i, future in pending.items()})
+        outcomes.update({i: self._await(future, started) for i, future in pending.items()})
         for i in calls:
             per_func[:, i] = self._finish(i, outcomes[i], batch, errors)
         for name, k in errors.items():
             self.total_errors[name] += k
+        if n and not any(errors.values()) and bool(torch.isnan(per_func).all()):
+            self._all_none(batch, trainer_state)
         return RewardResult(per_func, list(self.names), self.weights.clone(), errors, logged, extra)
+
+    def _all_none(self, batch: dict[str, Any], trainer_state: Any) -> None:
+        """Every function returned None for every completion: in training, an error (the step would train on
+        zero advantages, silently); in evaluation (`trainer_state.is_eval`), a warning."""
+        n = len(batch["prompts"])
+        names = ", ".join(repr(name) for name in self.names)
+        what = (f"Reward function{'s' if len(self.names) > 1 else ''} {names} returned None for all {n} "
+                f"completions of the batch (first prompt {excerpt(batch['prompts'][0])})")
+        if getattr(trainer_state, "is_eval", False):
+            warnings.warn(f"{what}: these completions count as reward 0 in the evaluation.", stacklevel=3)
+            return
+        raise AllNoneRewardsError(
+            f"{what}: no completion has a reward, so the step would train with zero loss. Fix: return a float "
+            "for every completion (0.0 when the function does not apply to it), or add a reward function that "
+            "scores these prompts (None is for multi-task data, where another function scores the sample)."
+        )
 
     # -- calling -------------------------------------------------------------------------------------
     def _kwargs_for(self, i: int, batch: dict[str, Any]) -> dict[str, Any]:
@@ -144,28 +169,8 @@ class RewardRunner:
             return {k: v for k, v in batch.items() if k not in self._bound[i]}
         return {k: v for k, v in batch.items() if k in accepted}
 
-    def _run_sync(self, i: int, kwargs: dict[str, Any]) -> tuple[str, Any]:
-        fn = self.funcs[i]
-        if self.timeout_s is None:
-            try:
-                return "ok", fn(**kwargs)
-            except Exception as e:
-                return "error", e
-        box: dict[str, Any] = {}
-
-        def target() -> None:
-            try:
-                box["ok"] = fn(**kwargs)
-            except Exception as e:
-                box["error"] = e
-
-        # A daemon thread: a function that never returns cannot be killed, but must not block exit either.
-        thread = threading.Thread(target=target, name=f"reward-{self.names[i]}", daemon=True)
-        thread.start()
-        thread.join(self.timeout_s)
-        if thread.is_alive():
-            return "timeout", None
-        return ("ok", box["ok"]) if "ok" in box else ("error", box["error"])
+    def _run_sync(self, i: int, kwargs: dict[str, Any]) -> Outcome:
+        return call_with_limit(self.funcs[i], kwargs, self.timeout_s, self.names[i])
 
     def _submit_async(self, i: int, kwargs: dict[str, Any]):
         async def guarded() -> tuple[str, Any]:
@@ -178,17 +183,30 @@ class RewardRunner:
 
         return asyncio.run_coroutine_threadsafe(guarded(), _event_loop())
 
-    def _call_one(self, i: int, kwargs: dict[str, Any]) -> tuple[str, Any]:
+    def _await(self, future: concurrent.futures.Future, started: float) -> Outcome:
+        """An async function's outcome. wait_for cancels a coroutine at the limit only when it awaits; one that
+        blocks the event loop (time.sleep in an async def) is caught by this deadline, a little later."""
+        if self.timeout_s is None:
+            return future.result()
+        left = started + self.timeout_s * 1.1 + 0.1 - time.monotonic()
+        try:
+            return future.result(timeout=max(left, 0.0))
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            return "timeout", None
+
+    def _call_one(self, i: int, kwargs: dict[str, Any]) -> Outcome:
         if _is_async(self.funcs[i]):
-            return self._submit_async(i, kwargs).result()
+            return self._await(self._submit_async(i, kwargs), time.monotonic())
         return self._run_sync(i, kwargs)
 
     # -- checking ------------------------------------------------------------------------------------
-    def _finish(self, i: int, outcome: tuple[str, Any], batch: dict[str, Any], errors: dict[str, int]) -> torch.Tensor:
+    def _finish(self, i: int, outcome: Outcome, batch: dict[str, Any], errors: dict[str, int]) -> torch.Tensor:
         status, value = outcome
         n = len(batch["prompts"])
         if status == "timeout":
-            return self._fail_batch(i, batch, errors, f"timed out after {self.timeout_s} s", "make it faster, raise timeout_s")
+            return self._fail_batch(i, batch, errors, f"timed out after {self.timeout_s} s",
+                                    "make it faster, or raise its limit reward.timeout_s (null: no limit)")
         if status == "error":
             return self._locate_error(i, batch, errors, value)
         if not isinstance(value, list | tuple) and not (isinstance(value, torch.Tensor) and value.dim() == 1):

@@ -35,6 +35,11 @@ class RewardError(CohortError):
     """A reward function failed: the message names the function, the sample and the fix."""
 
 
+class AllNoneRewardsError(RewardError):
+    """Every reward function returned None for every completion of a training batch: nothing to learn from.
+    The message names the functions and the fix (return a float, 0.0 when a function does not apply)."""
+
+
 class RewardFunc(Protocol):
     def __call__(
         self, *, prompts: list[Any], completions: list[Any], completion_ids: list[list[int]], **kwargs: Any

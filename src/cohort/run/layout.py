@@ -2,7 +2,10 @@
 
 `run_dir/checkpoints/` holds one `step-NNNNNN/` folder per saved step, a `latest` file naming the newest, and,
 while a save is in flight (or after one crashed), hidden `.tmp-*` folders that are never picked up. A step
-folder is complete once it holds trainer_state.json: the save writes that file last.
+folder is complete once it holds trainer_state.json, written after everything but manifest.json (every file's
+size and SHA-256, checked before a load reads anything: `cohort.checkpointing.manifest`); both are in the
+temporary folder before it is renamed into place. `.cohort.lock` in the run directory is held by the run
+using it (`cohort.run.directory.hold_run_lock`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ TRAINER_STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng.pt"
+MANIFEST_FILE = "manifest.json"
+LOCK_FILE = ".cohort.lock"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_PREFIX = ".tmp-"
 

@@ -4,8 +4,10 @@
     plot_run(run, keys=["reward", "kl"], per_key=True)
 
 Each panel shows the raw values faintly and an exponential moving average on top (debiased as in
-TensorBoard, so the first points are not pulled towards zero). Matplotlib is used through a bare `Figure`
-with the Agg canvas, so plotting never changes the backend of a notebook or script that imports cohort.
+TensorBoard, so the first points are not pulled towards zero), with a legend telling them apart, the step
+on the x axis (integer ticks) and the metric's unit on the y axis; the figure's title gives the smoothing
+window. Matplotlib is used through a bare `Figure` with the Agg canvas, so plotting never changes the
+backend of a notebook or script that imports cohort.
 """
 
 from __future__ import annotations
@@ -45,6 +47,18 @@ DEFAULT_PATTERNS = (
     "step_time",
 )
 Series = tuple[list[float], list[float]]
+# The y axis's label (a unit where the metric has one), by the first matching glob; else the metric's name.
+Y_LABELS = (
+    (("reward", "reward_std*", "rewards/*", "eval*reward*"), "reward"),
+    (("eval*accuracy*", "eval*pass@*"), "accuracy (fraction correct)"),
+    (("clip_ratio/*", "frac_*", "*clipped_ratio", "*clip_ratio", "tools/*_frequency"), "fraction"),
+    (("step_time", "time/*", "*_time", "*_s", "*seconds*"), "seconds"),
+    (("completions/*length*", "*tokens*"), "tokens"),
+    (("kl", "entropy"), "nats"),
+    (("tools/turns_per_completion",), "turns"),
+    (("learning_rate",), "learning rate"),
+    (("grad_norm",), "gradient norm"),
+)
 
 
 def load_series(run_dir: str | os.PathLike) -> dict[str, Series]:
@@ -100,24 +114,62 @@ def smooth(values: Sequence[float], weight: float) -> list[float]:
     return out
 
 
+def y_label(key: str) -> str:
+    """The y axis's label of a metric: its unit (reward, seconds, tokens, fraction, nats, ...) or its name."""
+    for patterns, label in Y_LABELS:
+        if any(fnmatch.fnmatchcase(key, p) for p in patterns):
+            return label
+    return key
+
+
+def smoothing_note(weight: float) -> str:
+    """The smoothing in words for a title: the EMA weight and its window, span = (1 + w) / (1 - w) steps
+    (the span of pandas' ewm, alpha = 2 / (span + 1) = 1 - w)."""
+    if weight == 0:
+        return "raw values, no smoothing"
+    return f"smoothing window {(1 + weight) / (1 - weight):.3g} steps (EMA weight {weight:g})"
+
+
 def _draw(ax, key: str, steps: list[float], values: list[float], weight: float) -> None:
+    from matplotlib.ticker import MaxNLocator  # optional dependency (the logging extra: curves)
+
     if key.startswith("eval"):
         # held-out evaluations are few points, each exact: a moving average would draw values never measured
-        ax.plot(steps, values, "o-", linewidth=1.8)
+        ax.plot(steps, values, "o-", linewidth=1.8, label="held-out (exact)")
     else:
         _draw_smoothed(ax, steps, values, weight)
     ax.set_title(key, fontsize=10)
     ax.set_xlabel("step", fontsize=8)
+    ax.set_ylabel(y_label(key), fontsize=8)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.tick_params(labelsize=8)
     ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
 
 
 def _draw_smoothed(ax, steps: list[float], values: list[float], weight: float) -> None:
-    (raw,) = ax.plot(steps, values, alpha=0.3, linewidth=1)
-    if len(values) > 1:
-        ax.plot(steps, smooth(values, weight), color=raw.get_color(), linewidth=1.8)
-    else:
+    smoothed = len(values) > 1 and weight > 0
+    (raw,) = ax.plot(steps, values, alpha=0.3 if smoothed else 1.0, linewidth=1, label="raw")
+    if smoothed:
+        ax.plot(steps, smooth(values, weight), color=raw.get_color(), linewidth=1.8,
+                label=f"smoothed (EMA {weight:g})")
+    elif len(values) == 1:
         ax.plot(steps, values, "o", color=raw.get_color())
+
+
+def curves_figure(series: dict[str, Series], keys: Sequence[str], *, smoothing: float = 0.6,
+                  title: str = "", ncols: int = 3):
+    """A matplotlib `Figure` with one panel per key (grid of `ncols` columns), titled with the smoothing."""
+    from matplotlib.figure import Figure  # optional dependency (the logging extra: curves)
+
+    ncols = min(ncols, len(keys))
+    nrows = math.ceil(len(keys) / ncols)
+    fig = Figure(figsize=(4.6 * ncols, 3.1 * nrows) if len(keys) > 1 else (6, 4), layout="constrained")
+    for i, key in enumerate(keys):
+        _draw(fig.add_subplot(nrows, ncols, i + 1), key, *series[key], smoothing)
+    note = smoothing_note(smoothing)
+    fig.suptitle(f"{title} ({note})" if title else note, fontsize=12 if len(keys) > 1 else 10)
+    return fig
 
 
 def _save(fig, path: Path) -> Path:
@@ -146,8 +198,6 @@ def plot_run(
     `out` is a directory (default: the run directory) or a `.png` path for the grid; per-key files go to
     a `curves/` folder beside the grid.
     """
-    from matplotlib.figure import Figure  # optional dependency (the logging extra: curves)
-
     if not 0.0 <= smoothing < 1.0:
         raise ConfigError(
             f"smoothing={smoothing!r}: use a weight in [0, 1), e.g. 0.6 (0 draws raw values only)"
@@ -160,19 +210,13 @@ def plot_run(
     grid_path = out if out.suffix.lower() == ".png" else out / CURVES_FILE
     grid_path.parent.mkdir(parents=True, exist_ok=True)
 
-    ncols = min(3, len(chosen))
-    nrows = math.ceil(len(chosen) / ncols)
-    fig = Figure(figsize=(4.6 * ncols, 3.1 * nrows), layout="constrained")
-    for i, key in enumerate(chosen):
-        _draw(fig.add_subplot(nrows, ncols, i + 1), key, *series[key], smoothing)
-    fig.suptitle(title or Path(run_dir).resolve().name, fontsize=12)
+    fig = curves_figure(series, chosen, smoothing=smoothing, title=title or Path(run_dir).resolve().name)
     written = [_save(fig, grid_path)]
 
     if per_key:
         folder = grid_path.parent / "curves"
         folder.mkdir(exist_ok=True)
         for key in chosen:
-            single = Figure(figsize=(6, 4), layout="constrained")
-            _draw(single.add_subplot(1, 1, 1), key, *series[key], smoothing)
+            single = curves_figure(series, [key], smoothing=smoothing)
             written.append(_save(single, folder / f"{_safe_name(key)}.png"))
     return written

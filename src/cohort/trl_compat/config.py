@@ -19,9 +19,9 @@ import functools
 import json
 import logging
 import math
-import os
 from typing import TYPE_CHECKING, Any
 
+from cohort import distributed
 from cohort.algorithms import policy_loss_parameters
 from cohort.config import CohortConfig
 from cohort.config.overrides import _set
@@ -90,7 +90,7 @@ class _GRPOConfigBase:
     # ----------------------------------------------------------------------------------------- batches
     def _batch(self) -> tuple[int, int]:
         """(generation_batch_size, steps_per_generation) as TRL's __post_init__ resolves them."""
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = distributed.world_size_from_env()  # a ConfigError, not a traceback, for WORLD_SIZE=two
         per_step = self.per_device_train_batch_size * world
         gen, spg = self.generation_batch_size, self.steps_per_generation
         if gen is not None and spg is not None:

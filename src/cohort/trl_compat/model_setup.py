@@ -1,6 +1,7 @@
-"""The model and tokenizer side of `GRPOTrainer`'s build: model_init_kwargs onto cohort's model config,
-disable_dropout on the policy, and the tools' schemas the prompts are rendered with (after checking that the
-chat template can render tools).
+"""The model and tokenizer side of `GRPOTrainer`'s build: loading a model given by name (an alias such as
+`smollm2-135m-instruct` resolved locally before anything could reach the Hub), model_init_kwargs onto
+cohort's model config, disable_dropout on the policy, and the tools' schemas the prompts are rendered with
+(after checking that the chat template can render tools).
 """
 
 from __future__ import annotations
@@ -10,10 +11,27 @@ import torch
 from cohort.agents.templates import apply_chat_template_override, check_renders_tools
 from cohort.agents.tools import build_tools
 from cohort.errors import ConfigError
+from cohort.policy.model import load_policy, resolve_model_path
+from cohort.setup import resolve_device, resolve_dtype
 from cohort.setup.rewards import build_environments
+from cohort.vision.model import is_vision_checkpoint, load_vision_policy
 
 _MODEL_INIT_KEYS = {"dtype": "dtype", "torch_dtype": "dtype", "attn_implementation": "attn_implementation",
                     "trust_remote_code": "trust_remote_code"}
+
+
+def load_named_model(name: str, cfg):
+    """GRPOTrainer(model="<name>"): (model, tokenizer or a VLM's processor) on cfg.train.device.
+
+    The name is resolved first (`resolve_model_path`): an alias (smollm2-135m-instruct, gemma-3-270m), a .gguf
+    or a folder becomes a local folder without any network call, and only then is its config read to tell a
+    vision-language model from a text one. Asked the other way round, transformers would look the alias up on
+    the Hub first (five tries, about 25 s, when the network is unreachable and HF_HUB_OFFLINE is unset)."""
+    device = resolve_device(cfg.train.device)
+    path = resolve_model_path(name, gguf_file=cfg.model.gguf_file)
+    load = load_vision_policy if is_vision_checkpoint(path) else load_policy  # a VLM: its processor
+    return load(path, dtype=resolve_dtype(cfg.model.dtype, device), device=device,
+                trust_remote_code=cfg.model.trust_remote_code, attn_implementation=cfg.model.attn_implementation)
 
 
 def tool_schemas(cfg, tok) -> list | None:

@@ -25,21 +25,25 @@ from huggingface_hub import HfApi
 from cohort import distributed
 from cohort.checkpointing import latest_checkpoint
 from cohort.checkpointing.weights import unwrap_model
-from cohort.data import load_prompt_dataset
+from cohort.data import check_text, load_prompt_dataset
 from cohort.errors import ConfigError
 from cohort.evaluation import evaluate
-from cohort.policy.model import load_policy
 from cohort.policy.optim import build_scheduler
 from cohort.run.directory import is_run_dir
-from cohort.setup import build_components, resolve_device, resolve_dtype
+from cohort.setup import build_components
 from cohort.setup.rewards import build_environments
 from cohort.trainer import train
 from cohort.trl_compat.callbacks import CallbackBridge
 from cohort.trl_compat.config import GRPOConfig
-from cohort.trl_compat.model_setup import apply_model_init_kwargs, disable_dropout, tool_schemas
+from cohort.trl_compat.fields import TABLE
+from cohort.trl_compat.model_setup import (
+    apply_model_init_kwargs,
+    disable_dropout,
+    load_named_model,
+    tool_schemas,
+)
 from cohort.trl_compat.rewards import resolve_reward_funcs
 from cohort.trl_compat.rows import first_split, is_row, prompt_rows
-from cohort.vision.model import is_vision_checkpoint, load_vision_policy
 from cohort.vision.setup import encode_dataset, split_processor
 
 if TYPE_CHECKING:
@@ -86,6 +90,7 @@ class GRPOTrainer:
         if self._train_rows is None:  # streaming: take the prompts the run will draw, as TRL's stream would
             needed = self.config.train.max_steps * self.config.train.prompts_per_step
             self._train_rows = [dict(r) for r in itertools.islice(iter(train_dataset), needed)]
+        check_text(self._train_rows, "train_dataset")  # a lone surrogate fails here, not in the tokenizer
         self.config.reward.funcs = self.reward_funcs
         apply_model_init_kwargs(self.args.model_init_kwargs, self.config)
         _join_process_group(self.config)
@@ -98,6 +103,7 @@ class GRPOTrainer:
         if environment_factory is not None:  # a class, a factory, a path, or {name: one} routed by `environment`
             self.config.agent.environment_factory = environment_factory
             build_environments(self.config)  # an environment without reset (or a bad tool method) fails here
+        _check_before_loading(self.config, self.args)  # learning_rate=inf fails here, before any weights load
         self.callback_handler.event("on_init_end")
 
     # --------------------------------------------------------------------------------------- callbacks
@@ -115,11 +121,7 @@ class GRPOTrainer:
         cfg = self.config
         policy, tok = self.model, self.processing_class
         if isinstance(policy, str | os.PathLike):
-            device = resolve_device(cfg.train.device)
-            load = load_vision_policy if is_vision_checkpoint(str(policy)) else load_policy  # a VLM: its processor
-            policy, loaded_tok = load(str(policy), dtype=resolve_dtype(cfg.model.dtype, device), device=device,
-                                      trust_remote_code=cfg.model.trust_remote_code,
-                                      attn_implementation=cfg.model.attn_implementation)
+            policy, loaded_tok = load_named_model(str(policy), cfg)  # an alias resolves before any Hub call
             tok = tok or loaded_tok
             cfg.model.name_or_path = str(self.model)
         if tok is None:
@@ -304,9 +306,30 @@ def _join_process_group(cfg) -> None:
     """Under torchrun (WORLD_SIZE > 1), join the process group as TRL's Trainer does when it is made (gloo on
     CPUs, NCCL on GPUs); at exit every rank meets at a barrier before the group ends, so no rank tears
     communication down under a peer still saving or evaluating."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not distributed.current().enabled:
+    if distributed.world_size_from_env() > 1 and not distributed.current().enabled:
         distributed.init_from_env(timeout_s=cfg.train.dist_timeout_s)
         atexit.register(distributed.shutdown)
+
+
+def _check_before_loading(cfg, args) -> None:
+    """The converted config's checks (`CohortConfig.validate`: every range, enum and cross-field rule) in the
+    constructor, as TRL checks its arguments there, so a bad value fails before the model loads. Reward models
+    named by a path or hub id load weights when resolved (in train()); a stand-in takes their place here. An
+    error names the GRPOConfig field as well as cohort's."""
+    funcs = [f if callable(f) and not isinstance(f, str | os.PathLike) else _stand_in_reward for f in cfg.reward.funcs]
+    probe = dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, funcs=funcs))
+    try:
+        probe.validate()
+    except ConfigError as exc:
+        key = str(exc).split("=", 1)[0]
+        names = [name for name, (_, status) in TABLE.items() if status == key]
+        if not names:
+            raise
+        raise ConfigError(f"GRPOConfig({names[0]}={getattr(args, names[0], None)!r}): {exc}") from None
+
+
+def _stand_in_reward(completions, **kwargs):
+    return [0.0] * len(completions)
 
 
 def _is_trl_config(args) -> bool:
