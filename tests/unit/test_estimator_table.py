@@ -19,6 +19,13 @@ from cohort.algorithms import (
     build_advantage_estimator,
     compute_advantages,
 )
+from cohort.algorithms.baselines import (
+    GPGEstimator,
+    OPOEstimator,
+    ReinforcePlusPlusBaselineEstimator,
+    ReinforcePlusPlusEstimator,
+    ReMaxEstimator,
+)
 from cohort.errors import ConfigError
 from cohort.resolve import resolve_object
 
@@ -50,8 +57,11 @@ def close(actual: torch.Tensor, expected: list[float]) -> None:
 
 
 def test_the_table_names_the_built_ins():
-    assert dict(ESTIMATORS) == {"grpo": GRPOEstimator, "rloo": RLOOEstimator}
-    assert {name: cls.name for name, cls in ESTIMATORS.items()} == {"grpo": "grpo", "rloo": "rloo"}
+    assert dict(ESTIMATORS) == {"grpo": GRPOEstimator, "rloo": RLOOEstimator,
+                                "reinforce_plus_plus": ReinforcePlusPlusEstimator,
+                                "reinforce_plus_plus_baseline": ReinforcePlusPlusBaselineEstimator,
+                                "remax": ReMaxEstimator, "opo": OPOEstimator, "gpg": GPGEstimator}
+    assert all(cls.name == name for name, cls in ESTIMATORS.items())
     assert isinstance(build_advantage_estimator("rloo"), RLOOEstimator)
     est = RLOOEstimator()
     assert build_advantage_estimator(est) is est

@@ -163,7 +163,8 @@ def _check_advantage(cfg: CohortConfig) -> None:
             raise ConfigError(f"advantage.estimator={a.estimator!r} is not valid: {exc}") from None
     else:
         _require_choice("advantage.estimator", a.estimator, tuple(ESTIMATORS),
-                        " (grpo: group mean baseline; rloo: leave-one-out; or an import path 'pkg.module:Class')")
+                        " (grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo, gpg; docs/algorithms.md; or an "
+                        "import path 'pkg.module:Class')")
         estimator = build_advantage_estimator(a.estimator)
     _require_choice("advantage.multi_objective_aggregation", a.multi_objective_aggregation, _AGGREGATIONS)
     why = estimator.no_normalize_then_sum
