@@ -131,14 +131,20 @@ def write_manifest(folder: str | os.PathLike, what: str, command: str, files, *,
 
 def command_line(argv: list[str] | None = None) -> str:
     """This process's command, as run from the repository root: the COHORT_* variables set (but
-    COHORT_BENCH_COMMIT), python3, the script's path from the root and its arguments."""
+    COHORT_BENCH_COMMIT, and never a secret: COHORT_API_KEY and any *_KEY / *TOKEN / *SECRET), python3, the
+    script's path from the root and its arguments."""
     argv = list(sys.argv if argv is None else argv)
     script = Path(argv[0]).resolve()
     if script.is_relative_to(ROOT):
         argv[0] = script.relative_to(ROOT).as_posix()
     env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
-           if k.startswith("COHORT_") and k != "COHORT_BENCH_COMMIT"]
+           if k.startswith("COHORT_") and k != "COHORT_BENCH_COMMIT" and not _secret(k)]
     return " ".join([*env, "python3", *(shlex.quote(a) for a in argv)])
+
+
+def _secret(name: str) -> bool:
+    """Environment variables a results file must never record (the server's key, API tokens)."""
+    return name.endswith(("_KEY", "TOKEN", "SECRET"))
 
 
 def record_run(what: str, *paths: str | os.PathLike | None) -> Path | None:

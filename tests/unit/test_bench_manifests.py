@@ -171,3 +171,12 @@ def test_cli_lists_every_file_of_the_folder(manifest, tmp_path, monkeypatch):
     assert manifest.main([str(tmp_path), "--what", "w", "--command", "bash bench/update_floor.sh"]) == 0
     m = json.loads((tmp_path / "manifest.json").read_text())
     assert m["files"] == ["profile.txt", "sub/floor.txt"] and m["commit"] == "abc1234"
+
+
+def test_a_recorded_command_never_holds_a_secret(manifest, monkeypatch):
+    """The serving tests put COHORT_API_KEY in the environment; a results file must not record it."""
+    monkeypatch.setenv("COHORT_API_KEY", "s3cret-key")
+    monkeypatch.setenv("COHORT_HUB_TOKEN", "s3cret-token")
+    monkeypatch.setenv("COHORT_BENCH_PROFILE_ROWS", "40")
+    command = manifest.command_line([str(ROOT / "bench" / "grpo_step.py")])
+    assert "s3cret" not in command and "COHORT_BENCH_PROFILE_ROWS=40" in command
