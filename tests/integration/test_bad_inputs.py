@@ -213,9 +213,41 @@ CASES: list[Case] = [
 
 
 # ----------------------------------------------------------------------------------------------- the doc
+# Cases outside the command line (a served engine's requests, checkpoints on --resume, the run directory, the
+# python tool), each run by the test named in its last column; the doc lists them after CASES.
+OTHER = [
+    ("serve", "a request without the key, or with a wrong one, on any route (a weight push among them)",
+     "401 `invalid_api_key`, one log line; the served weights unchanged",
+     "test_serving_security.py::test_a_push_without_the_key_is_refused_and_the_served_tokens_stay"),
+    ("serve", "`wait_s` NaN, +-Infinity, negative or not a number", "400 naming `wait_s`, answered at once",
+     "test_serving_security.py::test_a_wait_that_is_not_a_finite_positive_number_is_refused_at_once"),
+    ("serve", "`temperature` NaN/inf/< 0, `top_p` outside (0, 1], `min_p` outside [0, 1], `top_k` < 0, "
+     "`repetition_penalty` <= 0, `n` or `max_tokens` out of range", "400 naming the field, the value and the fix",
+     "test_serving_security.py::test_each_out_of_range_sampling_field_is_a_400_naming_it"),
+    ("serve", "token ids outside the vocabulary, an empty prompt, prompt + max_tokens over the context",
+     "400 naming the field", "test_serving_security.py::test_token_ids_outside_the_vocabulary_and_prompts_beyond_the_context_are_a_400"),
+    ("serve", "Content-Length huge / negative / not a number / missing; a body over `--max-body-mb`",
+     "413 / 400 / 411 before the body is read", "test_serving_security.py::test_a_bad_content_length_is_refused_before_the_body_is_read"),
+    ("serve", "500 concurrent requests", "every one answered (200, or 503 with Retry-After), none reset",
+     "test_serving_security.py::test_500_concurrent_clients_are_all_answered_none_reset"),
+    ("checkpoint", "a file planted in a checkpoint (`dcp/.metadata`, `optimizer.pt`, an extra file)",
+     "`CheckpointError` naming the file before anything is unpickled",
+     "test_checkpoint_security.py (planted pickles leave no marker)"),
+    ("checkpoint", "a changed byte, a missing `optimizer.pt` (not saved with run.save_only_model), no manifest",
+     "`CheckpointError` naming the file and the fix", "test_checkpoint_security.py"),
+    ("checkpoint", "a malformed field in trainer_state.json", "one line naming the field and its value",
+     "test_checkpoint_security.py"),
+    ("run dir", "a second run on an output directory in use", "one line naming the holder's pid and host",
+     "test_checkpoint_security.py (the lock)"),
+    ("tool", "model-written code that calls setsid(), forks 200 times, reads /proc/<trainer>/environ, kills "
+     "the trainer or opens a socket", "contained (bubblewrap mode); the fallback's limits in docs/agents.md",
+     "test_tool_sandbox.py"),
+]
+
+
 def render_doc() -> str:
     lines = [
-        f"# Bad inputs: what cohort says ({len(CASES)} cases, each one run by the tests)",
+        f"# Bad inputs: what cohort says ({len(CASES) + len(OTHER)} cases, each one run by the tests)",
         "",
         "Every row is a command a person could type; each ends with exit status 2 and one `cohort: error:` line",
         "that names the field, the value and the fix, without a traceback, and leaves no run directory created",
@@ -240,6 +272,9 @@ def render_doc() -> str:
         expect = "; ".join(f"`{e}`" for e in c.expect).replace("|", "\\|")
         cell = f"`{head}{shown}`".replace("|", "\\|")
         lines.append(f"| {i} | {c.area} | {cell} | {expect} | {'model' if c.loads_model else 'before any work'} |")
+    lines += ["", "## Outside the command line", "", "| # | area | input | what happens | the test |", "|---|---|---|---|---|"]
+    for i, (area, what, outcome, test) in enumerate(OTHER, len(CASES) + 1):
+        lines.append(f"| {i} | {area} | {what} | {outcome} | `{test}` |")
     return "\n".join(lines) + "\n"
 
 
@@ -451,3 +486,13 @@ def test_prompts_longer_than_the_context_are_cut_before_training(workspace, tmp_
     assert engine_len in (None, 64)
     result = train(cfg, comp, echo=lambda *a, **k: None)
     assert result.history and result.history[0]["data/prompts_" + ("truncated" if truncation == "left" else "dropped")] == 1
+
+
+def test_the_other_cases_name_tests_that_exist():
+    """Every row outside the command line names a test file (and test) that exists, so the doc cannot list a
+    case nobody runs."""
+    for _, _, _, test in OTHER:
+        file, _, name = test.split(" ")[0].partition("::")
+        path = ROOT / "tests" / "integration" / file
+        assert path.is_file(), test
+        assert not name or f"def {name}(" in path.read_text(), test
