@@ -11,6 +11,10 @@ mask_truncated_completions) and the tool-result tokens of multi-turn completions
 trained on and never counted in `num_tokens` or in any metric. Their logprobs are still computed (the packed
 forward runs over whole sequences) and multiplied by 0.
 
+A mixture-of-experts policy with `router_aux_loss_coef` > 0 also trains on the router load-balancing loss of each
+micro-batch's packed row (as TRL adds `outputs.aux_loss` of each micro-batch), weighted by the row's share of the
+mini-batch's tokens, and logs it as `aux_loss` (the token-weighted mean of the micro-batches' values).
+
 Old logprobs are computed only when the update is off-policy (several mini-batches or iterations); on
 policy, the loss uses the current logprobs detached, exactly as TRL does.
 """
@@ -58,6 +62,9 @@ class UpdateSettings:
     reduce_every_micro_batch: bool = True  # FSDP: reduce-scatter after each micro-batch, or after the last only
     max_nonfinite_updates: int = 3  # train.max_nonfinite_updates: skipped updates in a row before the run stops
     share_prompts: bool = False  # train.share_prompts: one copy of a group's prompt per row (cohort.forward.shared_prompts)
+    # loss.router_aux_loss_coef resolved against the policy's config at set-up (None: the model's own coefficient);
+    # 0.0: no router load-balancing loss (dense models, or turned off)
+    router_aux_loss_coef: float = 0.0
 
 
 class NonFiniteUpdateError(CohortError):
@@ -184,13 +191,14 @@ class PolicyUpdater:
         finite = torch.ones((), dtype=torch.bool, device=self.device)
         micro_batches = self._micro_batches(batch, rows)
         members = _members(rows, micro_batches)  # an empty micro-batch (sharded padding): a zero-weight pass
+        aux_weights = self._aux_weights(batch, micro_batches)
         row = self._row(self.policy, batch, members, 0)
         for m, (micro, idx) in enumerate(zip(micro_batches, members, strict=True)):
             packed = packed_forward_logprobs(
                 self.policy, _pairs(batch, idx), temperature=self.s.temperature, compute_entropy=True,
-                chunk_tokens=self.s.chunk_tokens,
-                lm_head_grad_fp32=self.s.lm_head_grad_fp32, keep_logits=self.s.keep_logits,
-                share_prompts=self.s.share_prompts, row=row)
+                chunk_tokens=self.s.chunk_tokens, lm_head_grad_fp32=self.s.lm_head_grad_fp32,
+                keep_logits=self.s.keep_logits, share_prompts=self.s.share_prompts, row=row,
+                router_aux_loss=aux_weights is not None)
             # Host work while the GPU runs this forward (its kernels are queued): this micro-batch's loss inputs
             # and the next one's packed row. Built before the forward, they left the GPU idle (~9 ms a
             # micro-batch for the 0.5B bench update on an H100 host).
@@ -212,11 +220,33 @@ class PolicyUpdater:
                 self.grad_reducer.arm()  # the last backward of this update: reduce buckets as they are ready
             if self.s.sharded and not self.s.reduce_every_micro_batch:
                 self.policy.set_requires_gradient_sync(last)  # sum unsharded until the last micro-batch
-            (out.loss if micro else out.loss * 0.0).backward()
+            loss, metrics = self._with_aux_loss(out.loss, out.metrics, packed.aux_loss,
+                                                None if aux_weights is None else aux_weights[m])
+            (loss if micro else loss * 0.0).backward()
             if micro:
-                parts.append(out.metrics)
-                finite &= torch.isfinite(out.loss.detach()).to(finite.device)
+                parts.append(metrics)
+                finite &= torch.isfinite(loss.detach()).to(finite.device)
         return parts, finite
+
+    def _aux_weights(self, batch: RolloutBatch, micro_batches: list[list[int]]) -> list[float] | None:
+        """Each micro-batch's share of the mini-batch's tokens (prompt and completion, summed over data-parallel
+        ranks): the weight of its router load-balancing loss, so that the micro-batches' terms add up to the
+        token-weighted mean over the mini-batch. None when the router loss is off."""
+        if self.s.router_aux_loss_coef <= 0:
+            return None
+        tokens = [sum(len(batch.prompt_ids[r]) + len(batch.completion_ids[r]) for r in micro)
+                  for micro in micro_batches]
+        total = max(float(distributed.all_sum(sum(tokens))), 1.0)
+        return [n / total for n in tokens]
+
+    def _with_aux_loss(self, loss: torch.Tensor, metrics: dict, aux: torch.Tensor | None,
+                       weight: float | None) -> tuple[torch.Tensor, dict]:
+        """The micro-batch's loss plus coef * weight * its router load-balancing loss, and `aux_loss` among its
+        metrics (a partial value, summed over micro-batches and ranks as the loss's metrics are)."""
+        if aux is None or weight is None:  # off, or a plug-in forward (prompts with images) that returned none
+            return loss, metrics
+        aux = aux.to(loss.device).float()
+        return loss + self.s.router_aux_loss_coef * weight * aux, {**metrics, "aux_loss": weight * aux.detach()}
 
     def _optimizer_step(self, grad_norm: torch.Tensor | float, finite: torch.Tensor) -> tuple[float, bool]:
         """The optimizer step, skipped on every rank when any rank's loss or gradient norm is not finite; the

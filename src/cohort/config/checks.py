@@ -65,6 +65,7 @@ def validate_fields(cfg: CohortConfig) -> None:
     _check_generation(cfg)
     _check_reward(cfg)
     _check_advantage(cfg)
+    _check_router_aux_loss(cfg)
     _check_train(cfg)
     _check_run(cfg)
 
@@ -171,6 +172,13 @@ def _check_advantage(cfg: CohortConfig) -> None:
     _require(why is None or a.multi_objective_aggregation != "normalize_then_sum",
              "advantage.multi_objective_aggregation", a.multi_objective_aggregation,
              f"advantage.estimator={a.estimator} needs 'sum_then_normalize' ({why})")
+
+
+def _check_router_aux_loss(cfg: CohortConfig) -> None:
+    """loss.router_aux_loss_coef: null (the model's own coefficient), 0.0 (off) or a finite positive weight."""
+    coef = cfg.loss.router_aux_loss_coef
+    _require(coef is None or (_finite(coef) and coef >= 0), "loss.router_aux_loss_coef", coef,
+             "use null (the model config's own coefficient), 0.0 (off) or a finite positive weight, e.g. 0.001")
 
 
 def _check_train(cfg: CohortConfig) -> None:

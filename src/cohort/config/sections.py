@@ -216,13 +216,17 @@ class LossConfig:
         None, help="two-sided clip: the unclipped ratio is capped at delta (INTELLECT-2); None: off")
     importance_sampling_level: str | None = setting(
         None, help="token | sequence (GSPO); None: the loss's default")
+    router_aux_loss_coef: float | None = setting(
+        None, help="weight of the router load-balancing loss of a mixture-of-experts model (as TRL's "
+                   "router_aux_loss_coef; logged as aux_loss); None: the model config's own coefficient (Qwen3-MoE: "
+                   "0.001; dense models: none); 0.0: off")
     params: dict[str, Any] = setting(
         default_factory=dict, help="the chosen loss's other parameters, set as loss.<name>=value and checked "
                                    "against the loss")
 
     def loss_params(self) -> dict[str, Any]:
         named = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                 if f.name not in ("loss_type", "params")}
+                 if f.name not in ("loss_type", "params", "router_aux_loss_coef")}
         return {**{k: v for k, v in named.items() if v is not None}, **self.params}
 
 

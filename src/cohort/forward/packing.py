@@ -14,13 +14,15 @@ through `cohort.forward.logprobs.selective_logprobs_and_entropy`, so [tokens, vo
 whose config sets `final_logit_softcapping` (logits = c * tanh(logits / c)) takes a chunked path with the
 cap applied (`_softcapped_logprobs`). `compile_decoder_layers` fuses each decoder layer's small kernels.
 Which sequences share a row is decided in `cohort.forward.micro_batches`. With share_prompts, the completions of one
-prompt share a single copy of it in the row (`cohort.forward.shared_prompts`).
+prompt share a single copy of it in the row (`cohort.forward.shared_prompts`). For a mixture-of-experts model,
+`router_aux_loss=True` also returns the router load-balancing loss over the row's tokens (`router_load_balancing_loss`).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from cohort.forward.logprobs import DEFAULT_CHUNK_TOKENS, selective_logprobs_and_entropy
 from cohort.forward.packed_attention import _PACKED_MASKS, VARLEN_IMPL, enable_packed_attention, prepare_flash
@@ -47,6 +50,10 @@ class PackedLogprobs:
     logprobs: torch.Tensor
     entropy: torch.Tensor | None
     offsets: list[int]
+    # router_aux_loss=True on a MoE model: the load-balancing loss of the row (a differentiable scalar), and how many
+    # tokens the row holds (its weight when micro-batches are accumulated)
+    aux_loss: torch.Tensor | None = None
+    row_tokens: int = 0
     # padded()'s scatter index on the device, and the (device, rows, width) it was built for
     _index: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     _index_key: tuple | None = field(default=None, init=False, repr=False, compare=False)
@@ -191,6 +198,7 @@ def packed_forward_logprobs(
     keep_logits: bool = False,
     share_prompts: bool = False,
     row: PackedRow | None = None,
+    router_aux_loss: bool = False,
 ) -> PackedLogprobs:
     """Logprobs (and entropy) of each completion token, all sequences in one padding-free row.
 
@@ -203,6 +211,8 @@ def packed_forward_logprobs(
     when attn="varlen" routes the model's attention through cohort.forward.packed_attention, else the plain row (with a
     warning once when the model's own flash attention is what prevents it).
     row: the row `pack_row` built for these sequences with the same attn and share_prompts (built here if None).
+    router_aux_loss: a mixture-of-experts model also returns the router load-balancing loss of the row's tokens
+    (`PackedLogprobs.aux_loss`); the plug-in forwards (prompts with images) return none.
     """
     if row is None:
         row = pack_row(model, sequences, attn=attn, share_prompts=share_prompts)
@@ -218,10 +228,13 @@ def packed_forward_logprobs(
     # a sharded (FSDP) policy registers the pass as a forward method on its root, so that calling it gathers
     # the root's parameters (embeddings, LM head) and hooks the backward as a root forward would
     run = getattr(model, "cohort_packed_pass", None) or functools.partial(packed_pass, model)
-    logprobs, entropy = run(*row.tensors, temperature=temperature, compute_entropy=compute_entropy,
-                            chunk_tokens=chunk_tokens, attn=attn, lm_head_grad_fp32=lm_head_grad_fp32,
-                            keep_logits=keep_logits, **row.options)
-    return PackedLogprobs(logprobs, entropy, row.offsets)
+    out = run(*row.tensors, temperature=temperature, compute_entropy=compute_entropy, chunk_tokens=chunk_tokens,
+              attn=attn, lm_head_grad_fp32=lm_head_grad_fp32, keep_logits=keep_logits,
+              router_aux_loss=router_aux_loss, **row.options)
+    packed = PackedLogprobs(out[0], out[1], row.offsets)
+    if router_aux_loss:
+        packed.aux_loss, packed.row_tokens = out[2], int(row.tensors[0].shape[-1])
+    return packed
 
 
 _WARNED_NO_SHARING: set[int] = set()
@@ -248,8 +261,9 @@ def _routes_varlen(model, attn: str) -> bool:
 def packed_pass(model, input_ids, position_ids, cu, hidden_idx, labels, *, temperature: float,
                 compute_entropy: bool, chunk_tokens: int, attn: str, lm_head_grad_fp32: bool,
                 max_len: int | None = None, keep_logits: bool = False, cu_k=None, kv_index=None,
-                max_len_k: int | None = None):
+                max_len_k: int | None = None, router_aux_loss: bool = False):
     """The decoder body over one packed row, then the chunked logprobs of the labels (model is the root).
+    router_aux_loss: also the router load-balancing loss of the row, as a third output.
     max_len: the longest sequence of the row, when the caller knows it (else read from `cu`, a device sync).
     cu_k, kv_index, max_len_k: the key segments of a shared-prompt row (cohort.forward.shared_prompts); `cu` then marks
     its query segments."""
@@ -263,11 +277,40 @@ def packed_pass(model, input_ids, position_ids, cu, hidden_idx, labels, *, tempe
         if kv_index is not None:
             assert cu_k is not None and max_len_k is not None  # set together by packed_forward_logprobs
             kwargs.update(cu_seq_lens_k=cu_k, max_length_k=max_len_k, cohort_kv_index=kv_index)
+    if router_aux_loss:
+        kwargs["output_router_logits"] = True
     token = _PACKED_MASKS.set(attn == "varlen")
     try:
         out = _decoder(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
     finally:
         _PACKED_MASKS.reset(token)
+    logprobs, entropy = _row_logprobs(model, out, hidden_idx, labels, temperature, compute_entropy, chunk_tokens,
+                                      lm_head_grad_fp32, keep_logits)
+    # fresh tensors, not views: FSDP hooks the outputs of a forward method for its backward pre-hook
+    result = (logprobs.clone(), None if entropy is None else entropy.clone())
+    if router_aux_loss:
+        return (*result, router_load_balancing_loss(model, out.router_logits))
+    return result
+
+
+def router_load_balancing_loss(model, router_logits) -> torch.Tensor:
+    """The router load-balancing (Switch Transformer) loss of a mixture-of-experts model over every token of its
+    router logits (one [tokens, experts] tensor per MoE layer; a packed row has no padding, so no mask), by
+    transformers' own `load_balancing_loss_func` of the model's family (Qwen3-MoE's where the family has none)."""
+    if not router_logits:
+        raise TypeError(f"{type(model).__name__}: router_aux_loss asked, but the model returned no router logits "
+                        "(not a mixture-of-experts model?)")
+    config = model.config.get_text_config()
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    family = (vars(sys.modules[c.__module__]).get("load_balancing_loss_func") for c in type(model).__mro__
+              if c.__module__ in sys.modules)
+    func = next((f for f in family if f is not None), load_balancing_loss_func)
+    return torch.as_tensor(func(tuple(router_logits), experts, config.num_experts_per_tok, None))
+
+
+def _row_logprobs(model, out, hidden_idx, labels, temperature: float, compute_entropy: bool, chunk_tokens: int,
+                  lm_head_grad_fp32: bool, keep_logits: bool):
+    """The chunked logprobs (and entropy) of the labels from the decoder's final hidden states."""
     hidden = out.last_hidden_state[0].index_select(0, hidden_idx)
     weight = model.get_output_embeddings().weight
     softcap = getattr(model.config, "final_logit_softcapping", None)
@@ -275,16 +318,13 @@ def packed_pass(model, input_ids, position_ids, cu, hidden_idx, labels, *, tempe
         if keep_logits:
             warnings.warn("train.keep_logits has no effect on a model with final-logit soft-capping "
                           f"({type(model).__name__}): its logprobs recompute each chunk's logits in the backward",
-                          stacklevel=2)
-        logprobs, entropy = _softcapped_logprobs(hidden, weight, labels, temperature, float(softcap), chunk_tokens,
-                                                 compute_entropy)
-        return logprobs.clone(), None if entropy is None else entropy.clone()
-    logprobs, entropy = selective_logprobs_and_entropy(
+                          stacklevel=3)
+        return _softcapped_logprobs(hidden, weight, labels, temperature, float(softcap), chunk_tokens,
+                                    compute_entropy)
+    return selective_logprobs_and_entropy(
         hidden, weight, labels, temperature=temperature, chunk_tokens=chunk_tokens, compute_entropy=compute_entropy,
         lm_head_grad_fp32=lm_head_grad_fp32, keep_logits=keep_logits,
     )
-    # fresh tensors, not views: FSDP hooks the outputs of a forward method for its backward pre-hook
-    return logprobs.clone(), None if entropy is None else entropy.clone()
 
 
 def _softcapped_chunk(hidden, weight, labels, temperature: float, softcap: float, compute_entropy: bool):

@@ -145,5 +145,5 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
                           "reward_weights": (reward_runner.weights.tolist() if environments is not None
                                              and environments.reward_classes else cfg.reward.reward_weights),
                           "multi_objective_aggregation": a.multi_objective_aggregation},
-        device=device, update_settings=update_settings(cfg), abilities=check_engine_abilities(cfg, engine, echo),
+        device=device, update_settings=update_settings(cfg, policy), abilities=check_engine_abilities(cfg, engine, echo),
         turn_loop=turn_loop, processor=processor, memory_estimate=memory_estimate)

@@ -165,6 +165,12 @@ def _max_prompt_length(a, cfg, value, **_):
     cfg.data.max_prompt_length = int(value) if value is not None else 10**9
 
 
+def _router_aux(a, cfg, value, **_):
+    """TRL's router_aux_loss_coef, None included (the model's own coefficient): not a parameter of the policy loss,
+    so it is copied here rather than by the loss.* mapping, which keeps only the chosen loss's own parameters."""
+    cfg.loss.router_aux_loss_coef = None if value is None else float(value)
+
+
 def _noop(*_, **__):  # fields whose effect is computed elsewhere in to_cohort (batch arithmetic, steps)
     pass
 
@@ -183,7 +189,7 @@ DERIVED: dict[str, Any] = {
     "save_steps": _save_steps, "use_cpu": _use_cpu, "fsdp": _fsdp, "num_generations_eval": _eval_samples,
     "min_p": _min_p, "generation_kwargs": _generation_kwargs, "scale_rewards": _scale,
     "vllm_importance_sampling_mode": _is_mode, "vllm_importance_sampling_cap": _is_cap,
-    "max_prompt_length": _max_prompt_length, "use_vllm": _vllm, "vllm_mode": _noop,
+    "max_prompt_length": _max_prompt_length, "router_aux_loss_coef": _router_aux, "use_vllm": _vllm, "vllm_mode": _noop,
     "vllm_server_base_url": _noop, "vllm_server_host": _noop, "vllm_server_port": _noop,
 }
 

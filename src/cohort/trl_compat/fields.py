@@ -164,7 +164,8 @@ FIELDS: list[tuple[str, Any, str]] = [
     ("model_init_kwargs", None, "trainer: dtype/torch_dtype -> model.dtype, attn_implementation -> "
      "model.attn_implementation, trust_remote_code; other keys are rejected by name"),
     ("trust_remote_code", False, "model.trust_remote_code"),
-    ("router_aux_loss_coef", None, "reject: cohort adds no MoE router auxiliary loss; leave it unset"),
+    ("router_aux_loss_coef", None, "derived: loss.router_aux_loss_coef (None: the model config's own coefficient, "
+     "0.0: off; logged as aux_loss)"),
     ("disable_dropout", False, "trainer: sets every dropout probability of the policy to 0"),
     ("cast_lm_head_to_fp32", False, "announce: cohort's logprob kernel computes log-softmax in float32 "
      "(and the LM-head gradient in float32 with master weights)"),
