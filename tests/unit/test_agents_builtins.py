@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
+import concurrent.futures
 import os
 import resource
 import tempfile
-import time
 
 import pytest
 from transformers.utils import get_json_schema
@@ -38,12 +37,19 @@ def test_calculator_refuses(expr, why):
         calculator(expr)
 
 
-def test_calculator_is_fast_on_hostile_input():
-    t0 = time.perf_counter()
-    for expr in ["9**9**9**9", "2**2**2**2**2**2", "(" * 200 + "1" + ")" * 200]:
-        with contextlib.suppress(CalculatorError):
+def test_calculator_refuses_hostile_input_before_computing_it():
+    def refusal(expr):
+        with pytest.raises(CalculatorError) as err:
             calculator(expr)
-    assert time.perf_counter() - t0 < 1.0
+        return str(err.value)
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)  # a calculation attempted would not return within the minute
+    try:
+        for expr in ["9**9**9**9", "2**2**2**2**2**2"]:
+            assert "too large" in pool.submit(refusal, expr).result(timeout=60)
+        assert pool.submit(calculator, "(" * 200 + "1" + ")" * 200).result(timeout=60) == "1"  # deep, not slow
+    finally:
+        pool.shutdown(wait=False)
 
 
 def test_builtins_have_schemas_and_run_as_tools():
@@ -84,17 +90,15 @@ def test_sandbox_file_size_limit():
 
 
 def test_sandbox_cpu_limit_kills_an_infinite_loop():
-    t0 = time.perf_counter()
     res = PythonSandbox(FAST).run("while True:\n    pass")
-    assert time.perf_counter() - t0 < FAST.wall_s + 1
     assert res.cpu_limited or res.timed_out
+    assert res.returncode != 0  # killed, not left running
     assert "limit" in res.text()
 
 
 def test_sandbox_wall_clock_limit_kills_a_sleeper():
-    t0 = time.perf_counter()
     res = PythonSandbox(SandboxLimits(cpu_s=5, wall_s=0.5)).run("import time\ntime.sleep(60)")
-    assert time.perf_counter() - t0 < 3 and res.timed_out
+    assert res.timed_out and not res.cpu_limited and res.returncode != 0  # cut at 0.5 s, not the 60 s sleep
     assert "wall-clock limit" in res.text()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -53,6 +54,48 @@ def slow_sync(seconds: float) -> str:
     """
     time.sleep(seconds)
     return f"slept {seconds}"
+
+
+_MEETING = {"arrived": 0, "lock": threading.Condition()}
+
+
+def _arrive() -> None:
+    with _MEETING["lock"]:
+        _MEETING["arrived"] += 1
+        _MEETING["lock"].notify_all()
+
+
+def meet_sync(parties: int) -> str:
+    """Wait in a thread until `parties` tool calls have arrived: only calls that run together all meet.
+
+    Args:
+        parties: How many calls to wait for.
+    """
+    _arrive()
+    with _MEETING["lock"]:
+        met = _MEETING["lock"].wait_for(lambda: _MEETING["arrived"] >= parties, timeout=60)
+    return f"met {parties}" if met else "alone"
+
+
+async def meet_async(parties: int) -> str:
+    """Wait on the event loop until `parties` tool calls have arrived.
+
+    Args:
+        parties: How many calls to wait for.
+    """
+    _arrive()
+    for _ in range(6000):  # 60 s of polls
+        if _MEETING["arrived"] >= parties:
+            return f"met {parties}"
+        await asyncio.sleep(0.01)
+    return "alone"
+
+
+@pytest.fixture
+def meeting():
+    _MEETING["arrived"] = 0
+    yield _MEETING
+    _MEETING["arrived"] = 0
 
 
 def broken(x: int) -> int:
@@ -119,21 +162,17 @@ def test_runner_results_in_order_and_values_as_text():
     assert runner.run([]) == []
 
 
-def test_async_tools_run_concurrently():
-    runner = ToolRunner([slow_async], timeout_s=5)
-    t0 = time.perf_counter()
-    out = runner.run([ToolCall("slow_async", {"seconds": 0.3}), ToolCall("slow_async", {"seconds": 0.3})])
-    assert time.perf_counter() - t0 < 0.5
-    assert [r.content for r in out] == ["slept 0.3", "slept 0.3"] and not any(r.failed for r in out)
+def test_async_tools_run_concurrently(meeting):
+    runner = ToolRunner([meet_async], timeout_s=20)  # run one after the other, the first would wait out its timeout
+    out = runner.run([ToolCall("meet_async", {"parties": 2}), ToolCall("meet_async", {"parties": 2})])
+    assert [r.content for r in out] == ["met 2", "met 2"] and not any(r.failed for r in out)
 
 
-def test_sync_tools_run_concurrently_too():
-    runner = ToolRunner([slow_sync, slow_async], timeout_s=5)
-    t0 = time.perf_counter()
-    out = runner.run([ToolCall("slow_sync", {"seconds": 0.3}), ToolCall("slow_sync", {"seconds": 0.3}),
-                      ToolCall("slow_async", {"seconds": 0.3})])
-    assert time.perf_counter() - t0 < 0.5
-    assert not any(r.failed for r in out)
+def test_sync_tools_run_concurrently_too(meeting):
+    runner = ToolRunner([meet_sync, meet_async], timeout_s=20)
+    out = runner.run([ToolCall("meet_sync", {"parties": 3}), ToolCall("meet_sync", {"parties": 3}),
+                      ToolCall("meet_async", {"parties": 3})])
+    assert [r.content for r in out] == ["met 3"] * 3 and not any(r.failed for r in out)
 
 
 def test_errors_become_messages_not_crashes():
@@ -155,12 +194,10 @@ def test_errors_become_messages_not_crashes():
 
 def test_hanging_tools_time_out():
     runner = ToolRunner([slow_sync, slow_async], timeout_s=0.2)
-    t0 = time.perf_counter()
     out = runner.run([ToolCall("slow_sync", {"seconds": 30}), ToolCall("slow_async", {"seconds": 30}),
                       ToolCall("slow_async", {"seconds": 0.01})])
-    assert time.perf_counter() - t0 < 1.0
-    assert [r.failed for r in out] == [True, True, False]
-    assert "timed out after 0.2 s" in out[0].content and "timed out" in out[1].content
+    assert [r.failed for r in out] == [True, True, False]  # 30 s sleeps answered with the timeout, not "slept 30"
+    assert "timed out after 0.2 s" in out[0].content and "timed out after 0.2 s" in out[1].content
 
 
 def test_run_inside_a_running_event_loop():
@@ -192,17 +229,15 @@ def test_tool_objects_pass_through():
     assert ToolRunner([tool]).run([ToolCall("times", {"a": 2, "b": 2})])[0].content == "4"
 
 
-def test_run_turns_runs_a_batch_at_once_and_keeps_rollouts_apart():
+def test_run_turns_runs_a_batch_at_once_and_keeps_rollouts_apart(meeting):
     from cohort.agents.tools import run_turns, tool_metrics
 
-    a, b = ToolRunner([slow_sync, broken], timeout_s=5), ToolRunner([slow_async], timeout_s=5)
-    turns = [(a, [ToolCall("slow_sync", {"seconds": 0.3}), ToolCall("broken", {"x": 1})]), (b, []),
-             (b, [ToolCall("slow_async", {"seconds": 0.3}), ToolCall("slow_sync", {"seconds": 0.3})])]
-    t0 = time.perf_counter()
-    out = run_turns(turns)
-    assert time.perf_counter() - t0 < 0.5
-    assert [[r.failed for r in rs] for rs in out] == [[False, True], [], [False, True]]  # b has no slow_sync
-    assert out[0][0].content == "slept 0.3" and "unknown tool" in out[2][1].content
+    a, b = ToolRunner([meet_sync, broken], timeout_s=20), ToolRunner([meet_async], timeout_s=20)
+    turns = [(a, [ToolCall("meet_sync", {"parties": 2}), ToolCall("broken", {"x": 1})]), (b, []),
+             (b, [ToolCall("meet_async", {"parties": 2}), ToolCall("meet_sync", {"parties": 2})])]
+    out = run_turns(turns)  # the two rollouts' calls meet: they ran at once
+    assert [[r.failed for r in rs] for rs in out] == [[False, True], [], [False, True]]  # b has no meet_sync
+    assert out[0][0].content == "met 2" == out[2][0].content and "unknown tool" in out[2][1].content
     assert tool_metrics(out) == {"tools/call_frequency": 4 / 3, "tools/failure_frequency": 0.5}
     assert run_turns([(a, []), (b, [])]) == [[], []]
     assert tool_metrics([[], []]) == {"tools/call_frequency": 0.0, "tools/failure_frequency": 0.0}
