@@ -1,18 +1,24 @@
-"""The model and tokenizer side of `GRPOTrainer`'s build: loading a model given by name (an alias such as
-`smollm2-135m-instruct` resolved locally before anything could reach the Hub), model_init_kwargs onto
-cohort's model config, disable_dropout on the policy, and the tools' schemas the prompts are rendered with
+"""The model and tokenizer side of `GRPOTrainer`: what its constructor loads (`load_trainer_models`: the
+policy given by name, an alias such as `smollm2-135m-instruct` resolved locally before anything could reach the
+Hub; the processing class of a model object; peft_config and disable_dropout applied; the reference copy when
+beta != 0), model_init_kwargs onto cohort's model config, and the tools' schemas the prompts are rendered with
 (after checking that the chat template can render tools).
 """
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import torch
+from transformers import AutoProcessor
 
 from cohort.agents.templates import apply_chat_template_override, check_renders_tools
 from cohort.agents.tools import build_tools
+from cohort.algorithms import build_policy_loss
 from cohort.errors import ConfigError
 from cohort.policy.model import load_policy, resolve_model_path
-from cohort.setup import resolve_device, resolve_dtype
+from cohort.setup import frozen_copy, resolve_device, resolve_dtype
 from cohort.setup.rewards import build_environments
 from cohort.vision.model import is_vision_checkpoint, load_vision_policy
 
@@ -32,6 +38,51 @@ def load_named_model(name: str, cfg):
     load = load_vision_policy if is_vision_checkpoint(path) else load_policy  # a VLM: its processor
     return load(path, dtype=resolve_dtype(cfg.model.dtype, device), device=device,
                 trust_remote_code=cfg.model.trust_remote_code, attn_implementation=cfg.model.attn_implementation)
+
+
+def load_trainer_models(model: Any, processing_class: Any, cfg, *, peft_config: Any = None,
+                        dropout_off: bool = False) -> tuple[Any, Any, Any]:
+    """What TRL's GRPOTrainer.__init__ builds: (policy, processing class, reference model or None).
+
+    A name loads here (a model needing remote code without model_init_kwargs trust_remote_code=True raises, as
+    transformers does); a model object is kept (the same object is trained, read in place by the engine) and,
+    without processing_class, gets the processor saved under its config's _name_or_path (TRL's rule). peft_config
+    wraps the policy in LoRA adapters, disable_dropout zeroes every Dropout; with beta != 0 the reference is a
+    frozen copy of the policy as it stands (cohort's rule, also under LoRA)."""
+    if isinstance(model, str | os.PathLike):
+        policy, loaded = load_named_model(str(model), cfg)
+        cfg.model.name_or_path = str(model)
+        processing_class = processing_class or loaded
+    else:
+        policy = model
+        processing_class = processing_class or _processor_of(model, cfg)
+    if peft_config is not None:  # TRL's way to train LoRA adapters
+        from peft import get_peft_model  # optional dependency (the peft extra: LoRA)
+
+        policy = get_peft_model(policy, peft_config)
+    if dropout_off:
+        disable_dropout(policy)
+    loss = build_policy_loss(cfg.loss.loss_type, cfg.loss.loss_params())
+    reference = frozen_copy(policy) if float(getattr(loss, "beta", 0.0) or 0.0) != 0.0 else None
+    return policy, processing_class, reference
+
+
+def _processor_of(model, cfg):
+    """GRPOTrainer(model=<object>) without processing_class: AutoProcessor from the model's config
+    _name_or_path (a tokenizer for a text model), with a pad token (the EOS) when it has none."""
+    name = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
+    try:
+        if not name:
+            raise OSError("the model's config has no _name_or_path")
+        proc = AutoProcessor.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"GRPOTrainer(model=<a model object>): no processing_class given and none could be loaded "
+                          f"from the model's config._name_or_path={name!r} ({exc}); pass processing_class=<its "
+                          "tokenizer>.") from exc
+    tok = getattr(proc, "tokenizer", proc)
+    if getattr(tok, "pad_token", "") is None and tok.eos_token is not None:
+        tok.pad_token = tok.eos_token
+    return proc
 
 
 def tool_schemas(cfg, tok) -> list | None:

@@ -36,12 +36,7 @@ from cohort.trainer import train
 from cohort.trl_compat.callbacks import CallbackBridge
 from cohort.trl_compat.config import GRPOConfig
 from cohort.trl_compat.fields import TABLE
-from cohort.trl_compat.model_setup import (
-    apply_model_init_kwargs,
-    disable_dropout,
-    load_named_model,
-    tool_schemas,
-)
+from cohort.trl_compat.model_setup import apply_model_init_kwargs, load_trainer_models, tool_schemas
 from cohort.trl_compat.rewards import resolve_reward_funcs
 from cohort.trl_compat.rows import first_split, is_row, prompt_rows
 from cohort.vision.setup import encode_dataset, split_processor
@@ -104,7 +99,21 @@ class GRPOTrainer:
             self.config.agent.environment_factory = environment_factory
             build_environments(self.config)  # an environment without reset (or a bad tool method) fails here
         _check_before_loading(self.config, self.args)  # learning_rate=inf fails here, before any weights load
+        self._load_models(model)
         self.callback_handler.event("on_init_end")
+
+    def _load_models(self, model) -> None:
+        """As TRL's constructor: the policy (`self.model`, the object training updates in place), its processing
+        class, the reference model (beta != 0) and reward models given by name, loaded once every check passed."""
+        cfg = self.config
+        if self.args.tf32 is not None:
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(self.args.tf32)
+        self.model, self.processing_class, self.ref_model = load_trainer_models(
+            model, self.processing_class, cfg, peft_config=self.peft_config, dropout_off=self.args.disable_dropout)
+        cfg.reward.funcs = resolve_reward_funcs(self.reward_funcs, self.reward_processing_classes, cfg,
+                                                state=self.state)
+        self.reward_funcs = [getattr(r, "model", r) if isinstance(f, str | os.PathLike) else f  # TRL: the models
+                             for f, r in zip(self.reward_funcs, cfg.reward.funcs, strict=True)]
 
     # --------------------------------------------------------------------------------------- callbacks
     def add_callback(self, callback) -> None:
@@ -118,31 +127,13 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------------- build
     def _components(self):
-        cfg = self.config
-        policy, tok = self.model, self.processing_class
-        if isinstance(policy, str | os.PathLike):
-            policy, loaded_tok = load_named_model(str(policy), cfg)  # an alias resolves before any Hub call
-            tok = tok or loaded_tok
-            cfg.model.name_or_path = str(self.model)
-        if tok is None:
-            raise ConfigError("GRPOTrainer(model=<a model object>) also needs processing_class=<its tokenizer>.")
-        if self.peft_config is not None:  # TRL's way to train LoRA adapters
-            from peft import get_peft_model  # optional dependency (the peft extra: LoRA)
-
-            policy = get_peft_model(policy, self.peft_config)
-        if self.args.disable_dropout:
-            disable_dropout(policy)
-        if self.args.tf32 is not None:
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(self.args.tf32)
-        self.processing_class = tok
-        self.model = policy  # _encode reads it: image rows go through a VLM's processor
+        cfg, policy, tok = self.config, self.model, self.processing_class
         self._tool_schemas = tool_schemas(cfg, tok)
         train = self._encode(self._train_rows, tok)
         evald = None
         if str(getattr(self.args.eval_strategy, "value", self.args.eval_strategy)) != "no" and self.eval_dataset:
             evald = self._encode(prompt_rows(first_split(self.eval_dataset), self.args, "eval_dataset"), tok)
-        cfg.reward.funcs = resolve_reward_funcs(self.reward_funcs, self.reward_processing_classes, cfg,
-                                                state=self.state)
+        self.ref_model = None  # build_components makes the run's reference (FSDP-sharded, compiled with the policy)
         comp = build_components(cfg, policy=policy, tokenizer=tok, train_data=train, eval_data=evald)
         if self.optimizer is not None:  # optimizers=(optimizer, scheduler), as in transformers' Trainer
             comp = dataclasses.replace(comp, optimizer=self.optimizer, scheduler=self.lr_scheduler or build_scheduler(
@@ -150,7 +141,7 @@ class GRPOTrainer:
                 total_steps=cfg.train.max_steps * cfg.train.mini_batches * cfg.train.num_iterations,
                 kwargs=cfg.train.lr_scheduler_kwargs))
         self.optimizer, self.lr_scheduler = comp.optimizer, comp.scheduler
-        self.model = comp.policy
+        self.model, self.ref_model = comp.policy, comp.reference
         return comp
 
     def _encode(self, rows, tok):
@@ -225,8 +216,6 @@ class GRPOTrainer:
         out = Path(output_dir or self.config.run.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         model = self._comp.policy if self._comp is not None else self.model
-        if isinstance(model, str):
-            raise ConfigError("save_model(): the model is still a name; call train() (or evaluate()) first.")
         unwrap_model(model).save_pretrained(out)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(out)
