@@ -189,10 +189,13 @@ def test_facade_still_accepts_reward_models_by_name_at_construction(tmp_path, mo
     with pytest.raises(ConfigError, match=r"GRPOConfig\(learning_rate=-1.0\)"):
         GRPOTrainer(model="some-org/policy", reward_funcs=["some-org/reward-model", none_for_all], args=args,
                     train_dataset=[{"prompt": "hi"}] * 4)
+    # valid arguments: the constructor goes on to load the models, as TRL's does (the policy first), and a
+    # policy that cannot be had offline is named
     args.learning_rate = 1e-6
-    trainer = GRPOTrainer(model="some-org/policy", reward_funcs=["some-org/reward-model", none_for_all], args=args,
-                          train_dataset=[{"prompt": "hi"}] * 4)
-    assert trainer.config.reward.funcs[0] == "some-org/reward-model"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="some-org/policy"):
+        GRPOTrainer(model="some-org/policy", reward_funcs=["some-org/reward-model", none_for_all], args=args,
+                    train_dataset=[{"prompt": "hi"}] * 4)
 
 
 def test_facade_names_a_lone_surrogate_in_train_dataset_at_construction(tmp_path):
