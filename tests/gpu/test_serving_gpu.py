@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import urllib.request
 
 import pytest
@@ -98,9 +97,9 @@ def test_a_server_lost_in_the_middle_of_an_nccl_push_gives_the_named_error_withi
                             connect_timeout_s=2.0, liveness_timeout_s=LIVENESS_S, bucket_bytes=16 << 10)
         assert ready["backend"] == "nccl" and ready["buckets"] > 2, ready  # many buckets: the fault lands mid-push
         where = f"{server.host}:{server.port}"
-        started = time.monotonic()
-        out = trainer.call("sync", 90)
-        took = time.monotonic() - started
+        # the worker's own timeout ends a sync still running after LOST_WITHIN_S (faulthandler, exit code 1):
+        # that fails below as a process that ended without exit code 75
+        out = trainer.call("sync", LOST_WITHIN_S)
         if out is None:  # the broadcast could not be cancelled: the process ended, naming the server
             assert trainer.proc.returncode == EXIT_SERVER_LOST, _logs(trainer, server)
             assert where in trainer.stderr and "stopped answering during weight push" in trainer.stderr, \
@@ -111,13 +110,12 @@ def test_a_server_lost_in_the_middle_of_an_nccl_push_gives_the_named_error_withi
             assert where in out["error"] and "weight push" in out["error"], out["error"]
             assert out["version"] == 0 and out["group_dropped"], out  # nothing counted; the next push: a new group
             outcome = "ServerUnavailable raised"
-        assert took < LOST_WITHIN_S, f"{outcome} after {took:.1f} s{_logs(trainer, server)}"
         if out is not None:  # and the process still exits, never hangs: as the CLI does, with code 75 once an NCCL
             # group was aborted (measured: with a frozen server a normal teardown waits forever on it)
             assert trainer.exit() in (0, EXIT_SERVER_LOST), _logs(trainer, server)
         if fault == "exit_mid_push":
             assert server.proc.wait(10) == 17, _logs(trainer, server)
-        print(f"{fault}: {outcome} after {took:.1f} s: {out['error'] if out else trainer.stderr[-600:]}")
+        print(f"{fault}: {outcome} within {LOST_WITHIN_S:g} s: {out['error'] if out else trainer.stderr[-600:]}")
     finally:
         trainer.kill()
         if server is not None:

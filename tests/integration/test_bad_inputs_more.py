@@ -77,15 +77,18 @@ def test_an_overrunning_sync_function_is_stopped_and_named():
 def test_an_async_function_that_blocks_the_event_loop_times_out():
     from cohort.rewards import RewardError, RewardRunner
 
+    release, finished, released = threading.Event(), threading.Event(), []
+
     async def blocking(completions, **kwargs):
-        time.sleep(3)  # never awaits: asyncio.wait_for alone cannot stop it
+        released.append(release.wait(60))  # never awaits: asyncio.wait_for alone cannot stop it
+        finished.set()
         return [1.0] * len(completions)
 
-    started = time.monotonic()
     with pytest.raises(RewardError, match=r"'blocking' timed out after 0.3 s"):
         RewardRunner([blocking], timeout_s=0.3)(PROMPTS, COMPLETIONS, IDS)
-    assert time.monotonic() - started < 2.0
-    time.sleep(3)  # let the shared event loop finish the blocked call before another test uses it
+    release.set()  # only now: a runner that had waited for the blocked call would have let its wait run out
+    assert finished.wait(90), "the blocked call never ended"  # before another test uses the shared event loop
+    assert released == [True], "the runner returned only once the blocked call had ended"
 
 
 # ------------------------------------------------------------------------------------------ all-None rewards

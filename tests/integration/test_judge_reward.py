@@ -9,9 +9,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 import pytest
 
+import cohort.rewards.judge as judge_module
 from cohort.rewards import RewardError, RewardRunner, get_reward_function
 from cohort.rewards.judge import JudgeError, JudgeReward, chat_url
 
@@ -103,14 +105,26 @@ def test_scores_are_parsed_and_scaled(serve):
 
 
 def test_requests_run_concurrently_within_the_bound(serve):
-    url, fake = serve(canned({}, delay=0.2))
-    judge = JudgeReward(url, "m", TEMPLATE, max_workers=4)
-    started = time.monotonic()
+    # each answer waits until 4 requests are in at once: two waves of 4 pass; requests sent one after another
+    # (or fewer than 4 at a time) break the barrier instead, and the judge sees HTTP 500s
+    wave = threading.Barrier(4, timeout=30)
+    passed: list[bool] = []
+
+    def answer_in_waves(message):
+        try:
+            wave.wait()
+        except threading.BrokenBarrierError:
+            passed.append(False)
+            return 500, "the wave never filled", 0.0
+        passed.append(True)
+        return 200, "Score: 0", 0.0
+
+    url, fake = serve(answer_in_waves)
+    judge = JudgeReward(url, "m", TEMPLATE, max_workers=4, timeout_s=60, max_retries=0)
     out = judge(prompts=["p"] * 8, completions=[f"c{i}" for i in range(8)], answer=["g"] * 8)
-    elapsed = time.monotonic() - started
     assert out == [0.0] * 8
+    assert passed == [True] * 8  # two full waves of 4
     assert fake.max_in_flight == 4  # bounded by max_workers, and used
-    assert elapsed < 8 * 0.2 * 0.75  # two waves of 4, not 8 requests one after another
 
 
 def test_the_api_key_comes_from_the_environment(serve, monkeypatch):
@@ -138,14 +152,15 @@ def test_a_timeout_is_retried_then_succeeds(serve):
     assert len(fake.requests) == 2
 
 
-def test_a_request_that_always_times_out_is_an_error_after_the_retries(serve):
+def test_a_request_that_always_times_out_is_an_error_after_the_retries(serve, monkeypatch):
     url, fake = serve(lambda message: (200, "Score: 6", 1.0))
+    backoffs: list[float] = []  # the judge's waits between tries (its module's `time.sleep`)
+    monkeypatch.setattr(judge_module, "time", SimpleNamespace(sleep=lambda s: backoffs.append(s) or time.sleep(s)))
     judge = JudgeReward(url, "m", TEMPLATE, timeout_s=0.2, max_retries=2, backoff_s=0.05)
-    started = time.monotonic()
     with pytest.raises(JudgeError, match=r"sample 0 of 1: the judge request failed 3 times, last: timed out after 0\.2"):
         judge(prompts=["p"], completions=["c"], answer=["g"])
-    assert len(fake.requests) == 3
-    assert time.monotonic() - started >= 3 * 0.2 + 0.05 + 0.1  # three time limits and backoffs of 0.05, 0.1
+    assert len(fake.requests) == 3  # three tries, each cut at its time limit (the answer comes after 1 s)
+    assert backoffs == [0.05, 0.1]  # and the backoffs of 0.05 and 0.1 s between them
 
 
 def test_server_errors_are_retried_and_client_errors_are_not(serve):

@@ -161,11 +161,10 @@ def test_the_weight_group_rendezvous_listens_on_the_http_host_only(server):
 def test_a_wait_that_is_not_a_finite_positive_number_is_refused_at_once(server, wait):
     body = ('{"prompts": [[1, 2]], "params": {"max_tokens": 1}, "min_version": 99, "session": "run", '
             f'"wait_s": {wait}}}')
-    started = time.monotonic()
-    status, answer, _ = _call(server, "POST", "/generate", text=body)
+    # refused at once: min_version 99 never comes, so a server that waited instead would let the client time out
+    status, answer, _ = _call(server, "POST", "/generate", text=body, timeout_s=30.0)
     assert status == 400 and answer["error"]["param"] == "wait_s", answer
     assert "wait_s" in answer["error"]["message"] and "finite" in answer["error"]["message"]
-    assert time.monotonic() - started < 5
     assert _call(server, "GET", "/health")[0] == 200  # and the server is still there
 
 
@@ -226,9 +225,9 @@ def test_a_bad_content_length_is_refused_before_the_body_is_read(server):
              # over the 16 MiB cap: answered once the head is in, while most of the body is still to come
              (f"POST /generate HTTP/1.1\n{auth}Content-Length: {17 << 20}\n\n", b"[" * (1 << 20), 413)]
     for head, body, expected in cases:
-        status, answer, seconds = _raw(server, head, body)
+        # a server that waited for the body it refuses would leave the socket silent: _raw's timeout fails it
+        status, answer, _ = _raw(server, head, body, timeout_s=30.0)
         assert status == expected and answer["error"]["type"] == "invalid_request_error", (head, status, answer)
-        assert seconds < 5, (head, seconds)
     status, answer, _ = _raw(server, f"POST /generate HTTP/1.1\n{auth}Content-Length: 4\n\n", b"[[[[")  # no JSON
     assert status == 400 and "JSON" in answer["error"]["message"]
 
@@ -240,9 +239,7 @@ def test_500_concurrent_clients_are_all_answered_none_reset(server):
         except Exception as exc:  # a reset or a timeout: what the old listen backlog of 5 gave
             return type(exc).__name__
 
-    started = time.monotonic()
-    results = run_at_once([one] * 500, timeout_s=60)
-    assert time.monotonic() - started < 60
+    results = run_at_once([one] * 500, timeout_s=60)  # fails if any client is still waiting after 60 s
     assert set(results) <= {200, 503}, {r: results.count(r) for r in set(results)}
     assert results.count(200) > 0
 

@@ -11,21 +11,9 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parents[1]
 CLOCKS = {"monotonic", "perf_counter", "time", "monotonic_ns", "perf_counter_ns", "time_ns"}
 
-# Wall-clock assertions in files outside the change that fixed the rest (issue 37), as "path::function";
-# each is still to be rewritten. An entry that no longer asserts wall time fails too, so this list only shrinks.
-PENDING = {
-    "gpu/test_serving_gpu.py::test_a_server_lost_in_the_middle_of_an_nccl_push_gives_the_named_error_within_the_timeout",
-    "integration/test_bad_inputs.py::test_bad_input",
-    "integration/test_bad_inputs_more.py::test_an_async_function_that_blocks_the_event_loop_times_out",
-    "integration/test_judge_reward.py::test_requests_run_concurrently_within_the_bound",
-    "integration/test_judge_reward.py::test_a_request_that_always_times_out_is_an_error_after_the_retries",
-    "integration/test_model_alias_offline.py::test_facade_resolves_the_alias_before_any_hub_call",
-    "integration/test_serving_security.py::test_a_wait_that_is_not_a_finite_positive_number_is_refused_at_once",
-    "integration/test_serving_security.py::test_500_concurrent_clients_are_all_answered_none_reset",
-    "integration/test_tool_sandbox.py::test_a_setsid_child_is_dead_when_the_call_returns",
-    "integration/test_tool_sandbox.py::test_a_fork_bomb_is_refused_and_returns_at_once",
-    "integration/test_tool_sandbox.py::test_the_python_tool_stops_when_its_runner_times_out",
-}
+# Wall-clock assertions still to be rewritten, as "path::function". Empty since issue 37's last ones were
+# rewritten; an entry that no longer asserts wall time fails too, so this list only shrinks.
+PENDING: set[str] = set()
 
 
 def _is_clock_call(node: ast.AST, clock_names: set[str]) -> bool:
