@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from tests.unit.test_rollout import Tok  # the decoding stub those tests share
 
 from cohort.algorithms import (
     ESTIMATORS,
@@ -299,11 +300,6 @@ class RecordingEngine:
 
     def sync_weights(self):
         pass
-
-
-class Tok:
-    def batch_decode(self, ids, skip_special_tokens=True):
-        return [" ".join(map(str, x)) for x in ids]
 
 
 def second_token(completion_ids, **kwargs):

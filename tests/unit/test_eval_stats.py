@@ -9,6 +9,7 @@ import random
 from types import SimpleNamespace
 
 import pytest
+from tests.unit.test_evaluation import Tok  # the decoding stub those tests share
 
 from cohort.algorithms import majority_correct, pass_at_k, pass_at_k_ks, sampled_eval_metrics, wilson_interval
 from cohort.config import CohortConfig
@@ -126,11 +127,6 @@ class IndexEngine(SeededEngine):
     def generate(self, prompts, params):
         self.calls.append(params)
         return [[Completion([p[0], j], [0.0, 0.0], "stop") for j in range(params.n)] for p in prompts]
-
-
-class Tok:
-    def batch_decode(self, ids, skip_special_tokens=True):
-        return [" ".join(map(str, x)) for x in ids]
 
 
 class Policy:
