@@ -28,6 +28,12 @@ WORKER = REPO / "tests" / "helpers" / "rank_worker.py"
 COMPARED = ("reward", "reward_std", "frac_reward_zero_std", "num_tokens", "grad_norm", "entropy",
             "clip_ratio/region_mean", "completions/mean_length")
 WEIGHT_ATOL = 1e-4  # as test_fsdp.py: Adam at lr 1e-2 turns float32 summation-order noise into steps
+# Adam divides by sqrt(v): where a weight's gradient is itself near summation noise (a dead MLP unit), its step
+# of up to lr = 1e-2 can differ by a few percent between 1 and 8 ranks. Measured (torch 2.13 CPU, transformers
+# 5.24): one element of 100k off by 1.7e-4, the next worst 3.4e-5. A rank left out of the all-reduce moves
+# thousands of elements by ~lr, so the check is on the bulk and a looser cap on the few outliers.
+OUTLIER_ATOL = 1e-3  # a tenth of one Adam step
+MAX_OUTLIERS = 8
 
 pytestmark = pytest.mark.slow  # three launches, ~25 s each with 8 ranks on 2 cores
 
@@ -66,8 +72,9 @@ def test_eight_ranks_equal_one_rank(one_rank, tmp_path, sharding):
         assert all(torch.equal(weights[0][n], w[n]) for n in weights[0])
     single = torch.load(one_rank / "weights-0.pt")
     assert sorted(single) == sorted(weights[0])
-    worst = max((single[n] - weights[0][n]).abs().max().item() for n in single)
-    assert worst < WEIGHT_ATOL, worst
+    gaps = torch.cat([(single[n] - weights[0][n]).abs().flatten() for n in single])
+    outliers = int((gaps >= WEIGHT_ATOL).sum())
+    assert outliers <= MAX_OUTLIERS and gaps.max().item() < OUTLIER_ATOL, (outliers, gaps.max().item())
 
 
 # ------------------------------------------------------------------ DCP: saved by 8 ranks, loaded by 2
