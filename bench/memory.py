@@ -25,6 +25,11 @@ completions, 8 completions per step) on SmolLM2-135M-Instruct and 16 chain_sum p
 `lowmem-1.5b`: bench/grpo_step.py's cohort rows with its defaults (32 prompts x 8 completions of 128 + 256
 tokens; the low-memory rows under the TRL peaks docs/benchmarks.md measured: 4.99 / 13.30 GiB). `fast-tiny`,
 `lowmem-tiny`: the same code path on its tiny CPU smoke-test model (a check of the script, not a measurement).
+`lora-0.5b`: the fast 0.5B row with LoRA adapters of rank 16 on every linear layer (model.lora_r=16).
+`long-0.5b`: the fast 0.5B row at 16 prompts x 4 completions of 256 + 4,096 tokens.
+
+Rows not used to fit the estimate (its GPU activation term was fitted on the compiled fast rows): lowmem-1.5b,
+lora-0.5b and long-0.5b. tests/gpu/test_memory_estimate_gpu.py runs those three and holds each within 25%.
 """
 
 from __future__ import annotations
@@ -44,7 +49,9 @@ from unittest import mock
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_ROWS = ("default", "facade")
-GPU_ROWS = ("chain_sum_gpu", "fast-0.5b", "lowmem-0.5b", "fast-1.5b", "lowmem-1.5b")
+GPU_ROWS = ("chain_sum_gpu", "fast-0.5b", "lowmem-0.5b", "fast-1.5b", "lowmem-1.5b", "lora-0.5b", "long-0.5b")
+HELD_OUT_ROWS = ("lowmem-1.5b", "lora-0.5b", "long-0.5b")  # never used to fit the estimate's terms
+LORA_RANK = 16
 TRL_PEAK_GIB = {"0.5b": 4.99, "1.5b": 13.30}  # docs/benchmarks.md, the low-memory rows' cap
 GIB = 2**30
 
@@ -160,12 +167,29 @@ def _run_grpo_step(row: str, steps: int, device: str) -> None:
     # "tiny" (bench/grpo_step.py's CPU smoke-test size): a quick check of this path, not a measurement
     shape = {"prompts": 4, "generations": 4, "prompt_len": 16, "completion_len": 16} if size == "tiny" else {
         "prompts": 32, "generations": 8, "prompt_len": 128, "completion_len": 256}
+    if kind == "long":
+        shape = {"prompts": 16, "generations": 4, "prompt_len": 256, "completion_len": 4096} if size != "tiny" else {
+            "prompts": 2, "generations": 2, "prompt_len": 16, "completion_len": 64}
+    if kind == "lora":
+        _with_lora(grpo_step)
     args = argparse.Namespace(
         size=size, device=device, warmup=0, steps=steps, **shape, token_budget=None, chunk_tokens=None,
         lowmem_token_budget=None, lowmem_chunk_tokens=256, lowmem_release_kv=True, lowmem_offload=device == "cuda",
         mem_cap=int(TRL_PEAK_GIB[size] * GIB) if lowmem and size in TRL_PEAK_GIB else None,
-        compile_layers=device == "cuda", profile_update=False)
+        compile_layers=device == "cuda", profile_update=False, profile_generate=False)
     grpo_step.run_cohort(args, lowmem=lowmem)
+
+
+def _with_lora(grpo_step) -> None:
+    """Make bench/grpo_step.py's config build a LoRA run (rank LORA_RANK on every linear layer)."""
+    plain = grpo_step._cohort_config
+
+    def lora_config(*a, **k):
+        cfg = plain(*a, **k)
+        cfg.model.lora_r = LORA_RANK  # the default targets: every linear layer of the decoder
+        return cfg
+
+    grpo_step._cohort_config = lora_config
 
 
 def child(row: str, steps: int, out: str, natural: bool) -> None:

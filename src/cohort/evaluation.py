@@ -3,7 +3,8 @@
 Accuracy is read off the first reward function (by convention the correctness reward, e.g. `accuracy` or
 `reasoning_gym`): a completion counts as correct when that function gives it at least
 `correct_threshold` (1.0 by default, i.e. a fully correct answer). With `run.eval_num_samples = 1` decoding
-is greedy; with n > 1 it samples n completions at the training temperature and also reports pass@n (the
+is greedy (and the accuracy has a 95% Wilson interval over the prompts); with n > 1 it samples n completions
+at the training temperature and also reports pass@n (the
 share of prompts with at least one correct completion) next to the mean accuracy over all samples, and the
 statistics of `cohort.algorithms.eval_stats`: unbiased pass@k for k = 1 and the powers of two below n,
 maj@n (majority vote over the answers the first reward function extracts, see `_answers`), mean@n and a 95%
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from cohort.algorithms import sampled_eval_metrics
+from cohort.algorithms import sampled_eval_metrics, wilson_interval
 from cohort.config import CohortConfig
 from cohort.rewards.protocol import completion_text
 from cohort.rewards.registry import answer_extractor
@@ -61,7 +62,10 @@ def evaluate(comp, cfg: CohortConfig, *, batch_prompts: int = 64, correct_thresh
                            for prompt, text, total, good in zip(prompts, texts, result.total.tolist(), ok.tolist()))
     if was_training:
         comp.policy.train()
-    out = {"accuracy": float(torch.cat(correct).mean()), "reward": float(torch.cat(rewards).mean())}
+    hits = torch.cat(correct)
+    out = {"accuracy": float(hits.mean()), "reward": float(torch.cat(rewards).mean())}
+    if k == 1:  # greedy: one trial per prompt (with samples, sampled_eval_metrics gives the interval)
+        out["accuracy_ci_low"], out["accuracy_ci_high"] = wilson_interval(int(hits.sum()), hits.numel())
     if k > 1:
         out[f"pass@{k}"] = float(torch.cat(passed).mean())
         outcomes = torch.cat(correct).bool().view(-1, k).tolist()

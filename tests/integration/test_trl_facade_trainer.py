@@ -126,7 +126,7 @@ def test_evaluate_on_eval_dataset_and_its_splits(tmp_path):
     assert {"eval_a_reward", "eval_a_accuracy", "eval_b_reward"} <= set(out)
     assert trainer.state.log_history[-1]["eval_b_reward"] == out["eval_b_reward"]
     out = trainer.evaluate(evald["a"])
-    assert set(out) == {"eval_reward", "eval_accuracy"}
+    assert {"eval_reward", "eval_accuracy", "eval_accuracy_ci_low", "eval_accuracy_ci_high"} <= set(out)
 
 
 def test_eval_strategy_steps_evaluates_during_training(tmp_path):

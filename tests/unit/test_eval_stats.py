@@ -207,7 +207,10 @@ def test_two_evaluations_agree_and_do_not_depend_on_the_batching():
     assert comp.engine.calls[-1].seed == 42
 
 
-def test_greedy_evaluation_adds_no_keys():
+def test_greedy_evaluation_adds_only_the_interval():
     out = evaluate(components(IndexEngine(), [0, 1]), CohortConfig())
-    assert set(out) == {"accuracy", "reward"}
+    assert set(out) == {"accuracy", "reward", "accuracy_ci_low", "accuracy_ci_high"}
     assert math.isclose(out["accuracy"], 0.5)
+    # Wilson, 1 of 2 greedy answers right: centre 0.5, half-width 1.96 sqrt(1/8 + 1.96^2/16) / (1 + 1.96^2/2)
+    assert math.isclose(out["accuracy_ci_low"], 0.0945312057, rel_tol=1e-8)
+    assert math.isclose(out["accuracy_ci_high"], 0.9054687943, rel_tol=1e-8)

@@ -62,7 +62,9 @@ def test_greedy_accuracy_reads_the_first_reward_and_restores_training_mode():
     comp = _components([0, 0, 1, 5])  # greedy: one sample, index 0, so prompts 0 and 1 are right
     cfg = CohortConfig()
     out = evaluate(comp, cfg, batch_prompts=3)  # two engine calls: 3 + 1 prompts
-    assert out == {"accuracy": 0.5, "reward": pytest.approx((2 * 1.5 + 2 * 0.5) / 4)}
+    # 2 of 4 right: the Wilson interval 0.5 -+ 1.96 sqrt(1/16 + 1.96^2/64) / (1 + 1.96^2/4)
+    assert out == {"accuracy": 0.5, "reward": pytest.approx((2 * 1.5 + 2 * 0.5) / 4),
+                   "accuracy_ci_low": pytest.approx(0.1500389892), "accuracy_ci_high": pytest.approx(0.8499610108)}
     assert [p.n for p in comp.engine.calls] == [1, 1]
     assert all(p.temperature == 0.0 and p.max_tokens == 64 for p in comp.engine.calls)
     assert comp.policy.training

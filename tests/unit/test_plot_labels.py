@@ -68,3 +68,17 @@ def test_unknown_metric_is_labelled_by_its_name_and_plot_run_uses_the_figure(tmp
     assert y_label("time/generate") == "seconds" and y_label("rewards/accuracy/mean") == "reward"
     (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "reward": {s / 10}}}\n' for s in range(1, 6)))
     assert plot_run(tmp_path) == [tmp_path / "curves.png"]
+
+
+def test_accuracy_interval_is_a_band_not_panels():
+    series = {**SERIES, "eval/accuracy_ci_low": ([0.0, 5.0], [0.15, 0.33]),
+              "eval/accuracy_ci_high": ([0.0, 5.0], [0.26, 0.47])}
+    from cohort.run.plot import select_keys
+
+    chosen = select_keys(list(series), None)
+    assert "eval/accuracy" in chosen and not any("_ci_" in k for k in chosen)
+    ax = panels(curves_figure(series, chosen, smoothing=0.6))["eval/accuracy"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["held-out (exact)", "95% interval (Wilson)"]
+    (band,) = ax.collections  # fill_between's PolyCollection: its outline spans the logged bounds
+    ys = band.get_paths()[0].vertices[:, 1]
+    assert min(ys) == pytest.approx(0.15) and max(ys) == pytest.approx(0.47)

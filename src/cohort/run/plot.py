@@ -47,6 +47,9 @@ DEFAULT_PATTERNS = (
     "step_time",
 )
 Series = tuple[list[float], list[float]]
+# A metric `X` with `X_ci_low` and `X_ci_high` beside it (the evaluation's 95% Wilson interval for accuracy) is
+# drawn with its interval as a shaded band; the bounds get no panels of their own.
+CI_SUFFIXES = ("_ci_low", "_ci_high")
 # The y axis's label (a unit where the metric has one), by the first matching glob; else the metric's name.
 Y_LABELS = (
     (("reward", "reward_std*", "rewards/*", "eval*reward*"), "reward"),
@@ -87,7 +90,7 @@ def select_keys(available: Sequence[str], keys: Sequence[str] | None) -> list[st
     """The panels to draw: the defaults that exist, or the user's keys (globs allowed), checked."""
     if keys is None:
         chosen = [k for pattern in DEFAULT_PATTERNS for k in available if fnmatch.fnmatchcase(k, pattern)]
-        chosen = list(dict.fromkeys(chosen))
+        chosen = [k for k in dict.fromkeys(chosen) if not _is_band_of(k, available)]
         if not chosen:  # a run logging only custom names still gets a plot
             chosen = list(available)[:12]
         return chosen
@@ -102,6 +105,22 @@ def select_keys(available: Sequence[str], keys: Sequence[str] | None) -> list[st
             )
         chosen.extend(matches)
     return list(dict.fromkeys(chosen))
+
+
+def _is_band_of(key: str, available: Sequence[str]) -> bool:
+    """True for `X_ci_low` / `X_ci_high` when `X` exists: drawn as X's band, not as a panel."""
+    return any(key.endswith(sfx) and key[: -len(sfx)] in available for sfx in CI_SUFFIXES)
+
+
+def band(series: dict[str, Series], key: str) -> tuple[list[float], list[float], list[float]] | None:
+    """(steps, low, high) of `key`'s confidence interval, at the steps where both bounds were logged."""
+    low, high = (series.get(key + sfx) for sfx in CI_SUFFIXES)
+    if low is None or high is None:
+        return None
+    highs = dict(zip(*high))
+    steps = [s for s in low[0] if s in highs]
+    lows = dict(zip(*low))
+    return steps, [lows[s] for s in steps], [highs[s] for s in steps]
 
 
 def smooth(values: Sequence[float], weight: float) -> list[float]:
@@ -130,12 +149,16 @@ def smoothing_note(weight: float) -> str:
     return f"smoothing window {(1 + weight) / (1 - weight):.3g} steps (EMA weight {weight:g})"
 
 
-def _draw(ax, key: str, steps: list[float], values: list[float], weight: float) -> None:
+def _draw(ax, key: str, steps: list[float], values: list[float], weight: float,
+          interval: tuple[list[float], list[float], list[float]] | None = None) -> None:
     from matplotlib.ticker import MaxNLocator  # optional dependency (the logging extra: curves)
 
     if key.startswith("eval"):
         # held-out evaluations are few points, each exact: a moving average would draw values never measured
-        ax.plot(steps, values, "o-", linewidth=1.8, label="held-out (exact)")
+        (line,) = ax.plot(steps, values, "o-", linewidth=1.8, label="held-out (exact)")
+        if interval is not None and interval[0]:
+            ax.fill_between(interval[0], interval[1], interval[2], color=line.get_color(), alpha=0.2,
+                            label="95% interval (Wilson)")
     else:
         _draw_smoothed(ax, steps, values, weight)
     ax.set_title(key, fontsize=10)
@@ -166,7 +189,7 @@ def curves_figure(series: dict[str, Series], keys: Sequence[str], *, smoothing: 
     nrows = math.ceil(len(keys) / ncols)
     fig = Figure(figsize=(4.6 * ncols, 3.1 * nrows) if len(keys) > 1 else (6, 4), layout="constrained")
     for i, key in enumerate(keys):
-        _draw(fig.add_subplot(nrows, ncols, i + 1), key, *series[key], smoothing)
+        _draw(fig.add_subplot(nrows, ncols, i + 1), key, *series[key], smoothing, band(series, key))
     note = smoothing_note(smoothing)
     fig.suptitle(f"{title} ({note})" if title else note, fontsize=12 if len(keys) > 1 else 10)
     return fig
