@@ -107,7 +107,7 @@ TRL_RUNNERS = ("trl", "trl-tuned")
 TRL_TUNED_MICRO = 32  # issue 16's TRL tuned setting: 32 completions per micro-batch (8 per step at 32 x 8)
 ENGINE_OVERHEAD_GIB = 0.35  # engine beside its KV pool: graph logits (256 rows), prefill transients
 ENGINE_PERSISTENT_GIB = 0.1  # of which stays allocated while the pool is released
-ENGINE_MAX_MODEL_LEN = 4096  # CohortEngine default for these configs (min(max_position_embeddings, 4096))
+ENGINE_MAX_MODEL_LEN = 4096  # the engine's length floor of earlier rounds (now prompt + completion): kept as a floor
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -156,7 +156,8 @@ def build_model(size: str, device: torch.device, *, spec: dict | None = None, ti
 
     spec = spec or SIZES[size]
     eos = eos_id(spec["vocab_size"])
-    config = Qwen2Config(**spec, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
+    # a spec may set its own context (bench/long.py's 32k rows need more than 32,768 positions)
+    config = Qwen2Config(**{"max_position_embeddings": 32768, **spec}, rope_theta=1e6, rms_norm_eps=1e-6,
                          tie_word_embeddings=tie, bos_token_id=None, eos_token_id=eos, pad_token_id=eos)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -224,6 +225,7 @@ def _cohort_config(args, lowmem: bool, kv_fraction: float, token_budget: int):
     cfg.model.compile_layers = bool(getattr(args, "compile_layers", False))  # bench/scale.py sets its own
     cfg.model.packed_attention = getattr(args, "packed_attention", "torch")  # the cohort-fa4 row: "fa4"
     cfg.train.share_prompts = getattr(args, "share_prompts", True)  # the cohort-plain row: False
+    cfg.generation.logprob_parity = getattr(args, "logprob_parity", "fast")  # exact: plain rows, no recompute
     g = cfg.generation
     g.num_generations, g.max_completion_length, g.temperature = args.generations, args.completion_len, 1.0
     g.ignore_eos, g.engine, g.kv_cache_fraction = True, "cohort", kv_fraction
@@ -263,7 +265,9 @@ def _kv_plan(args, model, device, lowmem: bool) -> tuple[float, int, dict]:
     estimate, and a KV pool of what the generation phase leaves (released during the update, so the two
     phases do not add up), at most the workload's."""
     per_token = kv_bytes_per_token(model)
-    need = args.prompts * args.generations * (args.prompt_len + args.completion_len) * per_token
+    # kv_tokens: the step's tokens when completions differ in length (bench/long.py's drawn lengths)
+    tokens = getattr(args, "kv_tokens", None) or args.prompts * args.generations * (args.prompt_len + args.completion_len)
+    need = tokens * per_token
     free = torch.cuda.mem_get_info()[0] if device.type == "cuda" else 4 << 30
     info = {"kv_need_gib": need / 2**30}
     kv, budget = 1.25 * need, (args.token_budget or even_budget(args, FAST_TOKEN_BUDGET[args.size]))
@@ -283,7 +287,8 @@ def _kv_plan(args, model, device, lowmem: bool) -> tuple[float, int, dict]:
         kv = max(0.25 * need, min(1.05 * need, left))
         info.update(update_estimate_gib=update / 2**30, generation_estimate_wo_kv_gib=generation / 2**30,
                     cap_gib=cap / 2**30)
-    kv = max(kv, 1.1 * ENGINE_MAX_MODEL_LEN * per_token)  # the engine insists on one max-length sequence
+    # the engine insists on one max-length sequence (prompt + completion, cohort.setup.lengths.engine_model_len)
+    kv = max(kv, 1.1 * max(ENGINE_MAX_MODEL_LEN, args.prompt_len + args.completion_len) * per_token)
     info["kv_planned_gib"] = kv / 2**30
     return min(1.0, kv / free), budget, info
 
@@ -589,7 +594,7 @@ def run_child(args, runner: str, size: str, mem_cap: int | None, timeout: float,
                         ("--chunk-tokens", args.chunk_tokens)):
         if value:
             cmd += [flag, str(value)]
-    cmd += ["--compile-layers" if compile_layers else "--no-compile-layers"]
+    cmd += ["--compile-layers" if compile_layers else "--no-compile-layers", "--logprob-parity", args.logprob_parity]
     if args.profile_update:
         cmd += ["--profile-update"]
     if args.profile_generate:
@@ -753,6 +758,7 @@ def main(argv=None) -> None:
     p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction,
                    default=torch.cuda.is_available(), help="cohort rows: torch.compile each decoder layer")
     p.add_argument("--profile-update", action="store_true", help="cohort rows: print the last update's top kernels")
+    p.add_argument("--logprob-parity", choices=("fast", "exact"), default="fast", help="cohort rows' parity mode")
     p.add_argument("--profile-generate", action="store_true",
                    help="cohort rows: print the last step's engine.generate top kernels and idle gaps")
     p.add_argument("--child-timeout-s", type=float, default=240.0, help="kill a run after this long")

@@ -47,15 +47,16 @@ def trl_batch_shape(completions: int, micro_target: int) -> tuple[int, int]:
     return micro, completions // micro
 
 
-def trl_settings(tuned: bool, completions: int, tuned_micro: int = TRL_TUNED_MICRO) -> dict:
+def trl_settings(tuned: bool, completions: int, tuned_micro: int = TRL_TUNED_MICRO, tuned_gc: bool = False) -> dict:
     """The GRPOConfig fields in which the two TRL rows differ. The defaults row passes only the batch shape
-    (so gradient checkpointing, the cache and the generation backend are TRL's own defaults)."""
+    (so gradient checkpointing, the cache and the generation backend are TRL's own defaults). tuned_gc: the
+    tuned row with gradient checkpointing on (bench/long.py, where no micro-batch fits without it)."""
     micro, accum = trl_batch_shape(completions, tuned_micro if tuned else TRL_DEFAULT_MICRO)
     settings = {"per_device_train_batch_size": micro, "gradient_accumulation_steps": accum}
     if tuned:
         # off explicitly: both were slower than the dynamic cache on an H200 (issue 16: 8.26 s and 35.9 s
         # against 6.22 s per step), and a later TRL default should not change what this row measures
-        settings.update(gradient_checkpointing=False, cache_implementation=None,
+        settings.update(gradient_checkpointing=tuned_gc, cache_implementation=None,
                         use_transformers_continuous_batching=False)
     return settings
 
@@ -72,7 +73,7 @@ def _trl_trainer(args, model, tok, device, tuned: bool = False):
         max_steps=args.warmup + args.steps, logging_steps=1, save_strategy="no", report_to="none",
         generation_kwargs={"min_new_tokens": args.completion_len}, seed=0, bf16=cuda, use_cpu=not cuda,
         disable_tqdm=True,
-        **trl_settings(tuned, n, getattr(args, "trl_tuned_micro", TRL_TUNED_MICRO)),
+        **trl_settings(tuned, n, getattr(args, "trl_tuned_micro", TRL_TUNED_MICRO), getattr(args, "trl_tuned_gc", False)),
     )
     rows = make_prompts(args.prompts * targs.max_steps, args.prompt_len, model.config.vocab_size)
     return GRPOTrainer(model=model, reward_funcs=[length_reward], args=targs,

@@ -166,6 +166,32 @@ def logprob_mismatch(model, prompts, completions, temperature: float = 1.0, limi
     return d.mean().item(), d.max().item()
 
 
+def parity_row(model, prompts, vocab: int) -> dict:
+    """generation.logprob_parity=exact (issue 39): the engine's workload A and mixed tok/s with the batch-invariant
+    kernels, and the max |engine - trainer| over 64 completions recomputed by the exact training forward (0 when
+    parity holds). The model is marked exact for the row only."""
+    from cohort.engine import CohortEngine
+    from cohort.forward.invariant.parity import set_logprob_parity
+    from cohort.forward.packing import packed_forward_logprobs
+
+    set_logprob_parity(model, "exact")
+    try:
+        engine = CohortEngine(model, eos_token_ids=None, max_model_len=2048, max_num_seqs=256)
+        out, tps_a, _ = run_engine_a(engine, prompts)
+        tps_mixed = run_engine_mixed(engine, vocab, repeats=REPEATS)[0]
+        del engine
+        pairs = [(p, c) for p, g in zip(prompts, out) for c in g][:64]
+        with torch.no_grad():
+            lp = packed_forward_logprobs(model, [(p, c.token_ids) for p, c in pairs], compute_entropy=False,
+                                         share_prompts=False).logprobs
+        engine_lp = torch.tensor([x for _, c in pairs for x in c.logprobs], device=lp.device)
+        worst = (lp - engine_lp).abs().max().item()
+    finally:
+        set_logprob_parity(model, "fast")
+        torch.cuda.empty_cache()
+    return {"exact_a": tps_a, "exact_mixed": tps_mixed, "exact_mismatch_max": worst}
+
+
 def _alarm(signum, frame):
     raise TimeoutError("HF static-cache generate ran past --hf-static-timeout")
 
@@ -177,6 +203,8 @@ def main() -> None:
     parser.add_argument("--inplace-row", action="store_true", help="also time without fused QKV/gate-up copies")
     parser.add_argument("--single-step-row", action="store_true",
                         help="also time one decode step per host iteration (decode_steps=1; the default is 8)")
+    parser.add_argument("--logprob-parity-row", action="store_true",
+                        help="also time the engine with generation.logprob_parity=exact (its cost against fast)")
     parser.add_argument("--hf-static-timeout", type=int, default=240, help="seconds for HF static compile + runs")
     parser.add_argument("--model", default=None,
                         help="a real model for load_policy (e.g. gemma-3-270m) instead of the random Qwen2.5-0.5B")
@@ -223,6 +251,9 @@ def main() -> None:
               f"{results['engine_single_mixed']:.0f} tok/s", flush=True)
         del single
         torch.cuda.empty_cache()
+    if args.logprob_parity_row:
+        results.update(parity_row(model, prompts, vocab))
+        print(f"engine exact parity: A {results['exact_a']:.0f}, mixed {results['exact_mixed']:.0f} tok/s", flush=True)
     if args.eager_row:
         eager = CohortEngine(model, eos_token_ids=None, max_model_len=2048, max_num_seqs=256, enforce_eager=True)
         _, results["engine_eager_a"], _ = run_engine_a(eager, prompts)
@@ -279,6 +310,11 @@ def print_table(r: dict) -> None:
           f"{r['engine_mixed']:,.0f} generated tok/s (median of {REPEATS}, {r['mixed_tokens']} tokens in "
           f"{r['engine_mixed_s']:.2f} s, {r['preemptions']} preemptions{first})"
           + (f"; one decode step per graph: {r['engine_single_mixed']:,.0f} tok/s" if "engine_single_mixed" in r else ""))
+    if "exact_a" in r:
+        print(f"\ngeneration.logprob_parity=exact: A {r['exact_a']:,.0f} tok/s "
+              f"({100 * (r['engine_a'] / r['exact_a'] - 1):+.1f}% time against fast), mixed {r['exact_mixed']:,.0f} "
+              f"tok/s ({100 * (r['engine_mixed'] / r['exact_mixed'] - 1):+.1f}%); max |engine lp - exact trainer "
+              f"lp| = {r['exact_mismatch_max']:.2e} (64 completions)")
     print(f"\nTrain/inference mismatch (bf16, T=1, 64 completions x 256 tokens): mean |engine lp - recompute lp| = "
           f"{r['mismatch_mean']:.2e}, max = {r['mismatch_max']:.2e}")
     print(f"\nOne-off costs (outside the timed regions): engine build {r['engine_build_s']:.1f} s "

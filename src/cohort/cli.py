@@ -32,6 +32,7 @@ from cohort.evaluation import evaluate
 from cohort.policy.model import load_policy
 from cohort.run.directory import run_has_progress
 from cohort.run.plot import plot_run
+from cohort.run.seeding import set_deterministic
 from cohort.serving.server import serve
 from cohort.setup import (
     build_components,
@@ -57,6 +58,7 @@ def _train(args: argparse.Namespace) -> int:
             print(dump_config(cfg))
         return 0
     check_paths(cfg)  # model path, run directory, resume checkpoint: before any model loads or file changes
+    set_deterministic(cfg.train.deterministic)  # before CUDA starts: cuBLAS reads its workspace setting once
     # torchrun: one process per GPU, data parallel; every collective times out after train.dist_timeout_s
     info = distributed.init_from_env(timeout_s=cfg.train.dist_timeout_s)
     try:
@@ -193,6 +195,10 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="the key every request must send as 'Authorization: Bearer KEY' (default: $COHORT_API_KEY, "
                    "else one generated and printed at start; prefer the variable, a command line is visible to "
                    "other users); 'none' turns authentication off (a local experiment only)")
+    p.add_argument("--session-timeout-s", type=float, default=300.0,
+                   help="a conversation kept between turns (session_id) unused this long is freed (default 300)")
+    p.add_argument("--max-sessions", type=int, default=64,
+                   help="most conversations kept between turns; beyond it the least recently used is freed")
     p.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body in MiB (larger: 413)")
     p.add_argument("--http-workers", type=int, default=64, help="requests handled at once (threads)")
     p.add_argument("--http-queue", type=int, default=1024,

@@ -317,6 +317,10 @@ def _assemble(kept, g: int, advantage_kwargs: dict[str, Any], mask_truncated: bo
         completion_masks=[c.mask for c in completions] if any(c.mask is not None for c in completions) else None,
         extra_columns={k: v for k, v in getattr(result, "extra", {}).items() if len(v) == len(completions)},
         policy_versions=[c.version for c in completions] if any(c.version is not None for c in completions) else None,
+        routed_experts=([c.routed_experts for c in completions]
+                        if any(c.routed_experts is not None for c in completions) else None),
+        token_versions=([c.token_versions for c in completions]
+                        if any(c.token_versions is not None for c in completions) else None),
     )
 
 

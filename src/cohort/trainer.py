@@ -29,16 +29,17 @@ from cohort.config import CohortConfig, dump_config
 from cohort.data import PromptBatch, PromptSampler
 from cohort.distributed.grad_sync import GradientReducer
 from cohort.evaluation import evaluate
-from cohort.remote.pipeline import RolloutPipeline, staleness_metrics
+from cohort.remote.pipeline import RolloutPipeline
 from cohort.rollout import collect_rollouts
 from cohort.run.callbacks import Callback, CallbackList, Decision
 from cohort.run.directory import open_run_dir, write_resolved_config
 from cohort.run.logging import MetricLogger
 from cohort.run.samples import cell, sample_prompt
-from cohort.run.seeding import seed_everything
+from cohort.run.seeding import seed_everything, set_deterministic
 from cohort.run.state import RunState
 from cohort.run.timing import PhaseTimer
 from cohort.setup import Components, build_components
+from cohort.streaming import StreamingRollouts, resident_engine, token_staleness
 from cohort.types import TrainerState
 from cohort.update import PolicyUpdater
 
@@ -73,6 +74,8 @@ def describe_schedule(cfg: CohortConfig) -> str:
         f"{t.max_steps * t.mini_batches * t.num_iterations} in all; micro-batches of <= {t.token_budget} tokens"
         + ("; each row holds a prompt once before its completions (train.share_prompts; prompts with images "
            "keep a copy per completion)" if t.share_prompts and g.num_generations > 1 else "")
+        + (f"; train.async_rollouts: each step trains on the first {t.prompts_per_step} groups to finish, up to "
+           f"{(t.max_staleness + 1) * t.prompts_per_step} in flight" if t.async_rollouts else "")
     )
 
 
@@ -88,6 +91,7 @@ def train(cfg: CohortConfig, components: Components | None = None, *, echo=print
           callbacks: Sequence[Callback] = ()) -> TrainResult:
     cfg.validate()
     seed_everything(cfg.train.seed)
+    set_deterministic(cfg.train.deterministic)
     info = distributed.current()
     distributed.check_layout(cfg.train.prompts_per_step, cfg.train.mini_batches)
     if not info.is_main:  # rank 0 alone writes the run directory; the others train beside it
@@ -131,7 +135,7 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo, hooks: C
     start_step = step = progress.state.step
     logger = MetricLogger(run_dir, total_steps=t.max_steps, report_to=cfg.run.report_to,
                           start_step=start_step) if main else _NoLogger()
-    pipeline = _pipeline(cfg, comp, sampler, start_step)  # train.max_staleness >= 1 (server placement)
+    pipeline = _pipeline(cfg, comp, sampler, start_step)  # max_staleness >= 1 (server) or async_rollouts
     try:
         hooks.notify("on_train_begin", start_step)
         _evaluate_before(cfg, comp, result, start_step, echo)
@@ -268,19 +272,26 @@ def _budget_spent(cfg: CohortConfig, state: RunState) -> bool:
     return limit is not None and state.train_time_s >= limit
 
 
-def _collect(cfg: CohortConfig, comp: Components, sampler, step: int, gather=None):
-    """The rollouts of `step`: its prompts, G completions each, rewards and advantages. `gather`: how rewards
-    are gathered over ranks (default: distributed.all_gather_rows, on the default group)."""
-    # A seed per step makes sampling a function of (seed, step), whatever RNG state the engine keeps:
-    # a resumed run samples exactly what the uninterrupted run sampled.
-    # Data parallelism: rank r holds global prompts [r * local, (r + 1) * local), and the seed offset makes
-    # completion j of global prompt i use the same seed as on one rank.
+def _step_params(cfg: CohortConfig, comp: Components, step: int):
+    """The sampling parameters of `step`. A seed per step makes sampling a function of (seed, step), whatever RNG
+    state the engine keeps: a resumed run samples exactly what the uninterrupted run sampled. Data parallelism:
+    rank r holds global prompts [r * local, (r + 1) * local), and the seed offset makes completion j of global
+    prompt i use the same seed as on one rank."""
     info = distributed.current()
     local = cfg.train.prompts_per_step // info.world_size
     seed = (cfg.train.seed * 1_000_003 + step * 7_919) % 2**31 + info.rank * local * comp.sampling_params.n
-    params = dataclasses.replace(comp.sampling_params, seed=seed)
+    return dataclasses.replace(comp.sampling_params, seed=seed)
+
+
+def _collect(cfg: CohortConfig, comp: Components, sampler, step: int, gather=None, engine=None, prompts=None):
+    """The rollouts of `step`: its prompts, G completions each, rewards and advantages. `gather`: how rewards
+    are gathered over ranks (default: distributed.all_gather_rows, on the default group). `engine` / `prompts`:
+    what samples and the prompts' source, when not comp.engine and the sampler (streamed groups)."""
+    info = distributed.current()
+    local = cfg.train.prompts_per_step // info.world_size
+    params = _step_params(cfg, comp, step)
     return collect_rollouts(
-        comp.engine, comp.tokenizer, _next_prompts(comp, sampler), local,
+        engine or comp.engine, comp.tokenizer, prompts or _next_prompts(comp, sampler), local,
         params, comp.reward_runner, advantage_kwargs=comp.advantage_kwargs,
         trainer_state=TrainerState(global_step=step, max_steps=cfg.train.max_steps),
         dynamic_sampling=cfg.reward.dynamic_sampling, max_resample_tries=cfg.reward.max_resample_tries,
@@ -290,10 +301,18 @@ def _collect(cfg: CohortConfig, comp: Components, sampler, step: int, gather=Non
         turn_loop=comp.turn_loop)
 
 
-def _pipeline(cfg: CohortConfig, comp: Components, sampler, start_step: int) -> RolloutPipeline | None:
+def _pipeline(cfg: CohortConfig, comp: Components, sampler,
+              start_step: int) -> RolloutPipeline | StreamingRollouts | None:
     """train.max_staleness = k >= 1: the rollouts of steps t+1..t+k are collected in a background thread while
-    step t trains (cohort.remote.pipeline); None for k = 0 (generation in the loop's own thread, on-policy)."""
+    step t trains (cohort.remote.pipeline); None for k = 0 (generation in the loop's own thread, on-policy).
+    train.async_rollouts: groups streamed from the colocated engine, k bounding staleness (cohort.streaming)."""
     k = cfg.train.max_staleness
+    if cfg.train.async_rollouts:
+        return StreamingRollouts(
+            resident_engine(comp.engine), _next_prompts(comp, sampler), lambda s: _step_params(cfg, comp, s),
+            lambda s, done, take: _collect(cfg, comp, sampler, s, engine=done, prompts=take), sampler,
+            prompts_per_step=cfg.train.prompts_per_step // distributed.current().world_size, max_staleness=k,
+            start_step=start_step, max_steps=cfg.train.max_steps)
     if k == 0:
         return None
     # Several ranks: each pipelines its own slice of every step against the server (rank 0 pushes, the others'
@@ -319,9 +338,9 @@ def _step(cfg: CohortConfig, comp: Components, sampler, updater: PolicyUpdater, 
         batch = pipeline.get(step) if pipeline is not None else _collect(cfg, comp, sampler, step)
     metrics: dict[str, Any] = distributed.reduce_metrics(dict(batch.metrics))
     engine, can = comp.engine, comp.abilities
-    if batch.policy_versions is not None:  # a served engine: versions behind the one this step trains from
-        version = engine.version if can.versioned else 0  # type: ignore[attr-defined]
-        metrics.update(distributed.reduce_metrics(staleness_metrics(batch.policy_versions, version)))
+    if batch.policy_versions is not None:  # served or streamed: tokens' versions behind the one this step trains from
+        version = engine.version if can.versioned else pipeline.version  # type: ignore[attr-defined]
+        metrics.update(distributed.reduce_metrics(token_staleness(batch, version)))
     if cfg.generation.release_kv_during_update and can.releases_kv:
         engine.release_kv_cache()  # type: ignore[attr-defined]  # its next generate takes it back
     with distributed.phase("update", step):

@@ -66,8 +66,14 @@ class Completion:
         loop (None when the rollout had no tools).
     messages: the completion as chat messages (assistant turns with their tool_calls, tool results), set by
         the turn loop; what reward functions get for conversational prompts (TRL's format). None otherwise.
-    version: the policy version that sampled it (a served engine's pushed version, cohort.serving); None for
-        an in-process engine, which always samples with the current weights.
+    version: the policy version that sampled it (a served engine's pushed version, cohort.serving; the oldest
+        token's with asynchronous rollouts, cohort.streaming); None for an in-process engine sampling with the
+        current weights.
+    token_versions: per token, the policy version that sampled it, when tokens of one completion may differ
+        (asynchronous rollouts: a sequence continues with new weights); None: every token has `version`.
+    routed_experts: router replay (train.router_replay): the top-k experts each sparse layer of a mixture-of-experts
+        engine chose for every token it fed, a [prompt + completion tokens - 1, sparse layers, k] integer array (row p:
+        position p of prompt + completion; the last token never runs). None when the engine records none.
     """
 
     token_ids: list[int]
@@ -79,6 +85,8 @@ class Completion:
     tool_failures: int = 0
     messages: list[dict] | None = None
     version: int | None = None
+    routed_experts: Any = None
+    token_versions: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -220,6 +228,10 @@ class RolloutBatch:
     extra_columns: dict[str, list[Any]] = field(default_factory=dict)
     # per completion, the policy version that sampled it (a served engine, cohort.remote); None in process
     policy_versions: list[int | None] | None = None
+    # per completion, the engine's recorded routing (Completion.routed_experts; train.router_replay); None: none
+    routed_experts: list[Any] | None = None
+    # per completion, per token, the policy version that sampled it (Completion.token_versions); None: none
+    token_versions: list[list[int] | None] | None = None
 
     def __len__(self) -> int:
         return len(self.completion_ids)

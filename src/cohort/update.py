@@ -13,14 +13,20 @@ forward runs over whole sequences) and multiplied by 0.
 
 A mixture-of-experts policy with `router_aux_loss_coef` > 0 also trains on the router load-balancing loss of each
 micro-batch's packed row (as TRL adds `outputs.aux_loss` of each micro-batch), weighted by the row's share of the
-mini-batch's tokens, and logs it as `aux_loss` (the token-weighted mean of the micro-batches' values).
+mini-batch's tokens, and logs it as `aux_loss` (the token-weighted mean of the micro-batches' values). With
+`router_replay` the policy's forwards route each token to the experts the engine recorded (cohort.forward.router_replay).
 
 Old logprobs are computed only when the update is off-policy (several mini-batches or iterations); on
-policy, the loss uses the current logprobs detached, exactly as TRL does.
+policy, the loss uses the current logprobs detached, exactly as TRL does. With generation.logprob_parity=exact
+they are the engine's sampling logprobs, which equal the recompute bit for bit (cohort.forward.invariant.parity).
+
+With `context_parallel` > 1 the update trains its context-parallel group's rollouts, each packed row split over
+the group's ranks (cohort.distributed.context_parallel); counts and metrics are counted once per group.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections import defaultdict
@@ -33,8 +39,10 @@ import torch
 
 from cohort import distributed
 from cohort.algorithms import LossInputs, reduce_metrics
+from cohort.distributed.context_parallel import ContextGroup
 from cohort.distributed.fsdp import clip_grad_norm
 from cohort.errors import CohortError
+from cohort.forward.invariant.parity import sampled_old_logprobs
 from cohort.forward.micro_batches import (
     split_grouped_micro_batches,
     split_micro_batches,
@@ -42,6 +50,7 @@ from cohort.forward.micro_batches import (
 )
 from cohort.forward.packing import PackedRow, host_to_device, pack_row, packed_forward_logprobs
 from cohort.forward.plugins import has_extra_inputs
+from cohort.forward.router_replay import RouterReplayer
 from cohort.forward.shared_prompts import prompt_groups
 from cohort.run.callbacks import UpdateEvent
 from cohort.types import RolloutBatch
@@ -65,6 +74,11 @@ class UpdateSettings:
     # loss.router_aux_loss_coef resolved against the policy's config at set-up (None: the model's own coefficient);
     # 0.0: no router load-balancing loss (dense models, or turned off)
     router_aux_loss_coef: float = 0.0
+    # train.context_parallel: ranks per group that split each packed row (cohort.distributed.context_parallel)
+    context_parallel: int = 1
+    # train.router_replay: the policy's forwards route each token to the experts the engine recorded for it
+    router_replay: bool = False
+    logprob_parity: str = "fast"  # generation.logprob_parity: "exact" takes the old logprobs from the engine
 
 
 class NonFiniteUpdateError(CohortError):
@@ -109,6 +123,9 @@ class PolicyUpdater:
         # optimiser updates skipped in a row for a non-finite loss or gradient norm (kept in checkpoints)
         self.nonfinite_streak = 0
         self.step = 0  # the training step being updated, for the error message
+        # context parallelism: the group that trains its ranks' rollouts together, each row split over it
+        self.context = ContextGroup(settings.context_parallel) if settings.context_parallel > 1 else None
+        self.replayer = RouterReplayer(policy) if settings.router_replay else None  # cohort.forward.router_replay
         # on_update(event): each moment of each optimiser update (cohort.run.callbacks.UpdateEvent); the
         # trainer's callbacks ride on it (the TRL facade's on_step_begin / on_pre_optimizer_step / ... callbacks)
         self.on_update: Callable[[UpdateEvent], Any] = on_update or (lambda event: None)
@@ -140,6 +157,7 @@ class PolicyUpdater:
         members = _members(rows, micro_batches)  # an empty micro-batch: a pass whose result is dropped
         row = self._row(model, batch, members, 0)
         for m, (micro, idx) in enumerate(zip(micro_batches, members, strict=True)):
+            self._use_replay(model, row)
             packed = packed_forward_logprobs(
                 model, _pairs(batch, idx), temperature=self.s.temperature, compute_entropy=False,
                 chunk_tokens=self.s.chunk_tokens, share_prompts=self.s.share_prompts, row=row)
@@ -159,10 +177,13 @@ class PolicyUpdater:
         """
         self.on_update(UpdateEvent.BEGIN)
         self.policy.train()
-        parts, finite = self._accumulate(batch, rows, old, ref)
+        with self._replay_scope():
+            parts, finite = self._accumulate(batch, rows, old, ref)
         norm, skip = self._optimizer_step(self._reduce_and_clip(), finite)
         # the metrics are read after the optimizer's kernels are queued (reading them is a host-device sync)
         local = reduce_metrics(parts)  # partial sums of this rank -> summed over ranks (min/max by min/max)
+        if self.context is not None:  # every rank of a context-parallel group computed the same loss
+            local = self.context.once_metrics(local)
         for k, v in distributed.reduce_metrics(local, summed=tuple(local)).items():
             sums[k] += float(v)
         sums["grad_norm"] += norm
@@ -185,8 +206,8 @@ class PolicyUpdater:
         """Forward and backward of every micro-batch of `rows`; their metrics, and whether every loss was finite
         (a device flag, read once after the last backward)."""
         # normalisers of the whole mini-batch, summed over data-parallel ranks
-        num_tokens = distributed.all_sum(sum(batch.loss_token_count(r) for r in rows))
-        num_sequences = int(distributed.all_sum(len(rows)))
+        num_tokens = distributed.all_sum(self._once(sum(batch.loss_token_count(r) for r in rows)))
+        num_sequences = int(distributed.all_sum(self._once(len(rows))))
         parts: list[dict] = []
         finite = torch.ones((), dtype=torch.bool, device=self.device)
         micro_batches = self._micro_batches(batch, rows)
@@ -194,6 +215,7 @@ class PolicyUpdater:
         aux_weights = self._aux_weights(batch, micro_batches)
         row = self._row(self.policy, batch, members, 0)
         for m, (micro, idx) in enumerate(zip(micro_batches, members, strict=True)):
+            self._use_replay(self.policy, row)  # this row's recorded routing, through its backward
             packed = packed_forward_logprobs(
                 self.policy, _pairs(batch, idx), temperature=self.s.temperature, compute_entropy=True,
                 chunk_tokens=self.s.chunk_tokens, lm_head_grad_fp32=self.s.lm_head_grad_fp32,
@@ -227,6 +249,10 @@ class PolicyUpdater:
                 parts.append(metrics)
                 finite &= torch.isfinite(loss.detach()).to(finite.device)
         return parts, finite
+
+    def _once(self, count: float) -> float:
+        """A count of this rank's rows for a world sum: a context-parallel group's shared rows count once."""
+        return count if self.context is None else self.context.once(count)
 
     def _aux_weights(self, batch: RolloutBatch, micro_batches: list[list[int]]) -> list[float] | None:
         """Each micro-batch's share of the mini-batch's tokens (prompt and completion, summed over data-parallel
@@ -304,7 +330,19 @@ class PolicyUpdater:
         """The packed row of micro-batch m (None past the last one, or for prompts with images)."""
         if m >= len(members):
             return None
-        return pack_row(model, _pairs(batch, members[m]), share_prompts=self.s.share_prompts)
+        if self.context is not None:
+            return self.context.pack_row(model, _pairs(batch, members[m]))
+        replay = self.replayer is not None and model is self.policy  # train.router_replay: the rows' records
+        routes = [(batch.routed_experts or [None] * len(batch))[r] for r in members[m]] if replay else None
+        return pack_row(model, _pairs(batch, members[m]), share_prompts=self.s.share_prompts, routes=routes)
+
+    def _replay_scope(self):
+        """The policy's routers replay recorded routing inside (train.router_replay), each row's by `_use_replay`."""
+        return contextlib.nullcontext() if self.replayer is None else self.replayer.active()
+
+    def _use_replay(self, model, row: PackedRow | None) -> None:
+        if self.replayer is not None and model is self.policy:
+            self.replayer.use(None if row is None else row.replay)
 
     def _host_tensors(self, batch: RolloutBatch, idx: list[int],
                       width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -325,6 +363,8 @@ class PolicyUpdater:
         return mask, sampling, both[-1, :b]
 
     def update(self, batch: RolloutBatch, timer) -> dict[str, float]:
+        if self.context is not None:  # the group's rollouts: its ranks train on the same rows, split by position
+            batch = self.context.union(batch)
         n, g = len(batch), batch.group_size
         num_prompts, m = n // g, self.s.mini_batches
         # prompt k goes to mini-batch k % m: a rank's contiguous slice of the step's prompts then holds an equal
@@ -334,8 +374,11 @@ class PolicyUpdater:
         all_rows = list(range(n))
         old = ref = None
         with timer("logprobs"):
-            if off_policy:
-                old = self._logprobs_of(self.policy, batch, all_rows)
+            if off_policy and self.s.logprob_parity == "exact":  # the engine's are the recompute's bits
+                old = sampled_old_logprobs(batch, self.device)
+            if off_policy and old is None:
+                with self._replay_scope():
+                    old = self._logprobs_of(self.policy, batch, all_rows)
             if self.reference is not None:
                 ref = self._logprobs_of(self.reference, batch, all_rows)
         sums: dict[str, float] = defaultdict(float)

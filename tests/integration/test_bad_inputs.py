@@ -91,6 +91,10 @@ CASES: list[Case] = [
     C("kv cache fraction above 1", "config", ("generation.kv_cache_fraction=1.5",),
       ("generation.kv_cache_fraction=1.5", "in (0, 1]")),
     C("negative LoRA rank", "config", ("model.lora_r=-4",), ("model.lora_r=-4", "positive LoRA rank")),
+    C("4-bit base without LoRA", "config", ("model.quantization=nf4",),
+      ("model.quantization='nf4'", "set model.lora_r")),
+    C("4-bit base on the CPU", "config", ("model.quantization=nf4", "model.lora_r=16", "train.device=cpu"),
+      ("model.quantization='nf4'", "need a CUDA GPU")),
     C("resume and overwrite", "config", ("run.resume=true", "run.overwrite=true"),
       ("run.overwrite=True", "choose one")),
     # ---- data: the source's options, files, columns
@@ -163,9 +167,22 @@ CASES: list[Case] = [
       ("COHORT_CACHE_DIR=", "toy.jsonl", "is a file, not a folder", "point COHORT_CACHE_DIR at a folder"),
       env=(("COHORT_CACHE_DIR", "{ws}/toy.jsonl"),)),
     C("completion longer than the context", "model", ("generation.max_completion_length=300",),
-      ("generation.max_completion_length=300", "context of 256 tokens", "lower it"), loads_model=True),
+      ("generation.max_completion_length=300 plus data.max_prompt_length=512", "context of 256 tokens",
+       "the largest that fits is 255")),
+    C("completion and prompt over the context", "model",
+      ("generation.max_completion_length=300", "data.max_prompt_length=64"),
+      ("generation.max_completion_length=300 plus data.max_prompt_length=64",
+       "exceeds the model's context of 256 tokens (max_position_embeddings)",
+       "the largest that fits beside data.max_prompt_length=64 is 192")),
     C("context above the model's", "model", ("generation.max_model_len=512",),
-      ("generation.max_model_len=512", "max_position_embeddings) is 256", "use at most 256"), loads_model=True),
+      ("generation.max_model_len=512", "max_position_embeddings) is 256", "use at most 256")),
+    C("router replay on a dense model", "model", ("train.router_replay=true",),
+      ("train.router_replay=true is not valid", "has no mixture-of-experts layers", "set train.router_replay=false"),
+      loads_model=True),
+    C("router replay with HF generate", "config", ("train.router_replay=true", "generation.engine=hf"),
+      ("train.router_replay=True", "generation.engine=hf (Hugging Face generate) records no routing")),
+    C("exact logprob parity with HF generate", "config", ("generation.logprob_parity=exact", "generation.engine=hf"),
+      ("generation.logprob_parity='exact' is not valid", "generation.engine='hf'", "generation.logprob_parity=fast")),
     # ---- tools
     C("tool import path", "tools", ("agent.tools=[tests.helpers.toy_task:no_tool]",),
       ("agent.tools[0]='tests.helpers.toy_task:no_tool'", "has no attribute")),
@@ -208,6 +225,14 @@ CASES: list[Case] = [
       ("train.max_stpes", "Did you mean 'max_steps'?"), run_dir="run"),
     C("eval samples folder missing", "cli", ("--samples", "{ws}/no/such/answers.jsonl"),
       ("--samples=", "its folder does not exist"), command="eval"),
+    # ---- cohort serve: the context, before the weights load
+    C("serve context above the model's", "serve", ("serve", "{ws}/model", "--max-model-len", "512", "--port", "0"),
+      ("--max-model-len=512", "exceeds the model's context of 256 tokens (max_position_embeddings)",
+       "the largest that fits is 256"), command="raw"),
+    C("serve context over the KV cache", "serve",
+      ("serve", "{ws}/model", "--max-model-len", "200", "--kv-cache-fraction", "0.00001", "--port", "0"),
+      ("--max-model-len=200", "does not fit the KV cache", "holds 80 tokens", "the largest that fits is 80",
+       "raise --kv-cache-fraction"), command="raw"),
 ]
 
 
@@ -215,6 +240,10 @@ CASES: list[Case] = [
 # Cases outside the command line (a served engine's requests, checkpoints on --resume, the run directory, the
 # python tool), each run by the test named in its last column; the doc lists them after CASES.
 OTHER = [
+    ("memory", "`generation.max_completion_length` (with data.max_prompt_length) whose update or one sequence's KV "
+     "cache does not fit the GPU by the memory plan's estimate", "`cohort: error:` naming the field, the value and "
+     "the largest that fits, before the model loads (a GPU only: on the CPU nothing is checked)",
+     "test_bad_inputs_context.py::test_a_completion_over_what_memory_allows_stops_before_the_model_loads"),
     ("serve", "a request without the key, or with a wrong one, on any route (a weight push among them)",
      "401 `invalid_api_key`, one log line; the served weights unchanged",
      "test_serving_security.py::test_a_push_without_the_key_is_refused_and_the_served_tokens_stay"),

@@ -133,7 +133,8 @@ def test_multi_turn_rollouts_on_the_server_follow_the_regeneration_contract(serv
 
     _, tok = load_policy(str(workspace[0]), dtype=torch.float32)
     policy = tiny_model(tok, seed=11)
-    remote = RemoteEngine(server.address, policy)  # pushes these weights as version 0
+    # pushes these weights as version 0; re-sends every turn (sessions: test_serving_sessions.py)
+    remote = RemoteEngine(server.address, policy, use_sessions=False)
     # half the vocabulary stops a turn, so conversations end turns early and the tool path runs
     params = SamplingParams(n=2, max_tokens=24, temperature=1.0, seed=3,
                             stop_token_ids=tuple(range(0, len(tok), 2)))

@@ -245,8 +245,13 @@ def test_yaml_path_accepts_transformers_scheduler_names():
 
 
 def test_unknown_generation_and_model_init_kwargs_are_rejected_by_name():
-    with pytest.raises(ConfigError, match="do_sample"):
-        GRPOConfig(generation_kwargs={"do_sample": False}).to_cohort(num_rows=8)
+    with pytest.raises(ConfigError, match="num_beams"):
+        GRPOConfig(generation_kwargs={"do_sample": True, "num_beams": 2}).to_cohort(num_rows=8)
+    with pytest.raises(ConfigError, match="length_penalty"):
+        GRPOConfig(generation_kwargs={"length_penalty": -0.1}).to_cohort(num_rows=8)
+    greedy = GRPOConfig(generation_kwargs={"do_sample": False, "num_beams": 1}).to_cohort(num_rows=8)
+    assert greedy.generation.temperature == 0.0  # transformers' do_sample=False: greedy decoding
+    assert GRPOConfig(generation_kwargs={"do_sample": True}).to_cohort(num_rows=8).generation.temperature == 1.0
     cfg = GRPOConfig(generation_kwargs={"stop_strings": "</answer>", "max_new_tokens": 64}).to_cohort(num_rows=8)
     assert cfg.generation.stop_strings == ["</answer>"] and cfg.generation.max_completion_length == 64
     with pytest.raises(ConfigError, match="optim"):
@@ -325,8 +330,8 @@ def test_a_trl_config_object_maps_as_cohorts_own(kwargs, expected, template_kwar
 def test_a_trl_config_object_keeps_trls_resolved_bf16_and_its_checks():
     # TRL resolves bf16=None to True (bfloat16 even with use_cpu): the converted config means the same
     assert GRPOConfig.from_trl(trl.GRPOConfig(output_dir="out", use_cpu=True)).to_cohort(64).model.dtype == "bfloat16"
-    with pytest.raises(ConfigError, match="sync_ref_model"):
-        GRPOConfig.from_trl(trl.GRPOConfig(output_dir="out", use_cpu=True, sync_ref_model=True))
+    with pytest.raises(ConfigError, match="label_smoothing_factor"):
+        GRPOConfig.from_trl(trl.GRPOConfig(output_dir="out", use_cpu=True, label_smoothing_factor=0.1))
 
 
 def test_a_trl_config_object_is_accepted_by_the_trainer(tmp_path):

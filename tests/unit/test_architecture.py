@@ -19,7 +19,7 @@ SRC = ROOT / "src" / "cohort"
 # What may be imported inside a function: packages of the optional extras, imported only where a feature that
 # needs them runs (a CPU install without them still imports every module).
 OPTIONAL = ("peft", "datasets", "pyarrow", "reasoning_gym", "math_verify", "PIL", "matplotlib",
-            "torch.utils.tensorboard", "flash_attn", "triton", "gguf")
+            "torch.utils.tensorboard", "flash_attn", "triton", "gguf", "bitsandbytes")
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
 
 

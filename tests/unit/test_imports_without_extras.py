@@ -1,6 +1,6 @@
 """Every module imports on an install without the optional packages (the README's CPU install has no Triton,
-and peft, datasets, reasoning-gym, math-verify, matplotlib, TensorBoard, FlashAttention-4 and gguf are
-extras): the features that need them import them where they run."""
+and peft, datasets, reasoning-gym, math-verify, matplotlib, TensorBoard, FlashAttention-4, gguf and
+bitsandbytes are extras): the features that need them import them where they run."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HIDDEN = ("triton", "peft", "datasets", "reasoning_gym", "math_verify", "matplotlib", "tensorboard",
-          "flash_attn", "gguf", "trl")
+          "flash_attn", "gguf", "trl", "bitsandbytes")
 
 SCRIPT = f"""
 import importlib, pkgutil, sys

@@ -26,6 +26,7 @@ This package is the public API; its modules, one role each:
     tree.py        CohortConfig, the root with one field per section; to_dict, validate (once per unchanged config)
     validation.py  the order of the checks: batch schedule and cross-section rules, then fields, then inputs
     checks.py      every field's range and enum (validate_fields) and the shared `_require` helpers
+    async_checks.py  train.async_rollouts against the settings streamed rollouts cannot run with yet
     overrides.py   setting fields by dotted key: apply_overrides, config_from_dict (and `_set`, used by TRL's facade)
     recipes.py     YAML recipes in and out: load_config, dump_config
     help.py        every field's key, type, default and help text: `cohort train --help-config`, docs/settings.md

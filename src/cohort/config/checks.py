@@ -13,6 +13,7 @@ import torch
 from transformers import SchedulerType
 
 from cohort.algorithms import ESTIMATORS, build_advantage_estimator
+from cohort.config.parity import check_logprob_parity
 from cohort.errors import ConfigError
 from cohort.remote.address import parse_address
 from cohort.resolve import is_import_path
@@ -61,11 +62,14 @@ def validate_fields(cfg: CohortConfig) -> None:
     directory is touched. Each failure names the field, the value and the fix. One section at a time, in
     config order."""
     _check_model(cfg)
+    _check_quantization(cfg)
     _check_data(cfg)
     _check_generation(cfg)
+    check_logprob_parity(cfg)
     _check_reward(cfg)
     _check_advantage(cfg)
     _check_router_aux_loss(cfg)
+    _check_router_replay(cfg)
     _check_train(cfg)
     _check_run(cfg)
 
@@ -87,6 +91,29 @@ def _check_model(cfg: CohortConfig) -> None:
                  "name at least one module, e.g. [q_proj, v_proj]")
     _require(isinstance(m.name_or_path, str) and m.name_or_path.strip() != "", "model.name_or_path",
              m.name_or_path, "give a local model folder, a .gguf file, a hub id or smollm2-135m-instruct")
+
+
+def _check_quantization(cfg: CohortConfig) -> None:
+    """model.quantization (QLoRA) against the settings it cannot run with; the machine (CUDA, bitsandbytes) is
+    checked by cohort.config.preflight.check_quantization_support."""
+    m, q = cfg.model, cfg.model.quantization
+    _require_choice("model.quantization", q, ("none", "nf4", "fp4"),
+                    " (none: weights in model.dtype; nf4 / fp4: a 4-bit base through bitsandbytes, QLoRA)")
+    _require_choice("generation.quantized_engine", cfg.generation.quantized_engine, ("merged_bf16", "4bit"))
+    if q == "none":
+        return
+    _require(isinstance(m.lora_r, int) and m.lora_r > 0, "model.quantization", q,
+             "a 4-bit base cannot be trained itself, only LoRA adapters on it: set model.lora_r (e.g. 16), or "
+             "model.quantization=none")
+    _require(cfg.train.device != "cpu", "model.quantization", q,
+             "4-bit bitsandbytes weights need a CUDA GPU and train.device='cpu'; use train.device=auto or cuda, or "
+             "model.quantization=none")
+    _require(cfg.train.sharding != "fsdp", "model.quantization", q,
+             "train.sharding=fsdp cannot shard 4-bit bitsandbytes weights in cohort; use train.sharding=none (each "
+             "rank holds the small 4-bit base), or model.quantization=none")
+    _require(cfg.generation.placement != "server", "model.quantization", q,
+             "generation.placement=server pushes merged weights of a model.dtype base, not a 4-bit one; use "
+             "generation.placement=colocate, or model.quantization=none")
 
 
 def _check_data(cfg: CohortConfig) -> None:
@@ -181,6 +208,21 @@ def _check_router_aux_loss(cfg: CohortConfig) -> None:
              "use null (the model config's own coefficient), 0.0 (off) or a finite positive weight, e.g. 0.001")
 
 
+def _check_router_replay(cfg: CohortConfig) -> None:
+    """train.router_replay: needs an engine that records each token's experts, cohort's own in this process (the
+    policy's side, a mixture-of-experts model the engine runs, is checked at set-up: cohort.setup.settings)."""
+    t, g = cfg.train, cfg.generation
+    _require(isinstance(t.router_replay, bool), "train.router_replay", t.router_replay, "use true or false")
+    if not t.router_replay:
+        return
+    _require(g.placement != "server", "train.router_replay", t.router_replay,
+             "generation.placement=server samples in a `cohort serve` process, which does not send back the experts "
+             "it routed each token to; use generation.placement=colocate, or train.router_replay=false")
+    _require(g.engine != "hf", "train.router_replay", t.router_replay,
+             "generation.engine=hf (Hugging Face generate) records no routing; use generation.engine=auto or cohort "
+             "(cohort's engine records it), or train.router_replay=false")
+
+
 def _check_train(cfg: CohortConfig) -> None:
     """train: the optimiser's settings, warmup, seed, scheduler kwargs and the device."""
     t = cfg.train
@@ -251,10 +293,11 @@ def _check_placement(cfg: CohortConfig) -> None:
             _require(correction is not False, "loss.sampler_is_correction", correction,
                      f"train.max_staleness={t.max_staleness} samples with older weights; the sampler importance "
                      "weights are what correct for it, keep loss.sampler_is_correction=true")
-    elif t.max_staleness > 0:
+    elif t.max_staleness > 0 and t.async_rollouts is not True:
         _require(False, "train.max_staleness", t.max_staleness,
-                 "generation overlaps training only when it runs elsewhere: set generation.placement=server and "
-                 "generation.server_address (start the server with `cohort serve MODEL`), or use 0")
+                 "generation overlaps training only when it runs elsewhere (generation.placement=server with "
+                 "generation.server_address; start the server with `cohort serve MODEL`) or with "
+                 "train.async_rollouts=true on the colocated engine; or use 0")
 
 
 def _device_ok(name: Any) -> bool:

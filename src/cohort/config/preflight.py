@@ -3,7 +3,7 @@
 `check_inputs(cfg)` (called by `CohortConfig.validate`) checks what the config *names*: the options of a data
 source against what that source's loader accepts (a reasoning-gym task's config dataclass, a callable's
 signature, the prompt options of `load_prompt_dataset`), reward function names and their keyword arguments,
-tool import paths. `check_paths(cfg)` (called by the CLI before the model loads) checks the file system:
+tool import paths, and what model.quantization needs of the machine (CUDA, bitsandbytes). `check_paths(cfg)` (called by the CLI before the model loads) checks the file system:
 the model path, the run directory (`--resume` / `--overwrite` rules) and a resume checkpoint path.
 
 Every failure is a `ConfigError` naming the field, the value and the fix, with "did you mean" for near misses.
@@ -22,6 +22,7 @@ from typing import Any
 from cohort.data.sources import REASONING_GYM_PREFIX, import_object, load_prompt_dataset
 from cohort.errors import ConfigError
 from cohort.policy import model as model_mod
+from cohort.policy import quantized
 from cohort.rewards import registry
 from cohort.run.directory import _RUN_MARKERS, is_run_dir
 
@@ -228,7 +229,9 @@ def check_tools(tools: list[Any], tool_parser: str | None) -> None:
 
 
 def check_inputs(cfg: Any) -> None:
-    """What `CohortConfig.validate` checks beyond single fields: data options, reward specs, tool paths."""
+    """What `CohortConfig.validate` checks beyond single fields: the machine model.quantization needs, data
+    options, reward specs, tool paths."""
+    check_quantization_support(cfg)
     d = cfg.data
     check_source_options(d.source, d.options, "data.source", "data.options")
     if d.eval_options and not d.eval_source:
@@ -239,6 +242,14 @@ def check_inputs(cfg: Any) -> None:
         check_source_options(d.eval_source, d.eval_options, "data.eval_source", "data.eval_options")
     check_reward_specs(list(cfg.reward.funcs))
     check_tools(list(cfg.agent.tools), cfg.agent.tool_parser)
+
+
+def check_quantization_support(cfg: Any) -> None:
+    """model.quantization (QLoRA) on this machine: a CUDA GPU, bitsandbytes and peft, before any model loads."""
+    q = cfg.model.quantization
+    why = None if q == "none" else quantized.missing_support(cfg.train.device)
+    if why is not None:
+        raise ConfigError(f"model.quantization={q!r} is not valid here: {why}.")
 
 
 # ------------------------------------------------------------------------------------ the file system (CLI)

@@ -65,6 +65,10 @@ class ModelConfig:
     lora_target_modules: list[str] = setting(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         help="names of the linear modules that get LoRA adapters (with lora_r > 0)")
+    quantization: Literal["none", "nf4", "fp4"] = setting(
+        "none", help="QLoRA: load the base weights in 4 bits through bitsandbytes (nf4 or fp4, double-quantised, "
+                     "computing in model.dtype) and train LoRA adapters on them; needs model.lora_r > 0, a CUDA GPU "
+                     "and `pip install 'cohort-rl[qlora]'`; none: the weights in model.dtype (docs/training.md)")
     freeze_vision: bool = setting(
         False, help="vision-language models: no gradient into the vision tower and projector (the language model "
                     "trains)")
@@ -138,8 +142,19 @@ class GenerationConfig:
         False, help="free the engine's KV pool while the policy updates (TRL's vllm_enable_sleep_mode): the update "
                     "can use that memory; the next generate re-allocates it (same address in steady state, so no "
                     "graph recapture)")
+    logprob_parity: Literal["fast", "exact"] = setting(
+        "fast", help="exact: the engine and the trainer run one batch-invariant forward (Triton), so the sampling "
+                     "logprobs equal the trainer's bit for bit and the old-logprob pass is skipped (Llama, Mistral, Qwen2, "
+                     "Qwen3; rows without shared prompts); fast: their own kernels (a small mismatch, corrected by "
+                     "importance sampling). docs/training.md#logprob-parity")
     fuse_projections: bool | None = setting(
-        None, help="engine's fused QKV/gate-up weight copies; None: on for CUDA")
+        None, help="engine's fused QKV/gate-up weight copies; None: on for CUDA (off for a 4-bit base's merged "
+                   "copy)")
+    quantized_engine: Literal["merged_bf16", "4bit"] = setting(
+        "merged_bf16", help="with a 4-bit base (model.quantization): what cohort's engine samples from: merged_bf16 "
+                            "(a dequantised copy in model.dtype with the LoRA adapters merged, refreshed after each "
+                            "optimizer step: plain matmuls, 2 more bytes per base weight) or 4bit (the trainer's own "
+                            "4-bit layers and adapters in place: no copy, bitsandbytes matmuls)")
     generation_batch_size: int | None = setting(
         None, help="hf engine only: rows (a prompt's copy per completion) per generate call; None: all of them at once")
     max_tool_calling_iterations: int | None = setting(
@@ -266,6 +281,11 @@ class TrainConfig:
         True, help="pack each prompt once per micro-batch with its completions after it (they attend to it; exact, "
                    "and the prompt's G - 1 copies skip the model: a third fewer decoder FLOPs at 128 + 256 "
                    "tokens); cohort.forward.shared_prompts")
+    router_replay: bool = setting(
+        False, help="mixture-of-experts policies (R3): cohort's engine records the top-k experts each token was routed "
+                    "to, and the update's forwards use them instead of their own top-k (the router's softmax still "
+                    "trains); narrows the train/inference logprob mismatch. Colocated cohort engine only "
+                    "(docs/algorithms.md)")
     optimizer_offload: bool = setting(
         False, help="Adam moments in host memory, streamed per bucket in the step")
     sharding: str = setting(
@@ -280,6 +300,11 @@ class TrainConfig:
         True, help="fsdp only. false sums gradients unsharded (fp32) until the update's last micro-batch, then "
                    "reduce-scatters once (fewer collectives; +1 fp32 model-size gradient buffer). Speed and memory "
                    "only, never the maths")
+    context_parallel: int = setting(
+        1, help="ranks per context-parallel group: each packed row (micro-batch) is split over the group's ranks by "
+                "position (zig-zag chunks, K/V all-gathered in each attention layer; exact), for sequences whose "
+                "activations do not fit one GPU; must divide the number of ranks; 1: off (docs/training.md, "
+                "\"Context parallelism\")")
     lr_scheduler_type: str = setting(
         "constant", help="cohort's constant | cosine (warmup then flat / cosine to 0), or any transformers "
                          "scheduler name (linear, cosine_with_min_lr, constant_with_warmup, ..., \"hf:cosine\"), "
@@ -289,15 +314,24 @@ class TrainConfig:
     warmup_steps: int | float = setting(
         0, help="learning-rate warmup in optimiser updates; a value in (0, 1) is a fraction of them; 0: none")
     seed: int = setting(42, help="seeds every random draw of the run: data order, sampling, LoRA init")
+    deterministic: bool = setting(
+        False, help="bitwise repeatable runs: the same seed, config and hardware give identical weights and "
+                    "metrics (torch's deterministic algorithms, cuDNN without autotuning, cuBLAS's fixed "
+                    "workspace); docs/benchmarks.md gives its cost in speed")
     device: str = setting("auto", help="auto (cuda when available, else cpu), cpu, cuda or cuda:<index>")
     dist_timeout_s: float = setting(
         600, help="several ranks (torchrun): the longest any collective may wait for a peer before the rank fails "
                   "and the launch ends, in seconds; keep it above the longest rank-0-only work the others wait "
                   "through (evaluation, a save)")
     max_staleness: int = setting(
-        0, help="generation.placement=server only: step t+1..t+k are generated while step t trains, with weights "
-                "at most k versions behind (the sampler importance weights correct for it); 0: on-policy, "
-                "synchronous (exact)")
+        0, help="placement=server: steps t+1..t+k are generated while step t trains; with async_rollouts: groups "
+                "stay in the engine across up to k updates. No token is more than k versions behind the weights "
+                "trained (sampler importance weights correct for it); 0: on-policy, synchronous (exact)")
+    async_rollouts: bool = setting(
+        False, help="colocated cohort engine: a step trains on the first groups to finish, the rest keep decoding "
+                    "with the new weights after the update (partial rollouts), up to (max_staleness + 1) x "
+                    "prompts_per_step groups in flight; for long-tailed lengths. false: each step waits for its "
+                    "longest sequence (docs/training.md, \"Asynchronous rollouts\")")
 
 
 @dataclass

@@ -14,7 +14,9 @@ from __future__ import annotations
 import difflib
 from typing import TYPE_CHECKING
 
+from cohort import distributed
 from cohort.algorithms import build_policy_loss
+from cohort.config.async_checks import check_async_rollouts
 from cohort.config.checks import _require, _require_choice, _scheduler_names, validate_fields
 from cohort.config.preflight import check_inputs
 from cohort.errors import ConfigError
@@ -35,6 +37,7 @@ def validate_config(cfg: CohortConfig) -> None:
     _check_agent(cfg)
     _check_reward_weights(cfg)
     validate_fields(cfg)
+    check_async_rollouts(cfg)
     check_inputs(cfg)  # data options against the source, reward names and kwargs, tool import paths
 
 
@@ -94,6 +97,41 @@ def _check_optimizer_layout(cfg: CohortConfig) -> None:
              "with train.sharding=fsdp the Adam state is already split over the ranks; set it to false")
     _require(t.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens", t.logprob_chunk_tokens,
              "use a positive token count (e.g. 1024; smaller saves memory, larger launches fewer kernels)")
+    _check_context_parallel(cfg)
+
+
+def _check_context_parallel(cfg: CohortConfig) -> None:
+    """train.context_parallel: a whole number dividing the ranks, a token budget of whole zig-zag chunks, and the
+    settings context parallelism does not support refused by name."""
+    t, cp = cfg.train, cfg.train.context_parallel
+    _require(isinstance(cp, int) and not isinstance(cp, bool) and cp >= 1, "train.context_parallel", cp,
+             "use a whole number of ranks per context-parallel group, 1 (off) or more")
+    if cp == 1:
+        return
+    info = distributed.current()
+    world = info.world_size if info.enabled else distributed.world_size_from_env()
+    _require(world % cp == 0, "train.context_parallel", cp,
+             f"it must divide the number of ranks ({world}); launch a multiple of {cp} ranks (torchrun "
+             f"--nproc-per-node {cp} -m cohort.cli train ...)"
+             + (f" or choose a divisor of {world}" if world > 1 else " or set train.context_parallel=1"))
+    _require(t.token_budget % (2 * cp) == 0, "train.token_budget", t.token_budget,
+             f"with train.context_parallel={cp} a packed row is cut into {2 * cp} equal chunks; use a multiple of "
+             f"{2 * cp} (e.g. {max(2 * cp, t.token_budget // (2 * cp) * (2 * cp))})")
+    attn = cfg.model.attn_implementation
+    unsupported = [  # (field, value, whether it is on, the fix)
+        ("train.share_prompts", t.share_prompts, t.share_prompts,
+         "set train.share_prompts=false (each completion keeps its own copy of its prompt)"),
+        ("model.compile_layers", cfg.model.compile_layers, cfg.model.compile_layers, "set model.compile_layers=false"),
+        ("model.attn_implementation", attn, str(attn or "").startswith("flash_attention"),
+         "set model.attn_implementation=sdpa (cohort's packed attention runs the flash kernels itself)"),
+        ("loss.router_aux_loss_coef", cfg.loss.router_aux_loss_coef, bool(cfg.loss.router_aux_loss_coef),
+         "set loss.router_aux_loss_coef=0.0"),
+        ("train.router_replay", t.router_replay, t.router_replay, "set train.router_replay=false"),
+    ]
+    for name, value, on, fix in unsupported:
+        if on:
+            raise ConfigError(f"{name}={value!r} is not supported with train.context_parallel={cp}: {fix}, or set "
+                              "train.context_parallel=1.")
 
 
 def _check_choices(cfg: CohortConfig) -> None:

@@ -17,6 +17,8 @@ class EngineConfig:
         prefilled (chunked prefill is not implemented), so it must be >= max_model_len.
     block_size: tokens per KV-cache block (page). Blocks are the unit of sharing between a group's samples.
     max_model_len: longest prompt + completion a request may reach (sizes the block tables).
+    fit_context_to_kv: max_model_len is an upper bound (the model's context, CohortEngine's default): when one
+        sequence of it does not fit the KV pool, lower it to what one sequence can have there instead of failing.
     kv_cache_fraction: fraction of the device's free memory (after the trainer's allocations) given to
         the KV cache. On the CPU it is a fraction of 4 GiB.
     num_kv_blocks: force the number of KV blocks (tests use this to force preemption); None = from memory.
@@ -43,12 +45,16 @@ class EngineConfig:
         (engine/prefill_graphs.py): a small model's prefill is bound by host work otherwise. Each shape
         captured costs one extra forward then; the graphs' activations stay reserved in the decode graphs'
         memory pool. 0 = always eager. Only with CUDA graphs and varlen attention.
+    record_routes: a mixture-of-experts model records the top-k experts every sparse layer chose for each token
+        it runs (router replay, engine/routing.py): `Completion.routed_experts`. False records nothing and adds
+        nothing to any step or graph.
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
     block_size: int = 64
     max_model_len: int = 4096
+    fit_context_to_kv: bool = False
     kv_cache_fraction: float = 0.3
     num_kv_blocks: int | None = None
     enforce_eager: bool = False
@@ -56,6 +62,7 @@ class EngineConfig:
     continuation_delay_steps: int = 8
     decode_steps: int | None = None
     prefill_graph_tokens: int = 4096
+    record_routes: bool = False
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
@@ -93,3 +100,18 @@ class EngineConfig:
 def _positive(name: str, value: int) -> None:
     if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive integer.")
+
+
+def context_note(config: EngineConfig, asked: int | None, native: int | None, field: str, num_blocks: int) -> str:
+    """Why an engine's context (max_model_len) is what it is: asked for, the model's own, or what one sequence
+    can have in the KV pool of `num_blocks` blocks (`cohort serve` prints it at start)."""
+    length = config.max_model_len
+    if asked is not None:
+        return f"context {length} tokens (max_model_len given)"
+    if native is None:
+        return f"context {length} tokens (the model's config names no context: the engine's default)"
+    if length < native:
+        return (f"context {length} tokens: what one sequence can have in the KV pool ({num_blocks} blocks of "
+                f"{config.block_size} tokens at kv_cache_fraction={config.kv_cache_fraction}), below the model's "
+                f"{native} ({field}); a larger kv_cache_fraction raises it")
+    return f"context {length} tokens: the model's {field}; the KV pool holds {num_blocks * config.block_size} tokens"

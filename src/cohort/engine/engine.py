@@ -27,13 +27,14 @@ from dataclasses import dataclass
 import torch
 
 from cohort.engine.block_manager import BlockManager
-from cohort.engine.config import EngineConfig
+from cohort.engine.config import EngineConfig, context_note
 from cohort.engine.model_runner import ModelRunner
 from cohort.engine.models.decoder import HFModule, unwrap_model
 from cohort.engine.models.registry import engine_supports
 from cohort.engine.sampler import Sampler, needs_processing
 from cohort.engine.scheduler import Scheduler
 from cohort.engine.sequence import PrefillUnit, Sequence, Status
+from cohort.policy.context import default_block_size, model_context
 from cohort.types import Completion, PromptWithInputs, SamplingParams, TurnCallback, TurnEnd
 
 # A chained launch keeps rows that ended in the batch (budget 0) while at least this share still decodes.
@@ -79,7 +80,7 @@ class CohortEngine:
         fuse_projections: bool | None = None,
         continuation_delay_steps: int = 8,
         decode_steps: int | None = None,
-        prefill_graph_tokens: int = 4096,
+        prefill_graph_tokens: int = 4096, record_routes: bool = False,
         device: str | torch.device | None = None,
     ) -> None:
         ok, reason = engine_supports(model)
@@ -87,27 +88,34 @@ class CohortEngine:
             raise ValueError(reason)
         hf = unwrap_model(model)
         self.device = self._weights_device(hf, device)
-        if max_model_len is None:
-            max_model_len = min(getattr(hf.config, "max_position_embeddings", 4096) or 4096, 4096)
+        native, field = model_context(hf.config)
         self.config = EngineConfig(
             max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or max(16384, max_model_len),
-            block_size=block_size or (64 if self.device.type == "cuda" else 16),
-            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens or max(16384, max_model_len or native or 4096),
+            block_size=block_size or default_block_size(self.device.type),
+            # not given: the model's context (4096 when its config names none), lowered to what one sequence
+            # can have in the KV pool (fit_context_to_kv); context_note says which
+            max_model_len=max_model_len or native or 4096, fit_context_to_kv=max_model_len is None,
             kv_cache_fraction=kv_cache_fraction,
             num_kv_blocks=num_kv_blocks,
             enforce_eager=enforce_eager,
             fuse_projections=fuse_projections,
             continuation_delay_steps=continuation_delay_steps,
             decode_steps=decode_steps,
-            prefill_graph_tokens=prefill_graph_tokens,
+            prefill_graph_tokens=prefill_graph_tokens, record_routes=record_routes,
         )
         self.tokenizer = tokenizer
         self.eos_token_ids = self._eos_set(eos_token_ids)
         self.runner = ModelRunner(hf, self.config, self.device)
+        self.records_routes = self.runner.routes.on  # completions carry routed_experts (router replay)
+        self.context_note = context_note(self.config, max_model_len, native, field, self.runner.num_blocks)
+        if max_num_batched_tokens is None:  # a prefill step's budget follows the context the pool allowed
+            self.config.max_num_batched_tokens = max(16384, self.config.max_model_len)
         self.blocks = BlockManager(self.runner.num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.blocks)
         self.sampler = Sampler(self.device)
+        exact = getattr(self.runner.net, "exact", None)  # generation.logprob_parity=exact: the trainer's logprobs
+        self.sampler.exact_logprobs = None if exact is None else exact.logprobs
         self._warm_sampler()
         self.stats = EngineStats()
         self._inflight: _Launch | None = None  # a queued multi-step launch (see _multi_step)
@@ -141,14 +149,22 @@ class CohortEngine:
                 self.sampler.warm(vocab, self.config.max_num_seqs, self.runner.net.dtype)
 
     # ---- public API --------------------------------------------------------------------------------
-    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]) -> list[list[Completion]]:
-        """`params.n` completions per prompt, in prompt order. `params` may also be one per prompt."""
+    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams], *,
+                 max_tokens_each: Seq[Seq[int]] | None = None) -> list[list[Completion]]:
+        """`params.n` completions per prompt, in prompt order. `params` may also be one per prompt.
+        max_tokens_each: per prompt, one cap per sample (each 1 .. its params.max_tokens): sample j stops after
+        max_tokens_each[i][j] tokens, while the group still shares its prompt's KV (a long-tailed workload of
+        fixed lengths, bench/long.py). None: every sample stops at max_tokens."""
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts; pass one or one each.")
+        caps = [None] * len(prompts) if max_tokens_each is None else list(max_tokens_each)
+        if len(caps) != len(prompts):
+            raise ValueError(f"got {len(caps)} lists of max_tokens_each for {len(prompts)} prompts; pass one each.")
         self.runner.ensure_kv_cache()
         try:
-            groups = [self._add(i, prompt, p) for i, (prompt, p) in enumerate(zip(prompts, per_prompt))]
+            groups = [self._add(i, prompt, p, caps=cap)
+                      for i, (prompt, p, cap) in enumerate(zip(prompts, per_prompt, caps))]
             # The device context matters with one engine per rank: Triton and graph capture use the current one.
             with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
                 while self.scheduler.has_work():
@@ -157,7 +173,8 @@ class CohortEngine:
             self._abort()
             raise
         return [
-            [Completion(s.completion_ids, s.logprobs, s.finish_reason or "length") for s in group]
+            [Completion(s.completion_ids, s.logprobs, s.finish_reason or "length",
+                        routed_experts=self.runner.routes.result(s)) for s in group]
             for group in groups
         ]
 
@@ -194,8 +211,8 @@ class CohortEngine:
             self._abort()
             raise
         return [
-            [Completion(s.completion_ids, s.logprobs, s.finish_reason or "length", mask=list(s.mask), turns=s.turns)
-             for s in group]
+            [Completion(s.completion_ids, s.logprobs, s.finish_reason or "length", mask=list(s.mask), turns=s.turns,
+                        routed_experts=self.runner.routes.result(s)) for s in group]
             for group in groups
         ]
 
@@ -215,10 +232,10 @@ class CohortEngine:
         if not tokens:
             self.scheduler.release(seq)
             return
-        room = seq.params.max_tokens - seq.num_completion_tokens
+        room = seq.max_tokens - seq.num_completion_tokens
         if len(tokens) >= room:
             raise ValueError(f"a continuation of {len(tokens)} tokens leaves no room to generate: the completion "
-                             f"has {seq.num_completion_tokens} of max_tokens={seq.params.max_tokens}; end the "
+                             f"has {seq.num_completion_tokens} of max_tokens={seq.max_tokens}; end the "
                              "conversation (return None) when the context does not fit.")
         self.scheduler.resume(seq, list(tokens))
 
@@ -254,14 +271,19 @@ class CohortEngine:
         return f"cohort engine ({self.runner.attention.name}, {graphs}, sampler={'triton' if self.sampler.use_triton else 'torch'}{fused})"
 
     # ---- internals ---------------------------------------------------------------------------------
-    def _add(self, index: int, prompt: Seq[int], params: SamplingParams, multi_turn: bool = False) -> list[Sequence]:
+    def _add(self, index: int, prompt: Seq[int], params: SamplingParams, multi_turn: bool = False,
+             caps: Seq[int] | None = None) -> list[Sequence]:
         self._validate(index, prompt, params)
+        if caps is not None and (len(caps) != params.n or not all(1 <= c <= params.max_tokens for c in caps)):
+            raise ValueError(f"prompt {index}: max_tokens_each={list(caps)[:8]} must hold n={params.n} caps, each "
+                             f"1 .. max_tokens={params.max_tokens}.")
         base = params.seed if params.seed is not None else self._rng.getrandbits(62)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         seqs = [
             Sequence(seq_id=next(self._ids), token_ids=list(prompt), num_prompt_tokens=len(prompt), params=params,
                      seed=base + index * params.n + j, request_index=(index, j), stop_ids=stop_ids,
-                     multi_turn=multi_turn, inputs=prompt if isinstance(prompt, PromptWithInputs) else None)
+                     multi_turn=multi_turn, inputs=prompt if isinstance(prompt, PromptWithInputs) else None,
+                     max_tokens=caps[j] if caps is not None else 0)
             for j in range(params.n)
         ]
         # A group must fit one step's sequence limit and the cache; split it (losing some sharing) if not.
@@ -317,6 +339,7 @@ class CohortEngine:
             tokens, logprobs = self.sampler(logits, step.seqs)
         else:
             tokens, logprobs = sampled
+        self.runner.routes.book(step)  # router replay: the routing of the tokens just fed (when recording)
         for seq, token, logprob in zip(step.seqs, tokens, logprobs):
             seq.append(token, logprob, self.tokenizer)
         return self.scheduler.finish(step.seqs)
@@ -330,6 +353,7 @@ class CohortEngine:
         self._inflight = self._chain(current)
         tokens, logprobs = self.runner.collect_multi(current.ticket, len(current.seqs))
         before = sum(len(seq) for seq in current.seqs)
+        self.runner.routes.book_multi(current.ticket, current.seqs, current.budgets)  # when recording
         for seq, budget, toks, lps in zip(current.seqs, current.budgets, tokens, logprobs):
             # a row that ended in an earlier launch was computed in vain in this chained one
             if seq.status is Status.RUNNING and seq.finish_reason is None:
@@ -359,7 +383,7 @@ class CohortEngine:
             if seq.status is not Status.RUNNING or seq.finish_reason is not None:
                 budgets.append(0)  # ended before `current`, whose tokens for it are dropped too
             else:  # tokens left once `current`'s are in (a row with budget < steps ends in `current`)
-                budgets.append(max(0, min(steps, seq.params.max_tokens - seq.num_completion_tokens - budget)))
+                budgets.append(max(0, min(steps, seq.max_tokens - seq.num_completion_tokens - budget)))
         live = sum(b > 0 for b in budgets)
         if live == 0 or live < MIN_LIVE_SHARE * len(budgets):
             return None

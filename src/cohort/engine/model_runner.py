@@ -4,6 +4,8 @@ KV cache: one tensor [2, layers, num_blocks + 1, block_size, kv_heads, head_dim]
 number of blocks comes from the device's free memory times `kv_cache_fraction` (taken after the trainer's
 weights, gradients and optimizer state exist), capped at what max_num_seqs sequences of max_model_len can
 use, so the engine never allocates past what is free. Block `num_blocks` is scratch for CUDA-graph padding.
+With EngineConfig.fit_context_to_kv (the model's context as max_model_len) a pool smaller than one sequence of
+it lowers max_model_len to the pool's size instead of failing.
 
 Decode steps on CUDA replay a graph captured for the smallest captured batch size >= the live batch; the
 padded rows write to and read from the scratch block, so they never touch a live sequence's KV.
@@ -29,12 +31,16 @@ from cohort.engine.config import EngineConfig
 from cohort.engine.models.decoder import HFModule
 from cohort.engine.models.registry import build_forward
 from cohort.engine.prefill_graphs import PrefillGraphs
+from cohort.engine.routing import RouteRecorder
 from cohort.engine.sampler import temperature_rows
 from cohort.engine.scheduler import PrefillUnit
 from cohort.engine.sequence import Sequence
 from cohort.engine.triton_ops import fused_sample
+from cohort.policy.context import CPU_KV_BUDGET
 
-_CPU_KV_BUDGET = 4 << 30
+# Decode graphs of the gather attention (no Triton kernel for the head size) copy every row's K/V over the whole
+# table width: batch sizes whose copies pass this many bytes run eagerly, over the live contexts only.
+GATHER_GRAPH_BYTES = 1 << 30
 
 
 class ModelRunner:
@@ -72,6 +78,7 @@ class ModelRunner:
         use_graphs = device.type == "cuda" and not config.enforce_eager and self.net.graph_safe
         steps = config.decode_steps
         self.decode_steps = steps if steps is not None else (8 if use_graphs and self.sample_in_graph else 1)
+        self.routes = RouteRecorder(self.net, config, self.decode_steps, device, pin)  # router replay's records
         self._alloc_static(pin)
         self._param_ptrs = self._parameter_pointers()
         self._pool = None  # the decode graphs' memory pool, shared by the prefill graphs
@@ -169,8 +176,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
         else:
-            free = _CPU_KV_BUDGET
+            free = CPU_KV_BUDGET
         fit = int(free * cfg.kv_cache_fraction) // self.bytes_per_block()
+        if cfg.fit_context_to_kv and 1 <= fit < cfg.max_blocks_per_seq:
+            cfg.max_model_len = fit * cfg.block_size  # what one sequence can have in the pool
         if fit < cfg.max_blocks_per_seq:
             raise RuntimeError(
                 f"kv_cache_fraction={cfg.kv_cache_fraction} of {free / 2**30:.1f} GiB free gives {fit} KV blocks, "
@@ -233,7 +242,7 @@ class ModelRunner:
         # prompts with images (cohort.vision.engine_forward): embeddings with image features, multimodal RoPE rows
         prefill_inputs = getattr(self.net, "prefill_inputs", None)
         extra = prefill_inputs(units, input_ids, pos_t) if prefill_inputs is not None else None
-        hidden = self.net.forward(input_ids, pos_t, ctx, self._cache(), **(extra or {}))
+        hidden = self.routes.forward(len(ids), input_ids, pos_t, ctx, self._cache(), **(extra or {}))
         last = torch.tensor(cu[1:], device=dev) - 1
         return self.net.logits(hidden[last])
 
@@ -303,7 +312,7 @@ class ModelRunner:
             ctx_lens=rows_dev[3].to(torch.int32),
             max_ctx_len=max(len(s) for s in seqs),
         )
-        return self.net.logits(self.net.forward(rows_dev[0], rows_dev[1], ctx, self._cache())), None
+        return self.net.logits(self.routes.forward(n, rows_dev[0], rows_dev[1], ctx, self._cache())), None
 
     # ---- multi-step decode (engine/multi_step.py) --------------------------------------------------
     launch_multi = multi_step.launch
@@ -312,8 +321,11 @@ class ModelRunner:
 
     # ---- CUDA graphs -------------------------------------------------------------------------------
     def graph_batch_sizes(self) -> list[int]:
-        top = self.config.max_num_seqs
+        top, net = self.config.max_num_seqs, self.net
         sizes = [b for b in (1, 2, 4, 8) if b < top] + list(range(16, top, 16)) + [top]
+        if not self.attention.use_triton:  # see GATHER_GRAPH_BYTES: K/V copies of max_model_len per row
+            row = 2 * (net.num_heads + net.num_kv_heads) * self.config.max_model_len * net.head_dim * net.dtype.itemsize
+            sizes = [b for b in sizes if b * row <= GATHER_GRAPH_BYTES]
         return sorted(set(sizes))
 
     def graph_pool(self):
@@ -342,13 +354,13 @@ class ModelRunner:
             def run(ctx=ctx, ids=ids, pos=pos, bs=bs):
                 self._static_ctx_lens.copy_(self._static_rows[3].to(torch.int32))
                 out = None if self._graph_logits is None else self._graph_logits[:bs]
-                logits = self.net.logits(self.net.forward(ids, pos, ctx, self._cache()), out=out)
+                logits = self.net.logits(self.routes.forward_decode(bs, ids, pos, ctx, self._cache()), out=out)
                 if not self.sample_in_graph:
                     return logits, None, None
                 # The sampled token sits at position ctx_len (row 3): the key of sampler.row_key.
                 rows, floats = self._static_rows, self._static_floats
-                return (logits, *fused_sample(logits, logits, floats[0, :bs], floats[1, :bs], rows[4, :bs],
-                                              rows[3, :bs]))
+                drawn = fused_sample(logits, logits, floats[0, :bs], floats[1, :bs], rows[4, :bs], rows[3, :bs])
+                return logits, drawn[0], self.net.sampled_logprobs(logits, *drawn, floats[0, :bs])  # exact parity
 
             graph, outputs = self._capture(run, pool, bs)
             self.graphs[bs] = (graph, *outputs)

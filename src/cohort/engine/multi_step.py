@@ -63,6 +63,7 @@ def launch(runner: ModelRunner, seqs: list[Sequence], budgets: list[int], chaine
     # (measured on workload B: every launch below 256 rows ran unchained, ~2 ms of idle device per launch).
     out_tokens.copy_(runner._multi_tokens, non_blocking=True)
     out_logprobs.copy_(runner._multi_logprobs, non_blocking=True)
+    runner.routes.queue_multi(which)  # router replay's rows, to the same host set (when recording)
     if runner.device.type == "cuda":
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(runner.device))
@@ -95,11 +96,12 @@ def body(runner: ModelRunner, bs: int, max_ctx_len: int | None = None) -> None:
     # write to the scratch block
     step(rows, tables, runner._static_ctx_lens, advance=None, prep_step=0)
     for j in range(runner.decode_steps):
-        logits = runner.net.logits(runner.net.forward(ids, pos, ctx, runner._cache()), out=out)
+        logits = runner.net.logits(runner.routes.forward_multi(j, bs, ids, pos, ctx, runner._cache()), out=out)
         if runner.sample_in_graph:
             tokens, logprobs = fused_sample(logits, logits, floats[0, :bs], floats[1, :bs], seeds, ctx_lens)
         else:
             tokens, logprobs = sample_plain(logits, floats[0, :bs], floats[1, :bs], seeds, ctx_lens)
+        logprobs = runner.net.sampled_logprobs(logits, tokens, logprobs, floats[0, :bs])  # exact parity's kernel
         # A valid sample is fed next: the state after the last step is where a chained launch resumes.
         last = j == runner.decode_steps - 1
         step(rows, tables, runner._static_ctx_lens,

@@ -118,7 +118,7 @@ class PrefillGraphs:
                           cu_seqlens_host=None, max_seqlen=longest)
 
         def forward() -> torch.Tensor:
-            hidden = runner.net.forward(captured.ids, captured.positions, ctx, runner._cache())
+            hidden = runner.routes.forward_prefill(key[0], captured.ids, captured.positions, ctx, runner._cache())
             return runner.net.logits(hidden[captured.last])
 
         captured.graph, captured.logits = runner.capture_graph(forward, runner.graph_pool())

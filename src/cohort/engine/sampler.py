@@ -11,6 +11,8 @@ recomputes: the filters decide which token is drawn, not the logprob (see cohort
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -125,6 +127,9 @@ class Sampler:
             use_triton = device.type == "cuda" and triton_ops.triton is not None
         self.device = device
         self.use_triton = use_triton
+        # generation.logprob_parity=exact: (logits, tokens, inv_temp) -> the trainer's log-probabilities of the
+        # drawn tokens (the engine sets it to its decoder's sampled-token kernel); None: the sampler's own
+        self.exact_logprobs: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
         tokens, logprobs = self.sample(logits, seqs)
@@ -141,14 +146,19 @@ class Sampler:
         if self.use_triton:
             ints = torch.from_numpy(aligned_rows([seeds, positions], np.int64)).to(self.device, non_blocking=True)
             choice_scaled_input = logits if choice is None else choice
-            return triton_ops.fused_sample(logits, choice_scaled_input.contiguous(), inv_temp, noise, ints[0, :n], ints[1, :n])
+            tokens, logprobs = triton_ops.fused_sample(logits, choice_scaled_input.contiguous(), inv_temp, noise,
+                                                       ints[0, :n], ints[1, :n])
+            return tokens, self._reported(logits, tokens, logprobs, inv_temp)
         keys = torch.from_numpy(row_keys(seeds, positions)).to(self.device, non_blocking=True)
         scaled = logits.float() * inv_temp[:, None]
         chosen_scaled = scaled if choice is None else choice.float() * inv_temp[:, None]
         score = chosen_scaled + noise[:, None] * gumbel_noise(keys, logits.shape[-1])
         tokens = score.argmax(-1)
         logprobs = scaled.gather(-1, tokens[:, None])[:, 0] - scaled.logsumexp(-1)
-        return tokens, logprobs
+        return tokens, self._reported(logits, tokens, logprobs, inv_temp)
+
+    def _reported(self, logits, tokens, logprobs, inv_temp):
+        return logprobs if self.exact_logprobs is None else self.exact_logprobs(logits, tokens, inv_temp)
 
     @torch.inference_mode()
     def warm(self, vocab: int, max_rows: int, dtype: torch.dtype) -> int:

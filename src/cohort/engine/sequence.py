@@ -62,10 +62,15 @@ class Sequence:
     # prompt position + 1 - prompt length)
     inputs: object = None
     rope_delta: int = 0
+    # this sample's completion cap: params.max_tokens, unless the request gave each sample its own
+    # (CohortEngine.generate's max_tokens_each); 0 here means "from params"
+    max_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.turn_start < 0:
             self.turn_start = self.num_prompt_tokens
+        if self.max_tokens <= 0:
+            self.max_tokens = self.params.max_tokens
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -85,7 +90,7 @@ class Sequence:
         self.mask.append(1)
         if token in self.stop_ids or (self.params.stop_strings and tokenizer is not None and self._hit_stop_string(tokenizer)):
             self.finish_reason = "stop"
-        elif self.num_completion_tokens >= self.params.max_tokens:
+        elif self.num_completion_tokens >= self.max_tokens:
             self.finish_reason = "length"
         return self.finish_reason is not None
 
@@ -95,7 +100,7 @@ class Sequence:
         if self.params.stop_strings and tokenizer is not None:
             # any() stops at the first token that finishes the sequence: the rest are never appended
             return any(self.append(token, logprob, tokenizer) for token, logprob in zip(tokens, logprobs))
-        take = min(len(tokens), self.params.max_tokens - self.num_completion_tokens)
+        take = min(len(tokens), self.max_tokens - self.num_completion_tokens)
         stop = self.stop_ids
         for i in range(take):
             if tokens[i] in stop:
@@ -105,13 +110,13 @@ class Sequence:
         self.token_ids.extend(tokens[:take])
         self.logprobs.extend(logprobs[:take])
         self.mask.extend([1] * take)
-        if self.finish_reason is None and self.num_completion_tokens >= self.params.max_tokens:
+        if self.finish_reason is None and self.num_completion_tokens >= self.max_tokens:
             self.finish_reason = "length"
         return self.finish_reason is not None
 
     def decode_budget(self, steps: int) -> int:
         """Tokens a chunk of `steps` decode steps may sample for this sequence (its max_tokens caps it)."""
-        return min(steps, self.params.max_tokens - self.num_completion_tokens)
+        return min(steps, self.max_tokens - self.num_completion_tokens)
 
     @property
     def turn_ids(self) -> list[int]:

@@ -53,7 +53,7 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, part_acc_ptr, part_ml_ptr, scale, window,
         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-        PRECISION: tl.constexpr, SPLITS: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, TILE: tl.constexpr,
+        PRECISION: tl.constexpr, SPLITS: tl.constexpr, TILE: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -71,10 +71,15 @@ if triton is not None:
         denom = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         lo = tl.maximum(ctx_len - window, 0)
-        # this program's share of the sequence's tiles of TILE tokens (all of them when SPLITS == 1); a tile
-        # spans TILE // BLOCK cache blocks, each token's row found through its block's table entry
-        first = tl.maximum(lo // TILE, split * TILES_PER_SPLIT)
-        last = tl.minimum(tl.cdiv(ctx_len, TILE), (split + 1) * TILES_PER_SPLIT)
+        # this program's share of the sequence's live tiles of TILE tokens, [lo, ctx_len) cut into SPLITS equal
+        # runs (all of them when SPLITS == 1): a context far shorter than the table (max_model_len) still spreads
+        # over every split. A tile spans TILE // BLOCK cache blocks, each token's row found through its block's
+        # table entry.
+        start = lo // TILE
+        end = tl.cdiv(ctx_len, TILE)
+        per = tl.cdiv(end - start, SPLITS)
+        first = start + split * per
+        last = tl.minimum(end, first + per)
         for i in range(first, last):
             pos = i * TILE + toks
             valid = (pos < ctx_len) & (pos >= lo)
@@ -234,8 +239,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tile = tile or default_tile
     if tile & (tile - 1) or tile < 16:
         raise ValueError(f"tile={tile} must be a power of two >= 16")
-    tiles = -(-width * block // tile)
-    per_split = -(-tiles // splits)  # tiles per split
     if splits > 1:
         part_acc = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=q.device)
@@ -247,8 +250,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK=block,
         # float32 models get exact float32 products (not tf32), so they match the PyTorch reference.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits, TILES_PER_SPLIT=per_split,
-        TILE=tile, num_warps=num_warps or DECODE_WARPS, num_stages=num_stages or default_stages,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits, TILE=tile,
+        num_warps=num_warps or DECODE_WARPS, num_stages=num_stages or default_stages,
     )
     if splits > 1:
         _paged_decode_combine_kernel[(batch, heads)](part_acc, part_ml, out, out.stride(0), out.stride(1),

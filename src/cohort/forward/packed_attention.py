@@ -10,7 +10,9 @@ VARLEN_IMPL:
   "torch" (default) is torch's built-in FlashAttention-2 (`torch.nn.attention.varlen.varlen_attn`); "fa4" is
   FlashAttention-4 (the `flash-attn-4` package, `flash_attn.cute`; Hopper and Blackwell) through the custom
   ops of `cohort.forward.fa4_attention`, with the query heads grouped over the KV heads inside the kernel;
-- without them (generate, ordinary forwards): the model's previous implementation, unchanged.
+- without them (generate, ordinary forwards): the model's previous implementation, unchanged;
+- with `cohort_context` (a rank's share of a context-parallel row): that shard's attention over the K/V its
+  group gathers (cohort.forward.context_attention).
 
 Sliding-window layers (Mistral, Gemma 3's local layers, Qwen with use_sliding_window) hand their window to
 the attention function as `sliding_window`; both packed paths honour it inside each sequence (flash
@@ -250,6 +252,9 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
                                   "the packed attention; packed_forward_logprobs(attn='native') uses the model's own")
     window = kwargs.get("sliding_window")
     window = int(window) if window else None
+    context = kwargs.get("cohort_context")
+    if context is not None:  # this rank's chunks of a context-parallel row (cohort.forward.context_attention)
+        return context.attend(query, key, value, scaling, window), None
     # a shared-prompt row (cohort.forward.shared_prompts): each key segment gathers its prompt's rows and its own
     kv_index = kwargs.get("cohort_kv_index")
     cu_k = cu if kv_index is None else kwargs["cu_seq_lens_k"]

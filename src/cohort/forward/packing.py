@@ -36,6 +36,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 from cohort.forward.logprobs import DEFAULT_CHUNK_TOKENS, selective_logprobs_and_entropy
 from cohort.forward.packed_attention import _PACKED_MASKS, VARLEN_IMPL, enable_packed_attention, prepare_flash
 from cohort.forward.plugins import has_extra_inputs, row_forward_for
+from cohort.forward.router_replay import RouterReplay, row_replay
 from cohort.forward.shared_prompts import pack_shared_layout
 
 
@@ -110,6 +111,14 @@ def _to_device(device, *arrays: np.ndarray) -> list[torch.Tensor]:
 def pack_layout(sequences, device):
     """Flat input ids, restarting position ids, cu_seqlens, and (hidden index, label) of completion tokens.
     Built on the host and sent in one asynchronous copy (see host_to_device)."""
+    flat_ids, pos, hidden_idx, labels, cu, offsets = host_layout(sequences)
+    ids_t, pos_t, hidden_t, labels_t, cu_t = _to_device(device, flat_ids, pos, hidden_idx, labels, cu)
+    return (ids_t.view(1, -1), pos_t.view(1, -1), cu_t.to(torch.int32), hidden_t, labels_t, offsets)
+
+
+def host_layout(sequences) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[int]]:
+    """pack_layout's arrays on the host (int64): ids, positions, hidden index, labels, cu_seqlens; and the
+    completion offsets."""
     ids: list[int] = []
     prompt_lens, completion_lens = [], []
     for i, (prompt, completion) in enumerate(sequences):
@@ -132,9 +141,7 @@ def pack_layout(sequences, device):
     hidden_idx = completion_start + np.arange(n_completion, dtype=np.int64) - np.repeat(offsets[:-1], c_len)
     flat_ids = np.asarray(ids, dtype=np.int64)
     labels = flat_ids[hidden_idx + 1]
-    ids_t, pos_t, hidden_t, labels_t, cu_t = _to_device(device, flat_ids, pos, hidden_idx, labels, cu)
-    return (ids_t.view(1, total), pos_t.view(1, total), cu_t.to(torch.int32), hidden_t, labels_t,
-            offsets.tolist())
+    return flat_ids, pos, hidden_idx, labels, cu, offsets.tolist()
 
 
 def _decoder(model):
@@ -158,12 +165,14 @@ class PackedRow:
     options: dict[str, Any]  # max_len, and for a shared-prompt row cu_k, kv_index, max_len_k
     offsets: list[int]
     sequences: int  # how many (prompt, completion) pairs
+    replay: RouterReplay | None = None  # the engine's recorded routing laid out as the row (train.router_replay)
 
 
 def pack_row(model, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], *, attn: str = "varlen",
-             share_prompts: bool = False) -> PackedRow | None:
+             share_prompts: bool = False, routes: Sequence[Any] | None = None) -> PackedRow | None:
     """The packed row of `sequences` on the model's device (see packed_forward_logprobs for the arguments);
-    None for prompts with inputs besides their ids (images), whose row their plug-in's forward builds."""
+    None for prompts with inputs besides their ids (images), whose row their plug-in's forward builds.
+    routes: each sequence's recorded routing (train.router_replay): the row's `replay` (cohort.forward.router_replay)."""
     if attn not in ("varlen", "native"):
         raise ValueError(f"attn={attn!r} is not one of 'varlen', 'native'")
     if not sequences:
@@ -171,6 +180,7 @@ def pack_row(model, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], *,
     if has_extra_inputs([prompt for prompt, _ in sequences]):  # prompts with images: their plug-in's forward
         return None
     device = model.get_input_embeddings().weight.device
+    send = functools.partial(host_to_device, device=device)
     shared = pack_shared_layout(sequences) if share_prompts and _routes_varlen(model, attn) else None
     if shared is not None:
         ids_t, pos_t, cu_q, cu_k, kv_t, hidden_t, labels_t = _to_device(
@@ -178,12 +188,13 @@ def pack_row(model, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], *,
             shared.labels)
         return PackedRow((ids_t.view(1, -1), pos_t.view(1, -1), cu_q.to(torch.int32), hidden_t, labels_t),
                          {"max_len": shared.max_q, "cu_k": cu_k.to(torch.int32), "kv_index": kv_t,
-                          "max_len_k": shared.max_k}, shared.offsets, len(sequences))
+                          "max_len_k": shared.max_k}, shared.offsets, len(sequences),
+                         row_replay(routes, sequences, (shared.sources, shared.positions), send))
     input_ids, position_ids, cu, hidden_idx, labels, offsets = pack_layout(sequences, device)
     # the longest sequence, from the host's lists: reading it off `cu` would make the host wait for the GPU
     max_len = max(len(prompt) + len(completion) for prompt, completion in sequences)
     return PackedRow((input_ids, position_ids, cu, hidden_idx, labels), {"max_len": max_len}, offsets,
-                     len(sequences))
+                     len(sequences), row_replay(routes, sequences, None, send))
 
 
 def packed_forward_logprobs(
@@ -261,9 +272,11 @@ def _routes_varlen(model, attn: str) -> bool:
 def packed_pass(model, input_ids, position_ids, cu, hidden_idx, labels, *, temperature: float,
                 compute_entropy: bool, chunk_tokens: int, attn: str, lm_head_grad_fp32: bool,
                 max_len: int | None = None, keep_logits: bool = False, cu_k=None, kv_index=None,
-                max_len_k: int | None = None, router_aux_loss: bool = False):
+                max_len_k: int | None = None, router_aux_loss: bool = False, context=None):
     """The decoder body over one packed row, then the chunked logprobs of the labels (model is the root).
     router_aux_loss: also the router load-balancing loss of the row, as a third output.
+    context: this rank's share of a context-parallel row (cohort.forward.context_attention.ContextShard): the
+    tensors are its tokens, and the logprobs it returns are the whole row's, summed over the group.
     max_len: the longest sequence of the row, when the caller knows it (else read from `cu`, a device sync).
     cu_k, kv_index, max_len_k: the key segments of a shared-prompt row (cohort.forward.shared_prompts); `cu` then marks
     its query segments."""
@@ -277,6 +290,8 @@ def packed_pass(model, input_ids, position_ids, cu, hidden_idx, labels, *, tempe
         if kv_index is not None:
             assert cu_k is not None and max_len_k is not None  # set together by packed_forward_logprobs
             kwargs.update(cu_seq_lens_k=cu_k, max_length_k=max_len_k, cohort_kv_index=kv_index)
+        if context is not None:
+            kwargs["cohort_context"] = context
     if router_aux_loss:
         kwargs["output_router_logits"] = True
     token = _PACKED_MASKS.set(attn == "varlen")
@@ -286,6 +301,8 @@ def packed_pass(model, input_ids, position_ids, cu, hidden_idx, labels, *, tempe
         _PACKED_MASKS.reset(token)
     logprobs, entropy = _row_logprobs(model, out, hidden_idx, labels, temperature, compute_entropy, chunk_tokens,
                                       lm_head_grad_fp32, keep_logits)
+    if context is not None:
+        logprobs, entropy = context.combine(logprobs), None if entropy is None else context.combine(entropy)
     # fresh tensors, not views: FSDP hooks the outputs of a forward method for its backward pre-hook
     result = (logprobs.clone(), None if entropy is None else entropy.clone())
     if router_aux_loss:

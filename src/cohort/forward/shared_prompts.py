@@ -42,6 +42,7 @@ class SharedLayout:
     hidden_idx: np.ndarray  # [N] the row that predicts each completion token (in input order)
     labels: np.ndarray  # [N] the completion tokens
     offsets: list[int]  # input sequence i's tokens are [offsets[i], offsets[i + 1]) of hidden_idx / labels
+    sources: np.ndarray  # [T] the input sequence each row's token is of (a shared prompt: its group's first)
     max_q: int
     max_k: int
 
@@ -74,11 +75,13 @@ def pack_shared_layout(sequences) -> SharedLayout | None:
     positions: list[np.ndarray] = []
     q_lens: list[int] = []
     keys: list[np.ndarray] = []
+    sources: list[np.ndarray] = []
     row = 0
 
-    def segment(tokens: np.ndarray, start_pos: int, key_rows: np.ndarray) -> int:
+    def segment(tokens: np.ndarray, start_pos: int, key_rows: np.ndarray, source: int) -> int:
         nonlocal row
         ids.append(tokens)
+        sources.append(np.full(len(tokens), source, dtype=np.int64))
         positions.append(np.arange(start_pos, start_pos + len(tokens), dtype=np.int64))
         q_lens.append(len(tokens))
         keys.append(key_rows)
@@ -94,16 +97,16 @@ def pack_shared_layout(sequences) -> SharedLayout | None:
         if len(group) == 1:  # alone: the plain [prompt completion] segment
             i = group[0]
             tokens = np.concatenate([prompt, completions[i]])
-            first = segment(tokens, 0, np.arange(row, row + len(tokens), dtype=np.int64))
+            first = segment(tokens, 0, np.arange(row, row + len(tokens), dtype=np.int64), i)
             hidden_idx[offsets[i]:offsets[i + 1]] = first + p - 1 + np.arange(c_len[i])
             continue
         prompt_rows = np.arange(row, row + p, dtype=np.int64)
-        segment(prompt, 0, prompt_rows)
+        segment(prompt, 0, prompt_rows, group[0])
         for i in group:
             if c_len[i] == 0:  # nothing to predict: no segment (a zero-length one would reach the kernels)
                 continue
             own = np.arange(row, row + c_len[i], dtype=np.int64)
-            first = segment(completions[i], p, np.concatenate([prompt_rows, own]))
+            first = segment(completions[i], p, np.concatenate([prompt_rows, own]), i)
             # the first completion token is predicted by the prompt's last row, the others by their predecessor
             hidden_idx[offsets[i]] = prompt_rows[-1]
             hidden_idx[offsets[i] + 1:offsets[i + 1]] = first + np.arange(c_len[i] - 1)
@@ -115,5 +118,5 @@ def pack_shared_layout(sequences) -> SharedLayout | None:
         cu_q=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64),
         cu_k=np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int64),
         kv_index=np.concatenate(keys), hidden_idx=hidden_idx, labels=labels,
-        offsets=offsets.tolist(), max_q=int(max(q_lens)), max_k=int(k_lens.max()),
+        offsets=offsets.tolist(), sources=np.concatenate(sources), max_q=int(max(q_lens)), max_k=int(k_lens.max()),
     )

@@ -35,6 +35,7 @@ from huggingface_hub import try_to_load_from_cache
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from cohort.errors import ConfigError
+from cohort.policy.quantized import bnb_config
 
 SMOLLM2_NAMES = ("smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct")
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -263,14 +264,25 @@ def load_policy(
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
     cache_dir: str | Path | None = None,
+    quantization: str = "none",
 ):
-    """Load a causal LM and its tokenizer -> (model, tokenizer). See the module docstring for the names."""
+    """Load a causal LM and its tokenizer -> (model, tokenizer). See the module docstring for the names.
+    `quantization` nf4 / fp4: the linear layers' weights in 4 bits through bitsandbytes (QLoRA,
+    cohort.policy.quantized), loaded straight onto `device` (a 4-bit model cannot be moved after loading)."""
     path = resolve_model_path(name_or_path, gguf_file=gguf_file, cache_dir=cache_dir)
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     tokenizer = _with_pad_token(_from_pretrained(AutoTokenizer, path, "tokenizer", **kwargs))
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    model = _from_pretrained(AutoModelForCausalLM, path, "model", dtype=resolve_dtype(dtype), **kwargs)
+    dtype = resolve_dtype(dtype)
+    if quantization != "none":
+        compute = dtype if isinstance(dtype, torch.dtype) else torch.bfloat16  # 'auto': bf16, as QLoRA computes
+        target = torch.device(device if device is not None else "cuda")
+        if target.type == "cuda" and target.index is None:  # the device_map names one device
+            target = torch.device("cuda", torch.cuda.current_device())
+        kwargs.update(quantization_config=bnb_config(quantization, compute), device_map={"": target})
+        dtype, device = compute, None
+    model = _from_pretrained(AutoModelForCausalLM, path, "model", dtype=dtype, **kwargs)
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     if device is not None:

@@ -39,8 +39,9 @@ from cohort.engine.turns_by_regeneration import generate_turns_by_regeneration
 from cohort.errors import CohortError, ConfigError
 from cohort.remote import weights as W
 from cohort.remote.address import parse_address
-from cohort.remote.errors import ServerAuthError, ServerError, ServerUnavailable, StaleServer
+from cohort.remote.errors import ServerAuthError, ServerError, ServerUnavailable, SessionGone, StaleServer
 from cohort.remote.liveness import mark_nccl_aborted, run_watched
+from cohort.remote.session_turns import generate_turns_in_sessions
 from cohort.types import Completion, SamplingParams, TurnCallback
 
 API_KEY_ENV = "COHORT_API_KEY"  # the shared secret of `cohort serve`, read by both sides (docs/serving.md)
@@ -98,6 +99,8 @@ class ServerClient:
                                    f"{API_KEY_ENV})")
         if err.get("type") == "weight_mismatch":
             return W.WeightMismatchError(message)
+        if err.get("type") == "session_evicted":
+            return SessionGone(message)
         if err.get("type") == "stale_version":
             return StaleServer(message, err.get("server_id"))
         return ServerError(message)
@@ -124,7 +127,7 @@ class RemoteEngine:
     def __init__(self, address: str, policy: torch.nn.Module | None = None, *, timeout_s: float = 600.0,
                  connect_timeout_s: float = 60.0, pusher: bool = True, session: str | None = None,
                  bucket_bytes: int = W.DEFAULT_BUCKET_BYTES, liveness_timeout_s: float = 30.0,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, use_sessions: bool = True) -> None:
         host, port = parse_address(address)
         self.client = ServerClient(host, port, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
                                    api_key=api_key)  # None: COHORT_API_KEY
@@ -142,6 +145,8 @@ class RemoteEngine:
         self._local = threading.local()
         info = self.client.wait_ready("connect")
         self.server_id, self._server_engine = info["server_id"], info.get("engine", "?")
+        # multi-turn on kept KV when the server keeps sessions (cohort's engine), else today's re-send
+        self.use_sessions = use_sessions and bool(info.get("sessions"))
         if self.pusher:
             self._push(phase="the initial weight push")
 
@@ -151,9 +156,7 @@ class RemoteEngine:
         """`params.n` completions per prompt from the server; `params` may be one per prompt."""
         wire = (params_to_json(params) if isinstance(params, SamplingParams)
                 else [params_to_json(p) for p in params])
-        body = {"prompts": [list(map(int, p)) for p in prompts], "params": wire,
-                "min_version": self._required_version(), "session": self.session if self.policy is not None else None,
-                "wait_s": 0.0 if self.pusher else self.client.timeout_s}
+        body = {"prompts": [list(map(int, p)) for p in prompts], "params": wire, **self.version_fields()}
         for attempt in (0, 1):
             try:
                 out = self.client.request("POST", "/generate", body, phase="generate")
@@ -170,11 +173,19 @@ class RemoteEngine:
                      for c in group] for group in out["completions"]]
         raise AssertionError("unreachable")
 
+    def version_fields(self) -> dict:
+        """A generation request's version fields: the version it needs, the run's id, how long to wait."""
+        return {"min_version": self._required_version(), "session": self.session if self.policy is not None else None,
+                "wait_s": 0.0 if self.pusher else self.client.timeout_s}
+
     def generate_turns(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                        on_turn_end: TurnCallback) -> list[list[Completion]]:
         """Multi-turn (tool-calling) rollouts on the server: each later turn is generated on the conversation so
         far, every conversation of a round in one request (cohort.engine.turns_by_regeneration); a completion
-        records its oldest turn's version. The tools run here, in the trainer process, as colocated."""
+        records its oldest turn's version. The tools run here, in the trainer process, as colocated. A server
+        that keeps sessions continues each conversation on its kept KV instead (remote/session_turns.py)."""
+        if self.use_sessions:
+            return generate_turns_in_sessions(self, prompts, params, on_turn_end)
         return generate_turns_by_regeneration(self.generate, prompts, params, on_turn_end, batched=True)
 
     def sync_weights(self) -> None:

@@ -23,3 +23,8 @@ class StaleServer(ServerError):
     def __init__(self, message: str, server_id: str | None) -> None:
         super().__init__(message)
         self.server_id = server_id
+
+
+class SessionGone(ServerError):
+    """The server no longer holds a conversation's kept KV (HTTP 410: its session timed out, was evicted
+    under --max-sessions, closed, or the server restarted): re-send the whole conversation."""

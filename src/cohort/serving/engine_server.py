@@ -118,14 +118,15 @@ class EngineServer:
         self._pool = ThreadPoolExecutor(len(self.replicas)) if len(self.replicas) > 1 else None
         # concurrent requests (a data-parallel trainer's ranks) decode as one batch: serving/coalesce.py
         self._coalescer = Coalescer(self._generate)
+        self.sessions: Any = None  # a SessionTable when the engine keeps KV between turns (serving/sessions.py)
 
     # ---- generation --------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams], *,
                  min_version: int | None = None,
-                 wait_s: float = 0.0, session: str | None = None) -> tuple[list[list[Completion]], int]:
+                 wait_s: float = 0.0, session: str | None = None, turn=None) -> tuple[Any, int]:
         """Completions of every prompt, all sampled with one version (returned). With `min_version`, wait up to
         `wait_s` for a push of at least that version (by the run `session`, when given), else raise
-        StaleVersion."""
+        StaleVersion. `turn(version)`: run that instead of the batch (a session turn, serving/sessions.py)."""
         if not (math.isfinite(wait_s) and wait_s >= 0):  # a NaN wait spins for ever, an infinite one holds for ever
             raise ValueError(f"wait_s={wait_s!r} must be a finite number of seconds >= 0")
         if min_version is not None:
@@ -141,6 +142,8 @@ class EngineServer:
         self._lock.acquire_read()
         try:
             version = self.version  # fixed while this request holds the read lock (its batch runs meanwhile)
+            if turn is not None:
+                return turn(version), version
             return self._coalescer.run(list(prompts), params), version
         finally:
             self._lock.release_read()
@@ -278,6 +281,7 @@ class EngineServer:
                 "session": self.session,
                 "model": self.model_name, "replicas": len(self.replicas),
                 "devices": [str(r.device) for r in self.replicas], "backend": self.backend,
+                **(self.sessions.info() if self.sessions is not None else {"sessions": False}),
                 "engine": getattr(self.replicas[0].engine, "engine_name", lambda: "hf generate")()}
 
 

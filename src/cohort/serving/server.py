@@ -7,11 +7,12 @@ Routes (docs/serving.md has the full protocol); every one needs `Authorization: 
     POST /weights/init            open a weight group; answers the TCPStore port and key prefix the trainer joins
     POST /weights/begin           announce version, manifest (name, shape, dtype) and bucket plan; checked
     POST /weights/commit          wait for the buckets, switch the version atomically
+    POST /sessions/close, /sessions/keepalive   end or keep alive the conversations kept between turns
     GET  /v1/models, POST /v1/completions, POST /v1/chat/completions   (OpenAI-compatible)
 
 Errors are JSON `{"error": {"message", "type", "param", "code"}}` with status 400 (bad request: every field is
 range-checked, limits.py), 401 (no or wrong API key), 404 (unknown route or model), 408/411/413 (body late,
-without Content-Length, too large: httpd.py), 409 (weight mismatch, stale version), 503 (busy) or 500.
+without Content-Length, too large: httpd.py), 409 (weight mismatch, stale version), 410 (session evicted: sessions.py), 503 (busy) or 500.
 """
 
 from __future__ import annotations
@@ -32,15 +33,17 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from cohort.engine import CohortEngine, engine_supports
 from cohort.engine.hf_backend import HFGenerateEngine
 from cohort.errors import CohortError
+from cohort.policy.context import model_context
 from cohort.policy.model import _with_pad_token, load_policy
 from cohort.remote.client import API_KEY_ENV
 from cohort.remote.weights import WeightMismatchError
-from cohort.serving import auth, openai_api
+from cohort.serving import auth, openai_api, sessions
 from cohort.serving import limits as L
 from cohort.serving.engine_server import EngineServer, Replica, StaleVersion
 from cohort.serving.httpd import PooledHTTPServer, content_length, linger, read_body
 from cohort.serving.limits import Limits
 from cohort.setup.engine import eos_ids
+from cohort.setup.length_checks import check_serve_context, check_served_context
 from cohort.setup.policy import resolve_dtype
 from cohort.types import Completion, SamplingParams
 
@@ -83,6 +86,8 @@ class _Handler(BaseHTTPRequestHandler):
         routes = {"/generate": self._generate, "/weights/init": lambda b: self.engine.weights_init(),
                   "/weights/begin": self._weights_begin,
                   "/weights/commit": lambda b: self.engine.weights_commit(L.version(b.get("version"))),
+                  "/sessions/close": lambda b: sessions.close_answer(self.engine, b, _session_id),
+                  "/sessions/keepalive": lambda b: sessions.keepalive_answer(self.engine, b, _session_id),
                   "/v1/completions": self._completions, "/v1/chat/completions": self._chat}
         self._route({path: (lambda route=route: route(self._body())) for path, route in routes.items()})
 
@@ -129,6 +134,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(200, handler())
         except L.RequestError as exc:
             return self._send(exc.status, _error(str(exc), "invalid_request_error", exc.param))
+        except sessions.SessionEvicted as exc:
+            return self._send(410, _error(str(exc), "session_evicted", param="session_id", code="session_evicted"))
         except (WeightMismatchError, StaleVersion) as exc:
             kind = "weight_mismatch" if isinstance(exc, WeightMismatchError) else "stale_version"
             return self._send(409, _error(str(exc), kind, server_id=self.engine.server_id))
@@ -161,7 +168,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ---- routes ------------------------------------------------------------------------------------
     def _generate(self, body: dict) -> dict:
+        session = sessions.parse(body, _session_id)  # pops the session fields
         prompts, params, keywords = L.generate_request(body, self.limits)
+        if session is not None:
+            return sessions.generate_answer(self.engine, session, prompts, params, keywords)
         groups, version = self.engine.generate(prompts, params, **keywords)
         return {"version": version, "server_id": self.engine.server_id,
                 "completions": [[completion_to_json(c) for c in g] for g in groups]}
@@ -184,6 +194,10 @@ class _Handler(BaseHTTPRequestHandler):
         prompts, params = openai_api.chat_request(body, tok, name, self.limits)
         groups, version = self.engine.generate(prompts, params)
         return openai_api.chat_response(body, tok, name, prompts, groups, version)
+
+
+def _session_id(value: Any, field: str) -> str:
+    return L.text(value, field, sessions.MAX_ID_CHARS, empty=False)
 
 
 def _error(message: str, kind: str, param: str | None = None, code: str | None = None, **extra) -> dict:
@@ -243,6 +257,7 @@ def build_replicas(args) -> tuple[list[Replica], Any]:
     for device in _devices(args.device, args.replicas):
         model, tokenizer = _load(args.model, device, args.dtype, args.load_format)
         model.eval().requires_grad_(False)
+        check_served_context(model.config, args.max_model_len)  # again where config.json could not be read first
         ok, why = engine_supports(model)
         engine: Any
         if ok and args.engine in ("auto", "cohort"):
@@ -255,6 +270,17 @@ def build_replicas(args) -> tuple[list[Replica], Any]:
             engine = HFGenerateEngine(model, tokenizer, eos_token_ids=eos_ids(tokenizer, model))
         replicas.append(Replica(model=model, engine=engine, device=device, lock=threading.Lock()))
     return replicas, tokenizer
+
+
+def _context_line(engine) -> str:
+    """The served context and why (cohort's engine: the model's own, within what one sequence can have in the
+    KV pool, or --max-model-len); Hugging Face generate: the model's own."""
+    note = getattr(engine, "context_note", None)
+    if note is not None:
+        return note
+    native, field = model_context(getattr(getattr(engine, "model", None), "config", None))
+    return f"context {native} tokens: the model's {field} (Hugging Face generate)" if native else \
+        "context: the model's config names none (Hugging Face generate)"
 
 
 def _http_options(args) -> dict:
@@ -276,7 +302,12 @@ def serve(args) -> int:
         torch.set_num_threads(args.threads)
     if not 0 < args.kv_cache_fraction <= 1:
         raise CohortError(f"--kv-cache-fraction={args.kv_cache_fraction} must be in (0, 1], e.g. 0.8")
+    first = _devices(args.device, args.replicas)[0]  # --max-model-len against the model and the KV pool, unloaded
+    check_serve_context(args.model, args.max_model_len, args.kv_cache_fraction, first,
+                        resolve_dtype(args.dtype, first), args.engine)
     options = _http_options(args)
+    session_options = float(getattr(args, "session_timeout_s", 300.0)), int(getattr(args, "max_sessions", 64))
+    sessions.check_options(*session_options)
     source = options.pop("key_source")
     try:  # requests wait in the backlog until serve_forever
         server = make_http_server(None, args.host, args.port, **options)
@@ -286,6 +317,7 @@ def serve(args) -> int:
     replicas, tokenizer = build_replicas(args)
     engine = EngineServer(replicas, tokenizer, model_name=args.served_model_name or args.model, host=args.host,
                           group_timeout_s=args.group_timeout_s)
+    sessions.attach(engine, *session_options)
     set_engine(server, engine)
     host, port = str(server.server_address[0]), int(server.server_address[1])
     line, warning = auth.announcement(options["api_key"], source, f"{host}:{port}")
@@ -293,6 +325,7 @@ def serve(args) -> int:
         print(warning, file=sys.stderr, flush=True)
     if line:
         print(line, flush=True)
+    print(f"cohort serve: {_context_line(replicas[0].engine)}", flush=True)
     print(f"cohort serve: ready on http://{host}:{port} (model {engine.model_name}, {len(replicas)} replica(s) on "
           f"{', '.join(str(r.device) for r in replicas)}, weights over {engine.backend}, "
           f"{engine.health()['engine']})", flush=True)

@@ -27,10 +27,12 @@ import torch
 from cohort import distributed
 from cohort.algorithms import build_policy_loss
 from cohort.config import CohortConfig
+from cohort.forward.invariant.parity import set_logprob_parity
 from cohort.policy.optim import build_optimizer, build_scheduler
-from cohort.run.seeding import seed_everything
+from cohort.run.seeding import seed_everything, set_deterministic
 from cohort.setup.data import fit_to_context, load_run_data
 from cohort.setup.engine import build_engine, build_run_engine, sampling_params_for
+from cohort.setup.length_checks import check_lengths
 from cohort.setup.lengths import (
     engine_model_len,
     longest_completion,
@@ -106,10 +108,13 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
     # train.seed decides what setup draws too (LoRA's initial A matrices), as TRL seeds before get_peft_model;
     # train() seeds again, so the training stream itself does not depend on what setup drew
     seed_everything(cfg.train.seed)
+    set_deterministic(cfg.train.deterministic)  # before the model loads: cuBLAS reads its workspace setting once
     environments = build_environments(cfg)  # before the model: a bad environment fails fast
     device = resolve_device(distributed.local_device(cfg.train.device))
     dtype = resolve_dtype(cfg.model.dtype, device)
+    check_lengths(cfg, policy, device, dtype)  # the completion against the context and the memory, before the load
     policy, tokenizer, processor = prepare_policy(cfg, policy, tokenizer, device=device, dtype=dtype, echo=echo)
+    set_logprob_parity(policy, cfg.generation.logprob_parity)  # the model checked and marked before the engine
     loss_fn = build_policy_loss(cfg.loss.loss_type, cfg.loss.loss_params())
     reward_runner = with_environment_rewards(reward_runner or build_reward_runner(cfg), environments)
     turn_loop = build_turn_loop(cfg, tokenizer, environments)

@@ -15,8 +15,10 @@ from cohort.config import CohortConfig
 from cohort.distributed.fsdp import GatheredEngine
 from cohort.engine import CohortEngine, engine_supports
 from cohort.engine.hf_backend import HFGenerateEngine
+from cohort.policy.quantized import MergedCopy, MergedCopyEngine, is_4bit
 from cohort.remote.client import RemoteEngine
 from cohort.setup.lengths import engine_model_len
+from cohort.setup.settings import replay_routes
 from cohort.types import RolloutEngine, SamplingParams
 from cohort.vision.setup import build_engine as vision_engine
 
@@ -49,14 +51,42 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
         choice = "cohort"
     if choice == "cohort":
         ok, why = engine_supports(policy)
+        if ok and is_4bit(policy) and cfg.generation.quantized_engine == "merged_bf16":
+            return _merged_copy_engine(cfg, policy, tokenizer, device, echo, kv_cache_fraction, longest_prompt)
         if ok:
-            return CohortEngine(policy, tokenizer, eos_token_ids=eos_ids(tokenizer, policy),
-                                kv_cache_fraction=kv_cache_fraction or cfg.generation.kv_cache_fraction,
-                                fuse_projections=cfg.generation.fuse_projections, device=device,
-                                max_model_len=engine_model_len(cfg, policy, longest_prompt))
+            return _cohort_engine(cfg, policy, policy, tokenizer, device, kv_cache_fraction, longest_prompt,
+                                  cfg.generation.fuse_projections)
         echo(f"cohort engine does not support this model ({why}); falling back to Hugging Face generate")
     return HFGenerateEngine(policy, tokenizer, eos_token_ids=eos_ids(tokenizer, policy),
                             batch_size=cfg.generation.generation_batch_size)
+
+
+def _cohort_engine(cfg: CohortConfig, model, policy, tokenizer, device, kv_cache_fraction, longest_prompt,
+                   fuse_projections) -> CohortEngine:
+    """cohort's engine over `model` (the policy itself, or its merged copy) for `policy`'s EOS ids and context."""
+    return CohortEngine(model, tokenizer, eos_token_ids=eos_ids(tokenizer, policy),
+                        kv_cache_fraction=kv_cache_fraction or cfg.generation.kv_cache_fraction,
+                        fuse_projections=fuse_projections, device=device, record_routes=replay_routes(cfg, policy),
+                        max_model_len=engine_model_len(cfg, policy, longest_prompt))
+
+
+def _merged_copy_engine(cfg: CohortConfig, policy, tokenizer, device, echo, kv_cache_fraction,
+                        longest_prompt) -> RolloutEngine:
+    """A 4-bit policy (QLoRA) with generation.quantized_engine=merged_bf16: cohort's engine over a dequantised copy
+    with the adapters merged (cohort.policy.quantized), without fused projection copies unless asked for (they
+    would copy the copy); Hugging Face generate, saying why, when the copy cannot be made."""
+    try:
+        merged = MergedCopy(policy)
+    except ValueError as exc:
+        echo(f"generation.quantized_engine=merged_bf16: no merged copy of this 4-bit model ({exc}); falling back "
+             "to Hugging Face generate on the 4-bit model")
+        return HFGenerateEngine(policy, tokenizer, eos_token_ids=eos_ids(tokenizer, policy),
+                                batch_size=cfg.generation.generation_batch_size)
+    fuse = bool(cfg.generation.fuse_projections)  # None (auto) means off here
+    engine = _cohort_engine(cfg, merged.model, policy, tokenizer, device, kv_cache_fraction, longest_prompt, fuse)
+    echo(f"generation: cohort engine on a merged {merged.dtype_name} copy of the 4-bit base "
+         f"({merged.bytes / 2**30:.2f} GiB, refreshed after each optimizer step)")
+    return MergedCopyEngine(engine, merged)
 
 
 def build_run_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, echo, kv_cache_fraction,

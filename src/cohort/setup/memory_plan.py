@@ -7,6 +7,7 @@ on a GPU, whether the run fits and how much free memory the engine's KV cache ma
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from cohort import distributed
 from cohort.config import CohortConfig
 from cohort.errors import ConfigError
 from cohort.policy.memory import check_fits, estimate_memory
+from cohort.policy.quantized import copy_bytes, is_4bit, weight_bytes
 
 
 def plan_memory(cfg: CohortConfig, policy, device: torch.device, with_reference: bool, echo, *,
@@ -26,6 +28,9 @@ def plan_memory(cfg: CohortConfig, policy, device: torch.device, with_reference:
     architecture cannot be read)."""
     fraction = cfg.generation.kv_cache_fraction
     tokens, completion_tokens, shared_key_rows = micro_batch_shape(cfg, longest_prompt)
+    cp = cfg.train.context_parallel
+    if cp > 1:  # each rank of a group runs 1/cp of a row, and keeps the K/V rows it gathers from the others
+        tokens, completion_tokens, shared_key_rows = -(-tokens // cp), -(-completion_tokens // cp), tokens - tokens // cp
     try:
         sharded = cfg.train.sharding == "fsdp"
         dtype = dtype or next(policy.parameters()).dtype  # the compute dtype (sharded masters are fp32)
@@ -43,6 +48,7 @@ def plan_memory(cfg: CohortConfig, policy, device: torch.device, with_reference:
                               lora_params=_trainable_params(policy) if cfg.model.lora_r > 0 else 0)
     except (KeyError, TypeError, ValueError, AttributeError):  # an architecture the estimator cannot read
         return fraction, None
+    est, copy = _four_bit_terms(cfg, est, policy, with_reference)
     if device.type != "cuda":
         return fraction, est
     free, _ = torch.cuda.mem_get_info(device)
@@ -53,17 +59,31 @@ def plan_memory(cfg: CohortConfig, policy, device: torch.device, with_reference:
     if cfg.generation.release_kv_during_update:
         # the pool is freed while the update runs: generation only shares memory with the Adam moments
         pending = est.optimizer
-    room = 0.9 * free - pending
+    room = 0.9 * free - pending - copy
     if room < 0.02 * free:
         raise ConfigError(f"generation.kv_cache_fraction={fraction}: after the update's estimated "
                           f"{pending / 2**30:.1f} GiB, {max(room, 0) / 2**30:.2f} GiB are left for the rollout "
                           "engine's KV cache; lower train.token_budget, set model.gradient_checkpointing=true "
                           "or use a smaller model.")
+    free -= copy  # the engine takes its share of what is free once a 4-bit base's merged copy is made
     if room / free < fraction:
         echo(f"kv cache: generation.kv_cache_fraction={fraction} lowered to {room / free:.2f} so the update fits")
         fraction = room / free
     echo(f"kv cache: {fraction * free / 2**30:.1f} GiB for the rollout engine")
     return fraction, est
+
+
+def _four_bit_terms(cfg: CohortConfig, est, policy, with_reference: bool):
+    """A 4-bit base (QLoRA): the weights and the reference as loaded (packed 4-bit), not P x dtype bytes, and the
+    engine's merged copy (generation.quantized_engine=merged_bf16) in engine_weights. Returns (the estimate, the
+    copy's bytes, which the engine allocates after the plan: 0 for other models)."""
+    if not is_4bit(policy):
+        return est, 0
+    weights = weight_bytes(policy)
+    merged = cfg.generation.quantized_engine == "merged_bf16" and cfg.generation.engine != "hf"
+    copy = copy_bytes(policy) if merged else 0
+    return replace(est, weights=weights, reference=weights if with_reference else 0,
+                   engine_weights=est.engine_weights + copy), copy
 
 
 def _trainable_params(policy) -> int:
@@ -87,7 +107,8 @@ def micro_batch_shape(cfg: CohortConfig, longest_prompt: int | None = None) -> t
     prompts a unit is a prompt and as many of its completions as fit the budget
     (cohort.forward.micro_batches.split_grouped_micro_batches), so a micro-batch carries more completion tokens."""
     g, t = cfg.generation, cfg.train
-    ranks = max(1, distributed.current().world_size)
+    # data-parallel ranks: a context-parallel group trains its ranks' prompts together, in rows it splits
+    ranks = max(1, distributed.current().world_size // max(1, cfg.train.context_parallel))
     prompts = max(1, -(-t.prompts_per_step // (ranks * t.mini_batches)))
     completion = max(g.max_completion_length, 1)
     prompt = longest_prompt or cfg.data.max_prompt_length

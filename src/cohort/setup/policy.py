@@ -15,9 +15,11 @@ from cohort.distributed import fsdp
 from cohort.errors import ConfigError
 from cohort.forward.packed_attention import use_packed_kernel
 from cohort.forward.packing import compile_decoder_layers
-from cohort.policy.model import load_policy
+from cohort.policy.model import load_policy, resolve_model_path
 from cohort.policy.model import resolve_dtype as model_dtype
+from cohort.policy.quantized import is_4bit
 from cohort.vision import setup as vision
+from cohort.vision.model import is_vision_checkpoint, is_vision_model
 from cohort.vision.setup import lora_targets
 
 
@@ -43,13 +45,18 @@ def prepare_policy(cfg: CohortConfig, policy, tokenizer, *, device: torch.device
     Returns (policy, tokenizer, processor); the processor is None for text models."""
     use_packed_kernel(cfg.model.packed_attention, device)  # before the model loads: a missing package fails fast
     tokenizer, processor = vision.split_processor(tokenizer)  # a VLM's processor handed in (facade, tests)
+    m = cfg.model
     if policy is None:
+        if m.quantization != "none" and is_vision_checkpoint(resolve_model_path(m.name_or_path, m.gguf_file)):
+            raise ConfigError(f"model.quantization={m.quantization!r}: 4-bit vision-language models are not "
+                              "supported yet; use model.quantization=none (LoRA on model.dtype weights)")
         loaded = vision.load_model(cfg, dtype=dtype, device=device)  # None unless a vision-language model
         policy, tokenizer, processor = loaded or (*load_policy(
-            cfg.model.name_or_path, dtype=dtype, device=device, gguf_file=cfg.model.gguf_file,
-            trust_remote_code=cfg.model.trust_remote_code, attn_implementation=cfg.model.attn_implementation), None)
-    elif next(policy.parameters()).device != device:
+            m.name_or_path, dtype=dtype, device=device, gguf_file=m.gguf_file, trust_remote_code=m.trust_remote_code,
+            attn_implementation=m.attn_implementation, quantization=m.quantization), None)
+    elif next(policy.parameters()).device != device and not is_4bit(policy):  # 4-bit: stays where bnb put it
         policy.to(device)  # a model object handed in (facade, tests) trains where the config says
+    check_quantized(cfg, policy, device)
     vision.check_settings(cfg, policy)
     vision.prepare_policy(cfg, policy, echo)
     policy = with_lora(cfg, policy)
@@ -62,9 +69,37 @@ def prepare_policy(cfg: CohortConfig, policy, tokenizer, *, device: torch.device
     return policy, tokenizer, processor
 
 
+def check_quantized(cfg: CohortConfig, policy, device: torch.device) -> None:
+    """model.quantization against the policy: cohort quantises the model it loads (a model handed in comes as
+    it is), a 4-bit model trains LoRA adapters only, and vision-language models are not quantised yet (a
+    checkpoint is refused before it loads, in prepare_policy)."""
+    q, four_bit = cfg.model.quantization, is_4bit(policy)
+    if q != "none" and not four_bit:
+        raise ConfigError(f"model.quantization={q!r} quantises the model cohort loads from model.name_or_path, but "
+                          f"the {type(policy).__name__} handed in is not 4-bit: load it with "
+                          f"quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type={q!r}), or "
+                          "pass its name instead of the object")
+    where = next(policy.parameters()).device
+    if four_bit and where.type != device.type:
+        raise ConfigError(f"train.device={cfg.train.device!r} resolves to {device.type}, but the 4-bit model handed in "
+                          f"is on {where} and bitsandbytes weights cannot be moved; set train.device={where.type}")
+    if four_bit and cfg.model.lora_r <= 0:
+        raise ConfigError(f"model.lora_r={cfg.model.lora_r} with a 4-bit (bitsandbytes) model: its weights cannot "
+                          "be trained, only LoRA adapters on them; set model.lora_r (e.g. 16)")
+    if four_bit and is_vision_model(policy):
+        raise ConfigError(f"model.quantization={q!r}: 4-bit vision-language models are not supported yet; use "
+                          "model.quantization=none (LoRA on model.dtype weights)")
+
+
 def with_lora(cfg: CohortConfig, policy):
-    """model.lora_r > 0: wrap the policy in peft LoRA adapters; the engine runs them unmerged, checkpoints
-    save only the adapters."""
+    """model.lora_r > 0: wrap the policy in peft LoRA adapters; the engine runs them unmerged (or, on a 4-bit
+    base, merged into its copy: cohort.policy.quantized), checkpoints save only the adapters.
+
+    A 4-bit base gets no peft `prepare_model_for_kbit_training`, as TRL's GRPOTrainer gives it none: get_peft_model
+    already freezes every base weight, gradient checkpointing (model.gradient_checkpointing) is enabled after
+    this with non-reentrant checkpoints and input gradients (transformers' own), and its remaining step, a float32
+    copy of every non-4-bit weight (embeddings, norms, LM head), would double their memory and take the engine
+    and the fused logprob kernels off their bf16 path."""
     m = cfg.model
     if m.lora_r <= 0:
         return policy

@@ -1,5 +1,5 @@
 """The config read once into the typed records the step's stages take: the update's `UpdateSettings`, and the
-engine's abilities checked against what the config asks of it.
+engine's abilities checked against what the config asks of it (router replay among them: `replay_routes`).
 
 The update never sees the config tree: its settings come from `train.*`, `generation.*` and `loss`-independent
 knobs under three names, gathered here into one record (and the router loss's coefficient, which needs the policy's
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from cohort.config import CohortConfig
 from cohort.errors import ConfigError
+from cohort.forward.router_replay import routers
+from cohort.streaming import resident_engine
 from cohort.types import EngineAbilities
 from cohort.update import UpdateSettings
 
@@ -43,14 +45,52 @@ def update_settings(cfg: CohortConfig, policy=None) -> UpdateSettings:
         max_completion_length=cfg.generation.max_completion_length, chunk_tokens=t.logprob_chunk_tokens,
         lm_head_grad_fp32=t.master_weights, keep_logits=t.keep_logits, sharded=t.sharding == "fsdp",
         reduce_every_micro_batch=t.fsdp_reduce_every_micro_batch,
-        max_nonfinite_updates=t.max_nonfinite_updates, share_prompts=t.share_prompts,
-        router_aux_loss_coef=router_aux_loss_coef(cfg, policy))
+        max_nonfinite_updates=t.max_nonfinite_updates,
+        share_prompts=t.share_prompts and cfg.generation.logprob_parity != "exact",  # exact: plain rows only
+        router_aux_loss_coef=_router_coef(cfg, policy), context_parallel=t.context_parallel,
+        router_replay=t.router_replay, logprob_parity=cfg.generation.logprob_parity)
+
+
+def _router_coef(cfg: CohortConfig, policy) -> float:
+    """router_aux_loss_coef, refused with context parallelism: the load-balancing loss is a product of means over
+    the row's tokens, which no rank of a group holds alone."""
+    coef = router_aux_loss_coef(cfg, policy)
+    if coef > 0 and cfg.train.context_parallel > 1:
+        raise ConfigError(f"train.context_parallel={cfg.train.context_parallel} is not supported with the router "
+                          f"load-balancing loss (loss.router_aux_loss_coef resolves to {coef} for this "
+                          "mixture-of-experts model); set loss.router_aux_loss_coef=0.0 or train.context_parallel=1.")
+    return coef
 
 
 def check_engine_abilities(cfg: CohortConfig, engine: object, echo=print) -> EngineAbilities:
     """The engine's abilities, once; a setting that needs one the engine lacks says what happens instead."""
     abilities = EngineAbilities.of(engine)
+    if cfg.train.router_replay and not getattr(engine, "records_routes", False):
+        raise ConfigError(f"train.router_replay=true is not valid: the {type(engine).__name__} engine built for this "
+                          "model records no routing (only cohort's engine does, on the mixture-of-experts families it "
+                          "runs: Qwen3-MoE); use such a model with generation.engine=auto or cohort, or set "
+                          "train.router_replay=false")
+    if cfg.train.async_rollouts and resident_engine(engine) is None:
+        raise ConfigError(f"train.async_rollouts=true is not valid: the {type(engine).__name__} engine built for this "
+                          "model cannot keep sequences between steps (only cohort's engine does); use a model it runs "
+                          "with generation.engine=auto or cohort, or set train.async_rollouts=false")
     if cfg.generation.release_kv_during_update and not abilities.releases_kv:
         echo(f"generation.release_kv_during_update=true: the {type(engine).__name__} engine keeps no KV pool of "
              "its own to release, so the setting has no effect in this run")
     return abilities
+
+
+def replay_routes(cfg: CohortConfig, policy) -> bool:
+    """train.router_replay, checked against the policy before an engine is built for it: a model without routed-experts
+    layers has no routing to replay, and a context-parallel row is split over ranks the replayed rows are not."""
+    if not cfg.train.router_replay:
+        return False
+    if not routers(policy):
+        raise ConfigError(f"train.router_replay=true is not valid: {type(policy).__name__} has no mixture-of-experts "
+                          "layers (no router whose choices could be replayed); set train.router_replay=false")
+    cp = getattr(cfg.train, "context_parallel", 1)
+    if cp > 1:
+        raise ConfigError(f"train.router_replay=true is not supported with train.context_parallel={cp} (each rank "
+                          "holds part of a row, the recorded routing is laid out for whole rows); set "
+                          "train.context_parallel=1 or train.router_replay=false")
+    return True

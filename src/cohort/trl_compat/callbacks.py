@@ -134,6 +134,9 @@ class CallbackBridge(Callback):
 
     def _log(self, step: int, payload: dict) -> bool:
         self._at(step)
+        after_step = getattr(self.trainer, "_after_step", None)  # the trainer's per-step controllers (entropy)
+        if after_step is not None:
+            payload = {**payload, **after_step(payload, self.per_gen)}
         if "loss" in payload:
             self._losses.append(float(payload["loss"]))
         # the loop repeats its prompt statistics (data/*) on the first step after a resume; the history keeps

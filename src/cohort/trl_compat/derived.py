@@ -118,6 +118,15 @@ _GENERATION_KWARGS = {"stop_strings": "stop_strings", "max_new_tokens": "max_com
 
 def _generation_kwargs(a, cfg, value, **_):
     for key, v in (value or {}).items():
+        if key == "do_sample":  # cohort's engine samples; do_sample=False is greedy decoding (temperature 0)
+            if not v:
+                cfg.generation.temperature = 0.0
+            continue
+        if key == "num_beams" and v in (None, 1):  # one beam: plain sampling, what the engine does
+            continue
+        if key == "num_beams":
+            raise ConfigError(f"GRPOConfig(generation_kwargs={{'num_beams': {v!r}}}) is not supported by cohort: its "
+                              "engine samples each completion on its own (no beam search); leave num_beams at 1.")
         if key not in _GENERATION_KWARGS:
             raise ConfigError(f"GRPOConfig(generation_kwargs={{{key!r}: ...}}) is not supported by cohort: its "
                               f"engine takes {', '.join(sorted(_GENERATION_KWARGS))}.")

@@ -183,7 +183,8 @@ FIELDS: list[tuple[str, Any, str]] = [
     ("top_k", 0, "generation.top_k"),
     ("min_p", None, "derived: generation.min_p (None: 0, off)"),
     ("generation_kwargs", None, "derived: stop_strings, max_new_tokens, temperature, top_p, top_k, min_p, "
-     "repetition_penalty, ignore_eos map to generation.*; other keys are rejected by name"),
+     "repetition_penalty, ignore_eos map to generation.*; do_sample=False is temperature 0, num_beams=1 is "
+     "accepted; other keys (num_beams > 1: beam search) are rejected by name"),
     ("chat_template_kwargs", None, "trainer: passed to tokenizer.apply_chat_template for every prompt"),
     ("repetition_penalty", 1.0, "generation.repetition_penalty"),
     ("cache_implementation", None, "announce: the rollout engine keeps its own paged KV cache"),
@@ -223,16 +224,20 @@ FIELDS: list[tuple[str, Any, str]] = [
     ("scale_rewards", "group", "derived: advantage.scale_rewards (True: 'group', False: 'none')"),
     ("loss_type", "dapo", "loss.loss_type"),
     ("mask_truncated_completions", False, "generation.mask_truncated_completions"),
-    ("sync_ref_model", False, "reject: cohort's reference model stays the initial policy; leave it False"),
-    ("ref_model_mixup_alpha", 0.6, "announce: only used with sync_ref_model, which cohort rejects"),
-    ("ref_model_sync_steps", 512, "announce: only used with sync_ref_model, which cohort rejects"),
+    ("sync_ref_model", False, "trainer: TR-DPO's reference sync: after every ref_model_sync_steps optimiser "
+     "steps the reference becomes ref_model_mixup_alpha x policy + (1 - alpha) x reference (needs beta != 0, no PEFT)"),
+    ("ref_model_mixup_alpha", 0.6, "trainer: the policy's share in each sync_ref_model update"),
+    ("ref_model_sync_steps", 512, "trainer: optimiser steps between sync_ref_model updates"),
     ("top_entropy_quantile", 1.0, "loss.top_entropy_quantile"),
     ("entropy_coef", 0.0, "loss.entropy_coef"),
-    ("use_adaptive_entropy", False, "reject: cohort's entropy bonus has a fixed entropy_coef; leave it False"),
-    ("entropy_coef_min", 0.0, "announce: only used with use_adaptive_entropy, which cohort rejects"),
-    ("entropy_coef_max", 1.0, "announce: only used with use_adaptive_entropy, which cohort rejects"),
-    ("entropy_coef_delta", 0.005, "announce: only used with use_adaptive_entropy, which cohort rejects"),
-    ("entropy_target", 0.2, "announce: only used with use_adaptive_entropy, which cohort rejects"),
+    ("use_adaptive_entropy", False, "trainer: Skywork-OR1's adaptive entropy: after each optimiser step "
+     "entropy_coef moves by entropy_coef_delta towards entropy_target (up while the step's entropy is at or below "
+     "it), within [entropy_coef_min, entropy_coef_max], and the bonus acts only while the last entropy was at or "
+     "below the target"),
+    ("entropy_coef_min", 0.0, "trainer: the lower bound of the adaptive entropy_coef"),
+    ("entropy_coef_max", 1.0, "trainer: the upper bound of the adaptive entropy_coef"),
+    ("entropy_coef_delta", 0.005, "trainer: the adaptive entropy_coef's change per optimiser step"),
+    ("entropy_target", 0.2, "trainer: the token entropy the adaptive entropy_coef steers towards"),
     ("max_tool_calling_iterations", None, "generation.max_tool_calling_iterations"),
     ("vllm_importance_sampling_correction", True, "loss.sampler_is_correction"),
     ("vllm_importance_sampling_mode", "sequence_mask", "derived: loss.sampler_is_mode (vespo keeps its "

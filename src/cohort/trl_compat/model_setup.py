@@ -59,12 +59,34 @@ def load_trainer_models(model: Any, processing_class: Any, cfg, *, peft_config: 
     if peft_config is not None:  # TRL's way to train LoRA adapters
         from peft import get_peft_model  # optional dependency (the peft extra: LoRA)
 
+        check_peft_config(peft_config)
         policy = get_peft_model(policy, peft_config)
+        check_lm_head_adapter(policy)
     if dropout_off:
         disable_dropout(policy)
     loss = build_policy_loss(cfg.loss.loss_type, cfg.loss.loss_params())
     reference = frozen_copy(policy) if float(getattr(loss, "beta", 0.0) or 0.0) != 0.0 else None
     return policy, processing_class, reference
+
+
+def check_peft_config(peft_config: Any) -> None:
+    """A prompt-learning method (prompt tuning, prefix tuning, P-tuning) adds virtual tokens in PeftModel.forward,
+    which cohort's packed forward does not call: the loss would be computed without them (TRL raises the same
+    for its fused Liger loss)."""
+    if getattr(peft_config, "is_prompt_learning", False):
+        raise ValueError(f"peft_config={type(peft_config).__name__}: prompt-learning methods are not supported by "
+                         "cohort (its packed forward calls the base model, so the virtual tokens would be left out); "
+                         "use LoRA (peft.LoraConfig).")
+
+
+def check_lm_head_adapter(policy) -> None:
+    """cohort's chunked logprob kernel reads lm_head.weight directly, so a LoRA adapter on lm_head would never
+    be used nor trained (TRL guards its fused Liger loss the same way)."""
+    head = policy.get_output_embeddings() if hasattr(policy, "get_output_embeddings") else None
+    if head is not None and any(hasattr(head, a) for a in ("lora_A", "lora_embedding_A")):
+        raise ValueError("peft_config targets lm_head, but cohort's logprob kernel reads lm_head.weight directly, "
+                         "so the adapter would be silently ignored: remove 'lm_head' from target_modules, or train "
+                         "the whole head with modules_to_save=['lm_head'].")
 
 
 def _processor_of(model, cfg):

@@ -9,6 +9,21 @@ from typing import Any
 from cohort.errors import ConfigError
 
 
+class GivenRows:
+    """The facade's `data.source`: the rows GRPOTrainer was given (a callable returning them, which the config
+    checks accept without any data package). Never copied: the config's to_dict deep-copies its values."""
+
+    def __init__(self, rows: list[dict]):
+        self.rows = rows
+        self.__name__ = "train_dataset"
+
+    def __call__(self) -> list[dict]:
+        return self.rows
+
+    def __deepcopy__(self, memo) -> GivenRows:
+        return self
+
+
 def is_row(obj) -> bool:
     """A single prompt row (a dict with 'prompt'), as opposed to a dict of columns or of splits."""
     return isinstance(obj, dict) and "prompt" in obj
@@ -27,9 +42,9 @@ def prompt_rows(data: Any, args, what: str) -> list[dict] | None:
     try:
         # optional dependency (the data extra: Hugging Face datasets)
         from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
-    except ImportError:  # pragma: no cover - datasets is a dependency
+    except ImportError:  # without datasets, rows and column dicts still work: no object is one of these types
         Dataset = DatasetDict = IterableDataset = IterableDatasetDict = ()
-    if isinstance(data, DatasetDict | IterableDatasetDict):
+    if isinstance(data, (DatasetDict, IterableDatasetDict)):  # tuples: () (no datasets) is a valid empty one
         if what == "train_dataset":
             raise ConfigError(f"{what} is a DatasetDict with splits {list(data)}; pass one split, e.g. "
                               f"{what}=dataset['train'].")
@@ -43,7 +58,7 @@ def prompt_rows(data: Any, args, what: str) -> list[dict] | None:
         return [dict(r) for r in data]
     if isinstance(data, Dataset):
         return data.to_list()
-    if isinstance(data, dict) and not is_row(data):  # columns
+    if isinstance(data, dict):  # columns ({"prompt": [...], ...}): a dataset is never a single row
         keys = list(data)
         return [dict(zip(keys, values)) for values in zip(*data.values())]
     return [dict(r) for r in data]

@@ -31,14 +31,24 @@ from cohort.evaluation import evaluate
 from cohort.policy.optim import build_scheduler
 from cohort.run.directory import is_run_dir
 from cohort.setup import build_components
-from cohort.setup.rewards import build_environments
+from cohort.setup.rewards import build_environments, build_reward_runner
 from cohort.trainer import train
 from cohort.trl_compat.callbacks import CallbackBridge
+from cohort.trl_compat.checks import (
+    check_ref_sync,
+    check_sources,
+    normalise_args,
+    placeholder_rows,
+    processing_class_list,
+    warn_like_trl,
+)
 from cohort.trl_compat.config import GRPOConfig
+from cohort.trl_compat.eval_loss import eval_loss
 from cohort.trl_compat.fields import TABLE
 from cohort.trl_compat.model_setup import apply_model_init_kwargs, load_trainer_models, tool_schemas
-from cohort.trl_compat.rewards import resolve_reward_funcs
-from cohort.trl_compat.rows import first_split, is_row, prompt_rows
+from cohort.trl_compat.rewards import TrlRewardRunner, resolve_reward_funcs
+from cohort.trl_compat.rows import GivenRows, first_split, is_row, prompt_rows
+from cohort.trl_compat.surface import SyncRefModel, TrlSurface
 from cohort.vision.setup import encode_dataset, split_processor
 
 if TYPE_CHECKING:
@@ -47,7 +57,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cohort.trl_compat")
 
-class GRPOTrainer:
+class GRPOTrainer(TrlSurface):
     """TRL's `GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class, ...)`."""
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, train_dataset: Any = None,
@@ -55,42 +65,32 @@ class GRPOTrainer:
                  callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
                  peft_config: Any = None, tools: list | None = None, rollout_func: Any = None,
                  environment_factory: Any = None):
-        if train_dataset is None:
-            raise ConfigError("GRPOTrainer needs train_dataset= (rows with a 'prompt' column).")
-        if reward_funcs is None:
-            raise ConfigError("GRPOTrainer needs reward_funcs= (a function, a reward model or its path, or a list).")
         if quantization_config is not None:
             raise ConfigError("GRPOTrainer(quantization_config=...) is not supported by cohort: train LoRA adapters "
                               "on a bf16 model with peft_config= instead.")
         if rollout_func is not None:
             raise ConfigError("GRPOTrainer(rollout_func=...) is not supported by cohort: its own engine generates; "
                               "multi-turn rollouts go through tools= / environment_factory= (cohort.agents).")
-        if args is None:  # TRL's rule: "<model name>-GRPO" in the working directory
-            name = model if isinstance(model, str | os.PathLike) else getattr(model.config, "_name_or_path", "")
-            args = GRPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1] or 'model'}-GRPO")
-        if not hasattr(args, "to_cohort"):
-            if not _is_trl_config(args):
-                raise ConfigError(f"GRPOTrainer(args=...) takes a GRPOConfig (cohort's, or TRL's trl.GRPOConfig); "
-                                  f"got {type(args).__module__}.{type(args).__name__}.")
-            args = GRPOConfig.from_trl(args)  # TRL's own config object: the same fields, the same mapping
-        self.args = args
+        self.args = args = _as_config(args, model)
+        self.reward_funcs = [] if reward_funcs is None else (
+            list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs])
+        # TRL's checks and changes to args, with its wording, before anything loads
+        check_sources(args, train_dataset, self.reward_funcs, reward_processing_classes, environment_factory)
+        check_ref_sync(args, peft_config if peft_config is not None else getattr(model, "peft_config", None))
+        normalise_args(args, train_dataset, eval_dataset)
+        warn_like_trl(args)
         self.model, self.processing_class, self.peft_config = model, processing_class, peft_config
-        self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
-        self.reward_processing_classes = reward_processing_classes
+        self.reward_processing_classes = processing_class_list(reward_processing_classes, len(self.reward_funcs))
         self.tools, self.environment_factory = tools, environment_factory  # read by cohort.agents
+        self._init_entropy_control()
         self.optimizer, self.lr_scheduler = optimizers
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        self._train_rows = prompt_rows(train_dataset, self.args, "train_dataset")
-        self.config = self.args.to_cohort(num_rows=None if self._train_rows is None else len(self._train_rows))
-        if self._train_rows is None:  # streaming: take the prompts the run will draw, as TRL's stream would
-            needed = self.config.train.max_steps * self.config.train.prompts_per_step
-            self._train_rows = [dict(r) for r in itertools.islice(iter(train_dataset), needed)]
-        check_text(self._train_rows, "train_dataset")  # a lone surrogate fails here, not in the tokenizer
-        self.config.reward.funcs = self.reward_funcs
-        apply_model_init_kwargs(self.args.model_init_kwargs, self.config)
+        self._setup_config(train_dataset)
         _join_process_group(self.config)
         self.callback_handler = CallbackBridge(self, list(callbacks or []))
         self.state = self.callback_handler.state
+        if args.sync_ref_model:  # TRL adds its SyncRefModelCallback the same way
+            self.add_callback(SyncRefModel(self))
         self.result: TrainResult | None = None
         self._comp: Components | None = None
         if tools:  # functions (or "pkg.module:function" paths): multi-turn tool calling (cohort.agents)
@@ -101,6 +101,22 @@ class GRPOTrainer:
         _check_before_loading(self.config, self.args)  # learning_rate=inf fails here, before any weights load
         self._load_models(model)
         self.callback_handler.event("on_init_end")
+
+    def _setup_config(self, train_dataset) -> None:
+        """The prompt rows (an environment that owns the data gets TRL's placeholder rows; a stream, the prompts
+        the run will draw) and the cohort config they and the arguments make."""
+        rows = placeholder_rows(self.args) if train_dataset is None else prompt_rows(train_dataset, self.args,
+                                                                                        "train_dataset")
+        self._train_rows_streamed = rows is None
+        self.config = self.args.to_cohort(num_rows=None if rows is None else len(rows))
+        if rows is None:  # streaming: take the prompts the run will draw, as TRL's stream would
+            needed = self.config.train.max_steps * self.config.train.prompts_per_step
+            rows = [dict(r) for r in itertools.islice(iter(train_dataset), needed)]
+        check_text(rows, "train_dataset")  # a lone surrogate fails here, not in the tokenizer
+        self._train_rows = rows
+        self.config.data.source = GivenRows(rows)  # the rows given, not cohort's default source (reasoning-gym)
+        self.config.reward.funcs = self.reward_funcs
+        apply_model_init_kwargs(self.args.model_init_kwargs, self.config)
 
     def _load_models(self, model) -> None:
         """As TRL's constructor: the policy (`self.model`, the object training updates in place), its processing
@@ -114,6 +130,8 @@ class GRPOTrainer:
                                                 state=self.state)
         self.reward_funcs = [getattr(r, "model", r) if isinstance(f, str | os.PathLike) else f  # TRL: the models
                              for f, r in zip(self.reward_funcs, cfg.reward.funcs, strict=True)]
+        self.reward_processing_classes = [c if c is not None else getattr(r, "tokenizer", None)  # TRL's list
+                                          for c, r in zip(self.reward_processing_classes, cfg.reward.funcs)]
 
     # --------------------------------------------------------------------------------------- callbacks
     def add_callback(self, callback) -> None:
@@ -134,13 +152,15 @@ class GRPOTrainer:
         if str(getattr(self.args.eval_strategy, "value", self.args.eval_strategy)) != "no" and self.eval_dataset:
             evald = self._encode(prompt_rows(first_split(self.eval_dataset), self.args, "eval_dataset"), tok)
         self.ref_model = None  # build_components makes the run's reference (FSDP-sharded, compiled with the policy)
-        comp = build_components(cfg, policy=policy, tokenizer=tok, train_data=train, eval_data=evald)
+        comp = build_components(cfg, policy=policy, tokenizer=tok, train_data=train, eval_data=evald,
+                                reward_runner=TrlRewardRunner(build_reward_runner(cfg)))
         if self.optimizer is not None:  # optimizers=(optimizer, scheduler), as in transformers' Trainer
             comp = dataclasses.replace(comp, optimizer=self.optimizer, scheduler=self.lr_scheduler or build_scheduler(
                 self.optimizer, kind=cfg.train.lr_scheduler_type, warmup_steps=cfg.train.warmup_steps,
                 total_steps=cfg.train.max_steps * cfg.train.mini_batches * cfg.train.num_iterations,
                 kwargs=cfg.train.lr_scheduler_kwargs))
         self.optimizer, self.lr_scheduler = comp.optimizer, comp.scheduler
+        self._apply_entropy_coef(comp.loss_fn)  # the first step's coefficient (adaptive: off until measured)
         self.model, self.ref_model = comp.policy, comp.reference
         return comp
 
@@ -189,8 +209,9 @@ class GRPOTrainer:
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"
                  ) -> dict[str, float]:
-        """Generate on eval_dataset (a Dataset, rows, or a dict of them) and score: eval_reward, eval_accuracy
-        (first reward function >= 1), eval_pass@k with num_generations_eval > 1. Logged like TRL's."""
+        """Generate on eval_dataset (a Dataset, rows, or a dict of them) and score: TRL's eval_loss (the GRPO
+        objective on sampled groups, `eval_loss`), eval_reward, eval_accuracy (first reward function >= 1),
+        eval_pass@k with num_generations_eval > 1. A dict of splits gives eval_<split>_* each. Logged like TRL's."""
         data = eval_dataset if eval_dataset is not None else self.eval_dataset
         if data is None:
             raise ConfigError("evaluate() needs an eval_dataset (GRPOTrainer(eval_dataset=...) or evaluate(rows)).")
@@ -203,7 +224,9 @@ class GRPOTrainer:
             self._comp = self._components()
         comp = dataclasses.replace(self._comp, eval_data=self._encode(prompt_rows(data, self.args, "eval_dataset"),
                                                                       self.processing_class))
-        metrics = evaluate(comp, self.config)
+        metrics = {"loss": eval_loss(comp, self.config, comp.eval_data,  # TRL's first key
+                                     self.args.num_generations_eval or self.args.num_generations),
+                   **evaluate(comp, self.config)}
         out = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
         self.callback_handler.log_eval(out)
         return out
@@ -244,10 +267,6 @@ class GRPOTrainer:
 
     # ---------------------------------------------- what TRL's scripts call besides train (trl/scripts/grpo.py)
     @property
-    def accelerator(self) -> _Accelerator:
-        return _Accelerator()
-
-    @property
     def hub_model_id(self) -> str:
         return self.args.hub_model_id or Path(self.config.run.output_dir).name
 
@@ -275,22 +294,6 @@ class GRPOTrainer:
         self.callback_handler.log(dict(logs))
 
 
-class _Accelerator:
-    """The few `trainer.accelerator` members TRL's scripts use, for cohort's torchrun ranks."""
-
-    def __init__(self):
-        info = distributed.current()
-        self.process_index, self.num_processes = info.rank, info.world_size
-        self.is_main_process = self.is_local_main_process = info.is_main
-
-    def print(self, *args, **kwargs) -> None:
-        if self.is_main_process:
-            print(*args, **kwargs)
-
-    def wait_for_everyone(self) -> None:
-        distributed.barrier()
-
-
 def _join_process_group(cfg) -> None:
     """Under torchrun (WORLD_SIZE > 1), join the process group as TRL's Trainer does when it is made (gloo on
     CPUs, NCCL on GPUs); at exit every rank meets at a barrier before the group ends, so no rank tears
@@ -315,6 +318,20 @@ def _check_before_loading(cfg, args) -> None:
         if not names:
             raise
         raise ConfigError(f"GRPOConfig({names[0]}={getattr(args, names[0], None)!r}): {exc}") from None
+
+
+def _as_config(args, model):
+    """cohort's GRPOConfig from args: None gives TRL's default ("<model name>-GRPO" in the working directory), a
+    trl.GRPOConfig goes through the same field table."""
+    if args is None:
+        name = model if isinstance(model, str | os.PathLike) else getattr(model.config, "_name_or_path", "")
+        return GRPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1] or 'model'}-GRPO")
+    if hasattr(args, "to_cohort"):
+        return args
+    if not _is_trl_config(args):
+        raise ConfigError(f"GRPOTrainer(args=...) takes a GRPOConfig (cohort's, or TRL's trl.GRPOConfig); "
+                          f"got {type(args).__module__}.{type(args).__name__}.")
+    return GRPOConfig.from_trl(args)  # TRL's own config object: the same fields, the same mapping
 
 
 def _stand_in_reward(completions, **kwargs):

@@ -15,6 +15,10 @@ On CUDA with Triton, RoPE and the K/V cache write of each layer are one kernel (
 same numerics as `layers.rope` run eagerly); `fused_rope_kv` says which path an instance takes, and
 COHORT_FUSED_ROPE_KV=0 in the environment turns it off for the models built after (A/B against the compiled
 RoPE + index_copy_ path).
+
+generation.logprob_parity=exact (a model marked by cohort.forward.invariant.parity): `exact` holds the
+batch-invariant forward (models/exact.py, the trainer's decoder and kernels over the paged cache); forward, logits
+and the sampled tokens' log-probabilities (`sampled_logprobs`) go through it, and no fused copies are made.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from torch import nn
 
 from cohort.engine import triton_rope  # the module: its kernel is looked up per call (tests swap it)
 from cohort.engine.attention import AttentionOps, AttnContext, store_kv
+from cohort.engine.models.exact import ExactForward
 from cohort.engine.models.layers import fused_ops
+from cohort.forward.invariant.parity import is_exact
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _UNSUPPORTED_ROPE = ("dynamic", "longrope")
@@ -97,6 +103,8 @@ class DecoderForward:
     # RoPE + cache write in one Triton kernel (set per instance in __init__; subclasses that build
     # themselves without it, like the VLM decoder, keep the unfused path).
     fused_rope_kv = False
+    # exact logprob parity's forward (set per instance in __init__; None: the fast path)
+    exact: ExactForward | None = None
 
     @classmethod
     def unsupported(cls, model: HFModule) -> str | None:
@@ -129,6 +137,10 @@ class DecoderForward:
         self.ops = fused_ops(self.device)
         self.fused_rope_kv = triton_rope.fused_rope_kv_supported(self.device, self.head_dim)
         self.fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+        # exact parity: the batch-invariant forward, which reads the separate projections in place
+        self.exact = ExactForward(model, max_len) if is_exact(model) else None
+        if self.exact is not None:
+            fuse_projections = False
         if fuse_projections is None:
             fuse_projections = self._plain_linears() and self._fused_copies_fit()
         if fuse_projections and self._plain_linears():
@@ -187,6 +199,8 @@ class DecoderForward:
         else:
             self.cos.copy_(cos)
             self.sin.copy_(sin)
+        if self.exact is not None:
+            self.exact.refresh_rope()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -207,6 +221,8 @@ class DecoderForward:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttnContext,
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [2, layers, blocks, block_size, kv_heads, D]. -> [T, hidden]."""
+        if self.exact is not None:
+            return self.exact.forward(input_ids, positions, ctx, kv_cache)
         ops, layers = self.ops, self.inner.layers
         x = self.inner.embed_tokens(input_ids)
         cos, sin = self.cos[positions], self.sin[positions]
@@ -269,9 +285,19 @@ class DecoderForward:
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """LM-head logits; `out` (a [rows, vocab] buffer) lets every captured graph share one logits buffer."""
+        if self.exact is not None:
+            return self.exact.logits(hidden, out)
         head = self.hf.lm_head
         if out is None:
             return head(hidden)
         if type(head) is torch.nn.Linear and head.bias is None:
             return torch.matmul(hidden, head.weight.t(), out=out)
         return out.copy_(head(hidden))  # adapters or other heads: a transient inside the graph's pool
+
+    def sampled_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
+                         inv_temp: torch.Tensor) -> torch.Tensor:
+        """The log-probabilities to report for `tokens` drawn from `logits`: the sampler's, or in exact parity the
+        trainer's kernel's (graph-safe; inv_temp is the rows' float32 1/T)."""
+        if self.exact is None:
+            return logprobs
+        return self.exact.logprobs(logits, tokens, inv_temp)

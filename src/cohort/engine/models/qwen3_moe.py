@@ -12,6 +12,10 @@ dtype. The experts' weights are transformers' stacked tensors `gate_up_proj` [E,
   (its token counts are read on the host, so the runner captures no graphs: `graph_safe` is False).
 
 Either way the weighted expert outputs are summed into each token's row in expert order, as HF does.
+
+Router replay (engine/routing.py): while `route_out` is a [tokens, sparse layers, k] buffer, every sparse layer
+writes the experts it chose into its column (inside a CUDA graph too: the buffer is a static one); None, the
+default, writes nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch import nn
 
 from cohort.engine.attention import AttentionOps
 from cohort.engine.models.decoder import DecoderForward, HFModule
+from cohort.forward.router_replay import is_sparse_block, route_dtype
 
 
 def _grouped_mm_fn():
@@ -74,10 +79,6 @@ def moe_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, g
     return out
 
 
-def _is_sparse(mlp: HFModule) -> bool:
-    return hasattr(mlp, "experts") and hasattr(mlp, "gate")
-
-
 class Qwen3MoeForward(DecoderForward):
     model_types = ("qwen3_moe",)
 
@@ -88,7 +89,7 @@ class Qwen3MoeForward(DecoderForward):
             return reason
         for i, layer in enumerate(model.model.layers):
             mlp = layer.mlp
-            if _is_sparse(mlp) and not (hasattr(mlp.experts, "gate_up_proj") and hasattr(mlp.experts, "down_proj")):
+            if is_sparse_block(mlp) and not (hasattr(mlp.experts, "gate_up_proj") and hasattr(mlp.experts, "down_proj")):
                 return (f"layer {i}: experts without stacked gate_up_proj / down_proj tensors (an older "
                         "transformers layout); upgrade transformers to 5.x.")
             if getattr(getattr(mlp, "shared_expert", None), "gate_proj", None) is not None:
@@ -104,6 +105,14 @@ class Qwen3MoeForward(DecoderForward):
         self.graph_safe = self.grouped
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = bool(getattr(config, "norm_topk_prob", True))
+        # router replay: each sparse layer's column in a record, the record's shape and type, its target buffer
+        self.sparse_column: dict[int, int] = {}
+        for i, layer in enumerate(self.inner.layers):
+            if is_sparse_block(layer.mlp):
+                self.sparse_column[i] = len(self.sparse_column)
+        self.routing_shape = (len(self.sparse_column), self.top_k) if self.sparse_column else None
+        self.route_dtype = route_dtype(config.num_experts)
+        self.route_out: torch.Tensor | None = None
 
     def _plain_linears(self) -> bool:
         # Fused gate-up copies would need every layer's MLP to be dense; attention projections alone are
@@ -112,11 +121,13 @@ class Qwen3MoeForward(DecoderForward):
 
     def _mlp(self, i: int, layer: HFModule, h: torch.Tensor) -> torch.Tensor:
         mlp = layer.mlp
-        if not _is_sparse(mlp):
+        if not is_sparse_block(mlp):
             return super()._mlp(i, layer, h)
         router = mlp.gate
         top_k = getattr(router, "top_k", self.top_k)
         normalize = bool(getattr(router, "norm_topk_prob", self.norm_topk_prob))
         weights, experts = route(h, router.weight, top_k, normalize)
+        if self.route_out is not None:
+            self.route_out[:, self.sparse_column[i]] = experts
         ex = mlp.experts
         return moe_experts(h, weights, experts, ex.gate_up_proj, ex.down_proj, ex.act_fn, self.grouped)
