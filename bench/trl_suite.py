@@ -38,6 +38,8 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from manifest import command_line, new_run_folder, write_manifest  # the sibling bench/manifest.py
+
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 CACHE = BENCH / ".cache" / "trl_suite"
@@ -154,6 +156,7 @@ def run_mode(mode: str, folder: Path, out: Path, select: list[str] | None = None
     cmd = [sys.executable, "-m", "pytest", *targets, "-p", "trl_suite_plugin", "-c", str(folder.parent / "pytest.ini"),
            "--rootdir", str(folder.parent), "-p", "no:cacheprovider", "-v", "-rN", f"--junitxml={junit}",
            *(["-k", keyword] if keyword else [])]
+    (out / f"command-{mode}.txt").write_text(command_line())  # what `--reuse` records for this mode's results
     with open(out / f"pytest-{mode}.log", "w") as log:
         proc = subprocess.run(cmd, cwd=folder.parent, env=env, stdout=log, stderr=subprocess.STDOUT)
     if not junit.is_file():
@@ -165,9 +168,10 @@ def run_mode(mode: str, folder: Path, out: Path, select: list[str] | None = None
 
 def reused(mode: str, work: Path) -> dict:
     """An earlier run's results of `mode` from its JUnit file and plugin report in `work`."""
-    report = work / f"plugin-{mode}.json"
+    report, command = work / f"plugin-{mode}.json", work / f"command-{mode}.txt"
     imported = json.loads(report.read_text()).get("imported", {}) if report.is_file() else {}
-    return {"mode": mode, "exit": None, "imported": imported, "tests": parse_junit(work / f"junit-{mode}.xml")}
+    return {"mode": mode, "exit": None, "imported": imported, "tests": parse_junit(work / f"junit-{mode}.xml"),
+            "command": command.read_text() if command.is_file() else None}
 
 
 def parse_junit(path: Path) -> dict[str, dict]:
@@ -302,9 +306,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args, folder: Path, select: list[str] | None) -> int:
-    sys.path.insert(0, str(BENCH))
-    from manifest import command_line, new_run_folder, write_manifest  # the sibling bench/manifest.py
-
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="trl-suite-"))
     modes = ("trl", "facade") if args.mode == "both" else (args.mode,)
     runs = {m: reused(m, work) if m in args.reuse else
@@ -321,10 +322,10 @@ def _run(args, folder: Path, select: list[str] | None) -> int:
     rel = out.relative_to(ROOT).as_posix()
     (out / "results.json").write_text(json.dumps({"source": source, "max_steps": args.max_steps, "summary": summary,
                                                   "runs": runs}, indent=1))
-    for name in (f"pytest-{m}.log" for m in modes):
-        shutil.copyfile(work / name, out / name)
+    commands = [r.get("command") for r in runs.values() if r.get("command")]  # the runs reused from --work
     write_manifest(out, "TRL's tests/test_grpo_trainer.py against trl and the cohort facade, offline stand-ins",
-                   command_line(), folder_names(out), docs_section="docs/trl_compat.md: TRL's own test suite")
+                   "\n".join([*commands, command_line()]), folder_names(out),
+                   docs_section="docs/trl_compat.md: TRL's own test suite")
     write_docs(markdown(summary, trl, facade, {**source, "max_steps": args.max_steps}, rel))
     print(f"results: {rel}/results.json; docs/trl_compat.md updated")
     return 0

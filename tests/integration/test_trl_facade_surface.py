@@ -271,3 +271,16 @@ def test_peft_configs_cohorts_kernel_would_silently_ignore_are_refused(model_dir
                           train_dataset=toy_rows(1), peft_config=LoraConfig(target_modules=["q_proj"],
                                                                             modules_to_save=["lm_head"]))
     assert trainer.model.get_output_embeddings() is not None
+
+
+def test_bad_data_and_num_generations_fail_before_any_weights_load(model_dir, tmp_path, monkeypatch):
+    loaded = []
+    monkeypatch.setattr(GRPOTrainer, "_load_models", lambda self, model: loaded.append(model))
+    with pytest.raises(ValueError, match="train_dataset has no rows"):
+        GRPOTrainer(model=str(model_dir), reward_funcs=distinct_chars, args=_args(tmp_path), train_dataset=[])
+    with pytest.raises(ValueError, match="train_dataset has no 'prompt' column"):
+        GRPOTrainer(model=str(model_dir), reward_funcs=distinct_chars, args=_args(tmp_path),
+                    train_dataset=[{"question": "Say 7"}] * 4)
+    with pytest.raises(ValueError, match="GRPO requires at least 2 generations per prompt"):  # TRL's wording
+        _args(tmp_path, num_generations=1)
+    assert not loaded

@@ -17,6 +17,8 @@ from typing import Any
 
 from transformers.trainer_pt_utils import AcceleratorConfig
 
+from cohort.errors import ConfigError
+
 log = logging.getLogger("cohort.trl_compat")
 
 _TOKEN_SUMMED = ("bnpo", "dr_grpo", "dapo", "cispo")
@@ -76,6 +78,18 @@ def check_ref_sync(args, peft_config: Any) -> None:
         raise ValueError("You passed `sync_ref_model=True` while using a PEFT model, which is currently not "
                          "supported. With PEFT, the reference is the base model with the adapters disabled, so "
                          "there is no separate `ref_model` instance to synchronize. Use `sync_ref_model=False`.")
+
+
+def check_rows(rows: list[dict], prompt_column: str, what: str = "train_dataset") -> None:
+    """A dataset with no rows, or rows without the prompt column, fails here, before any weights load."""
+    if not rows:
+        raise ConfigError(f"{what} has no rows: GRPO needs prompts to sample completions for; pass a dataset with a "
+                          f"{prompt_column!r} column.")
+    missing = next((row for row in rows if prompt_column not in row), None)
+    if missing is not None:
+        raise ConfigError(f"{what} has no {prompt_column!r} column (a row has {sorted(missing)}): rename the column "
+                          f"that holds the prompts to {prompt_column!r}, e.g. dataset.rename_column('question', "
+                          f"{prompt_column!r}).")
 
 
 def processing_class_list(reward_processing_classes: Any, n: int) -> list:

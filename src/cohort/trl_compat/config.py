@@ -61,6 +61,9 @@ class _GRPOConfigBase:
                                   f"{status.split(':', 1)[1].strip()}.")
             if k == "announce":
                 log.warning("GRPOConfig(%s=%r): %s.", name, value, status.split(":", 1)[1].strip())
+        if self.num_generations < 2:  # TRL's check and wording (ConfigError is a ValueError)
+            raise ConfigError(f"GRPOConfig(num_generations={self.num_generations}): GRPO requires at least 2 "
+                              "generations per prompt to calculate the advantages; set num_generations >= 2.")
         self._batch()  # TRL checks the batch arithmetic when the config is made; so does this
 
     @classmethod

@@ -22,7 +22,8 @@ from typing import Any
 _ONE_PROCESS = "cohort's launcher is torchrun (`torchrun -m cohort.cli train ...`); rank 0 logs and saves"
 _VLLM = "cohort samples with its own rollout engine, which reads the trainer's weights in place (no vLLM)"
 _DATALOADER = "prompts are tokenised once up front and drawn by cohort's seeded, resumable sampler"
-_EVAL_LOOP = "cohort's evaluate() generates on eval_dataset and averages the rewards (no loss-based eval loop)"
+_EVAL_LOOP = ("cohort's evaluate() generates on eval_dataset in one pass: eval_loss on sampled groups and the "
+              "mean rewards (no batched prediction loop)")
 
 # (name, TRL 1.16 default, status). Order: TrainingArguments as TRL lists them, then GRPOConfig's own.
 FIELDS: list[tuple[str, Any, str]] = [

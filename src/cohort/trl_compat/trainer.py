@@ -36,6 +36,7 @@ from cohort.trainer import train
 from cohort.trl_compat.callbacks import CallbackBridge
 from cohort.trl_compat.checks import (
     check_ref_sync,
+    check_rows,
     check_sources,
     normalise_args,
     placeholder_rows,
@@ -112,6 +113,7 @@ class GRPOTrainer(TrlSurface):
         if rows is None:  # streaming: take the prompts the run will draw, as TRL's stream would
             needed = self.config.train.max_steps * self.config.train.prompts_per_step
             rows = [dict(r) for r in itertools.islice(iter(train_dataset), needed)]
+        check_rows(rows, self.config.data.prompt_column)  # an empty dataset or no prompt column: before loading
         check_text(rows, "train_dataset")  # a lone surrogate fails here, not in the tokenizer
         self._train_rows = rows
         self.config.data.source = GivenRows(rows)  # the rows given, not cohort's default source (reasoning-gym)
