@@ -23,6 +23,7 @@ from tests.helpers.tiny_tokenizer import make_tiny_tokenizer
 from tests.helpers.toy_task import digit_share, toy_rows
 from tests.integration.engine_models import EOS, random_prompts, tiny_model
 from tests.integration.test_gspo_qwen3_moe import tiny_moe
+from tests.integration.test_router_aux_loss import _Capture, _Timer
 from tests.integration.test_trainer_learns import toy_config
 
 from cohort.algorithms import build_policy_loss
@@ -196,33 +197,6 @@ def test_checkpointed_backward_recomputes_with_the_replayed_choices():
 
 
 # ---- the update, fed by the engine ----------------------------------------------------------------------------
-class _Capture:
-    """Stands in for the optimizer and scheduler: keeps the gradients the update would step with."""
-
-    def __init__(self, params):
-        self.params, self.grads = params, None
-
-    def step(self):
-        if self.grads is None:
-            self.grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in self.params]
-
-    def zero_grad(self, set_to_none=True):
-        for p in self.params:
-            p.grad = None
-
-    def get_last_lr(self):
-        return [0.0]
-
-
-class _Timer:
-    def __call__(self, name):
-        return self
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _rollout(model):
