@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -66,6 +70,23 @@ def tiny_model(family: str = "llama", seed: int = 0) -> torch.nn.Module:
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
             moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
             **{**_COMMON, "num_hidden_layers": 3}))
+    elif family == "gemma2":
+        # attention-logit soft-capping (tanh at 50, made small here so it bites) with alternating windows
+        config = Gemma2Config(num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                              sliding_window=WINDOW, attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
+                              attn_implementation="eager", **_COMMON)
+        model = Gemma2ForCausalLM(config)
+        _randomize_norms(model)
+    elif family == "gpt_oss":
+        # attention sinks (one learned logit per head), alternating sliding/full layers, 4 experts top-2
+        config = GptOssConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
+                              num_local_experts=4, num_experts_per_tok=2, attn_implementation="eager",
+                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                              **{**_COMMON, "intermediate_size": 32})
+        model = GptOssForCausalLM(config)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 1.0)  # large enough that dropping them changes every output
     else:
         raise ValueError(family)
     return model.eval()

@@ -21,6 +21,11 @@ While a packed forward runs (`_PACKED_MASKS` set), the registered mask function 
 transformers' search for packed sequences in the position ids (`find_packed_sequence_indices`, whose result
 only feeds that mask) is skipped: its `.all()` made the host wait for the GPU once per micro-batch, leaving
 the device idle while the host then launched the forward's first kernels.
+Attention sinks (GPT-OSS: a learned per-head logit that joins every softmax and takes no value) and
+attention-logit soft-capping (Gemma 2: scores = c * tanh(scores / c)) are in neither flash kernel nor SDPA: a
+layer that passes `s_aux` or `softcap` runs the explicit per-segment softmax of `_segment_eager` on every device
+(announced once on CUDA as the slower path it is), so the sinks learn and the cap applies as in the model's own
+eager attention. A context-parallel row refuses both (its ring kernel has neither).
 Flash-attention-2/3 models already understand the same `cu_seq_lens_*` kwargs and are left as they are.
 """
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 import contextvars
 import inspect
 import itertools
+import sys
 import warnings
 
 import torch
@@ -225,6 +231,34 @@ def _segment_sdpa(query, key, value, cu_q, cu_k, scaling, window=None):
     return torch.cat(outs, dim=2).transpose(1, 2)
 
 
+def _segment_eager(query, key, value, cu_q, cu_k, scaling, window=None, softcap=None, sinks=None):
+    """Explicit softmax attention over each segment, for what SDPA and the flash kernels lack: an
+    attention-logit cap (scores -> c * tanh(scores / c), Gemma 2) and attention sinks (one learned logit per
+    head that joins each query's softmax and carries no value, GPT-OSS). The masks are `_segment_sdpa`'s.
+    query [1, Hq, T, D], key/value [1, Hkv, K, D], sinks [Hq] -> [1, T, Hq, D]."""
+    rep = query.shape[1] // key.shape[1]
+    outs = []
+    for (qa, qb), (ka, kb) in zip(itertools.pairwise(cu_q.tolist()), itertools.pairwise(cu_k.tolist()), strict=True):
+        k = key[:, :, ka:kb].repeat_interleave(rep, dim=1) if rep > 1 else key[:, :, ka:kb]
+        v = value[:, :, ka:kb].repeat_interleave(rep, dim=1) if rep > 1 else value[:, :, ka:kb]
+        scores = torch.matmul(query[:, :, qa:qb], k.transpose(2, 3)).float() * scaling  # [1, H, q, k]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        keys = torch.arange(kb - ka, device=query.device)
+        queries = keys[kb - ka - (qb - qa):]
+        mask = keys[None, :] <= queries[:, None]
+        if window is not None:
+            mask &= keys[None, :] > queries[:, None] - window
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if sinks is not None:  # the sink's column joins the softmax, then is dropped: it only takes weight away
+            sink = sinks.float().reshape(1, -1, 1, 1).expand(1, scores.shape[1], scores.shape[2], 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        outs.append(torch.matmul(probs.to(v.dtype), v))
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
 # Set only while a packed forward builds its masks; the attention kernels themselves key off cu_seq_lens,
 # which autograd's checkpoint recomputation replays, so backward needs no flag.
 _PACKED_MASKS = contextvars.ContextVar("cohort_packed_masks", default=False)
@@ -235,25 +269,39 @@ _FALLBACK: dict[int, str] = {}
 def _fallback_name(config) -> str:
     """The model's own attention implementation, used for every call that is not a packed forward."""
     name = _FALLBACK.get(id(config), "sdpa")
-    # "eager" lives in each modeling file, not in the registry; sdpa computes the same thing.
-    return name if name in ALL_ATTENTION_FUNCTIONS else "sdpa"
+    return name if name in ALL_ATTENTION_FUNCTIONS or name == "eager" else "sdpa"
+
+
+def _fallback_attention(module):
+    """The attention function the model had before packing. "eager" lives in each modeling file, not in the
+    registry, and is the model's own: Gemma 2's soft-capping and GPT-OSS's sinks are only there (sdpa would
+    silently drop them), so it is looked up in the module's modeling file."""
+    name = _fallback_name(module.config)
+    if name == "eager":
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if eager is not None:
+            return eager
+        name = "sdpa"  # a modeling file without its own eager function computes plain softmax attention
+    return ALL_ATTENTION_FUNCTIONS[name]
 
 
 def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: packed rows (cu_seq_lens_q given) or the model's own attention."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
-        fallback = ALL_ATTENTION_FUNCTIONS[_fallback_name(module.config)]
+        fallback = _fallback_attention(module)
         return fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if query.shape[0] != 1:
         raise RuntimeError(f"packed forward expects one row, got a batch of {query.shape[0]}")
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError(f"attention-logit softcap={kwargs['softcap']} (Gemma 2) is not implemented in "
-                                  "the packed attention; packed_forward_logprobs(attn='native') uses the model's own")
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     window = kwargs.get("sliding_window")
     window = int(window) if window else None
     context = kwargs.get("cohort_context")
     if context is not None:  # this rank's chunks of a context-parallel row (cohort.forward.context_attention)
+        if softcap is not None or sinks is not None:
+            raise ConfigError("train.context_parallel: this model's attention has "
+                              f"{'attention sinks (GPT-OSS)' if sinks is not None else f'a logit softcap={softcap}'}, "
+                              "which the context-parallel ring kernel does not compute; set train.context_parallel=1")
         return context.attend(query, key, value, scaling, window), None
     # a shared-prompt row (cohort.forward.shared_prompts): each key segment gathers its prompt's rows and its own
     kv_index = kwargs.get("cohort_kv_index")
@@ -264,6 +312,12 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
         # rounds at every addition; fp32 adds are native atomics and round once, on the cast back.
         key = key.float().index_select(2, kv_index).to(key.dtype)
         value = value.float().index_select(2, kv_index).to(value.dtype)
+    if softcap is not None or sinks is not None:
+        if _on_cuda(query):
+            _announce_slow_path("an explicit per-segment softmax (slower than a flash varlen kernel)",
+                                "this model's attention has attention sinks or a logit softcap, which the flash "
+                                "varlen kernels do not compute")
+        return _segment_eager(query, key, value, cu, cu_k, scaling, window, softcap, sinks), None
     if _flash_eligible(query):
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
         attend = _fa4_varlen if _KERNEL["name"] == "fa4" else _flash_varlen
