@@ -7,12 +7,12 @@
     python3 bench/trl_suite.py run --max-steps 3          # tests that train for epochs train 3 steps (both modes)
 
 Nothing is fetched at run time. `prepare` copies the five files the test file needs (`__init__.py`,
-`conftest.py`, `testing_utils.py`, `testing_constants.py`, `test_grpo_trainer.py`) from a TRL checkout
-(`--trl-tests DIR`, or `COHORT_TRL_TESTS`) into `bench/.cache/trl_suite/trl-tests/tests/` (git-ignored, as
-`.cache/` is) and builds the Hub stand-ins there (bench/trl_suite_standins.py: tiny random models with the real
-Qwen3 tokenizer in a local hub cache, the `zen` datasets). TRL's test files are not part of this repository
-(cohort copies no other project's code): get them with `git clone https://github.com/huggingface/trl` (the
-results record the test file's SHA-256) or `git -C CLONE archive REV tests | tar x -C DIR`.
+`conftest.py`, `testing_utils.py`, `testing_constants.py`, `test_grpo_trainer.py`) into
+`bench/.cache/trl_suite/trl-tests/tests/` (git-ignored, as `.cache/` is) and builds the Hub stand-ins there
+(bench/trl_suite_standins.py: tiny random models with the real Qwen3 tokenizer in a local hub cache, the `zen`
+datasets). The files come from `--trl-tests DIR` or `COHORT_TRL_TESTS` (a newer TRL checkout), else from the
+unmodified copy in third_party/trl (TRL's Apache-2.0 licence and the commit are there; the results record the
+test file's SHA-256).
 
 `run` starts pytest once per mode in a subprocess with `HF_HUB_OFFLINE=1`, the stand-ins' hub cache and the
 plugin bench/trl_suite_plugin.py (which, in facade mode, puts cohort's `GRPOTrainer`/`GRPOConfig` in `trl`'s
@@ -46,6 +46,7 @@ CACHE = BENCH / ".cache" / "trl_suite"
 TEST_FILE = "test_grpo_trainer.py"
 TEST_SUPPORT = ("__init__.py", "conftest.py", "testing_utils.py", "testing_constants.py", TEST_FILE)
 DOCS = ROOT / "docs" / "trl_compat.md"
+VENDORED = ROOT / "third_party" / "trl" / "tests"  # TRL's five files, unmodified (third_party/trl/README.md)
 DOCS_BEGIN, DOCS_END = "<!-- trl-suite:begin (generated: python3 bench/trl_suite.py run) -->", "<!-- trl-suite:end -->"
 STANDINS_VERSION = 1  # bump when bench/trl_suite_standins.py changes what it builds
 # The CI sample (tests/integration/test_trl_suite.py): TRL tests the facade passes that train little or not at
@@ -130,8 +131,9 @@ def build_standins(cache: Path = CACHE, force: bool = False) -> dict:
 
 
 def prepare(trl_tests: str | None, cache: Path = CACHE) -> Path:
-    """TRL's tests in the cache (copied from `trl_tests` / COHORT_TRL_TESTS when given) and the stand-ins."""
-    source = trl_tests or os.environ.get("COHORT_TRL_TESTS")
+    """TRL's tests in the cache (copied from `trl_tests` / COHORT_TRL_TESTS when given, else from the copy this
+    repository keeps in third_party/trl) and the stand-ins."""
+    source = trl_tests or os.environ.get("COHORT_TRL_TESTS") or (VENDORED if (VENDORED / TEST_FILE).is_file() else None)
     folder = copy_trl_tests(Path(source), cache) if source else tests_dir(cache)
     if not (folder / TEST_FILE).is_file():
         raise SystemExit(f"TRL's {TEST_FILE} is not in {folder}: run `python3 bench/trl_suite.py prepare "

@@ -290,22 +290,25 @@ def _assemble(kept, g: int, advantage_kwargs: dict[str, Any], mask_truncated: bo
     baselines = greedy[0].concat(greedy) if greedy else None
     extras = _estimator_inputs(completions, baselines)
     if gather is None:
-        adv = compute_advantages(result.rewards, g, **advantage_kwargs, **extras)
-        batch_rewards = adv.rewards
+        all_rewards = result.rewards
+        adv = compute_advantages(all_rewards, g, **advantage_kwargs, **extras)
     else:  # the lengths and greedy rewards of every rank too, in the same rank order as the rewards
         n = result.rewards.shape[0]
         extras = {k: None if v is None else gather(v) for k, v in extras.items()}
-        adv = compute_advantages(gather(result.rewards), g, **advantage_kwargs, **extras)
-        batch_rewards = adv.rewards  # every rank's: reward_std is over the whole step, as TRL gathers it
+        all_rewards = gather(result.rewards)
+        adv = compute_advantages(all_rewards, g, **advantage_kwargs, **extras)
         mine = slice(rank * n, (rank + 1) * n)
         adv = dataclasses.replace(adv, advantages=adv.advantages[mine], rewards=adv.rewards[mine])
     finish = [c.finish_reason for c in completions]
     keep = [not (mask_truncated and f == "length") for f in finish]
     metrics = {"frac_reward_zero_std": adv.frac_reward_zero_std, **metrics, **result.metrics(),
                **_completion_metrics(completions)}
-    metrics["reward"] = float(torch.nanmean(adv.rewards))
-    # TRL 1.16's reward_std: the std of the batch's rewards; cohort's mean of per-group stds keeps its own name
-    metrics["reward_std"] = float(_nanstd(batch_rewards))
+    # TRL 1.16's reward and reward_std: the mean and std over the whole step (every rank) of the raw weighted sum
+    # of the functions' rewards, whatever the aggregation (normalize_then_sum's combination is normalised);
+    # cohort's mean of per-group stds keeps its own name
+    weighted = _weighted_sum(all_rewards, result.weights)
+    metrics["reward"] = float(torch.nanmean(weighted))
+    metrics["reward_std"] = float(_nanstd(weighted))
     metrics["reward_std_group_mean"] = float(adv.group_std.mean()) if adv.group_std.numel() else 0.0
     if baselines is not None:  # remax: the greedy completions' mean combined reward (this rank's prompts)
         metrics["remax/greedy_reward"] = float(torch.nanmean(baselines.total))
@@ -322,6 +325,15 @@ def _assemble(kept, g: int, advantage_kwargs: dict[str, Any], mask_truncated: bo
         token_versions=([c.token_versions for c in completions]
                         if any(c.token_versions is not None for c in completions) else None),
     )
+
+
+def _weighted_sum(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[N, F] raw rewards -> [N] weighted nansum, NaN where every function is NaN (unscorable rows, left out of the
+    logged reward as TRL leaves them out)."""
+    per_func = rewards.unsqueeze(1) if rewards.dim() == 1 else rewards
+    total = (per_func * weights.to(per_func.device, per_func.dtype).unsqueeze(0)).nansum(dim=1)
+    total[torch.isnan(per_func).all(dim=1)] = torch.nan
+    return total
 
 
 def _nanstd(x: torch.Tensor) -> torch.Tensor:

@@ -244,11 +244,18 @@ def test_yaml_path_accepts_transformers_scheduler_names():
         cohort.load_config(None, ["train.lr_scheduler_type=cosinus"])
 
 
-def test_unknown_generation_and_model_init_kwargs_are_rejected_by_name():
-    with pytest.raises(ConfigError, match="num_beams"):
-        GRPOConfig(generation_kwargs={"do_sample": True, "num_beams": 2}).to_cohort(num_rows=8)
-    with pytest.raises(ConfigError, match="length_penalty"):
-        GRPOConfig(generation_kwargs={"length_penalty": -0.1}).to_cohort(num_rows=8)
+def test_unknown_generation_and_model_init_kwargs_are_rejected_by_name(caplog):
+    with caplog.at_level(logging.WARNING, logger="cohort.trl_compat"):
+        beams = GRPOConfig(generation_kwargs={"do_sample": True, "num_beams": 2, "length_penalty": -0.1,
+                                              "top_k": 50}).to_cohort(num_rows=8)
+    # options cohort's engine lacks: transformers' generate samples (as in TRL without vLLM), said once
+    assert beams.generation.engine == "hf" and beams.generation.top_k == 50
+    assert beams.generation.hf_generate_kwargs == {"num_beams": 2, "length_penalty": -0.1}
+    assert any("transformers' generate samples" in r.getMessage() and "num_beams" in r.getMessage()
+               for r in caplog.records)
+    assert GRPOConfig(generation_kwargs={"top_k": 5}).to_cohort(num_rows=8).generation.engine == "auto"
+    with pytest.raises(ConfigError, match="'num_beam'.*did you mean 'num_beams'"):
+        GRPOConfig(generation_kwargs={"num_beam": 2}).to_cohort(num_rows=8).validate()
     greedy = GRPOConfig(generation_kwargs={"do_sample": False, "num_beams": 1}).to_cohort(num_rows=8)
     assert greedy.generation.temperature == 0.0  # transformers' do_sample=False: greedy decoding
     assert GRPOConfig(generation_kwargs={"do_sample": True}).to_cohort(num_rows=8).generation.temperature == 1.0

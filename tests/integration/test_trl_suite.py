@@ -2,9 +2,8 @@
 
 `test_the_ci_sample_of_trl_tests_passes_against_the_facade` runs the fixed sample `trl_suite.SAMPLE` (TRL tests
 the facade passes: construction, TRL's errors and warnings, its loss helpers, evaluation datasets) through the
-harness in facade mode, offline, and requires every one to pass. TRL's test files are not in this repository:
-it runs where `python3 bench/trl_suite.py prepare --trl-tests <a TRL checkout>/tests` has copied them into the
-harness's cache (or COHORT_TRL_TESTS names that folder), and skips, saying so, where neither is the case.
+harness in facade mode, offline, and requires every one to pass, on the unmodified copy of TRL's test files in
+third_party/trl (or a newer one that COHORT_TRL_TESTS names).
 
 The other tests check the harness itself on a stand-in test file, with no TRL checkout: that facade mode
 really hands the test file cohort's classes (and TRL mode TRL's), that the `zen` stand-ins load under TRL's
@@ -13,8 +12,8 @@ names with TRL's columns, and how results are read and summarised.
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -105,13 +104,14 @@ def test_docs_section_is_replaced_in_place(tmp_path):
     assert text.count("## TRL's own test suite") == 1 and "two" in text and "one" not in text
 
 
-def _trl_tests_available() -> bool:
-    return bool(os.environ.get("COHORT_TRL_TESTS")) or (trl_suite.tests_dir() / trl_suite.TEST_FILE).is_file()
+def test_the_repository_keeps_trls_test_files_unmodified():
+    """third_party/trl holds TRL's files byte for byte: the SHA-256 its README records."""
+    readme = (ROOT / "third_party" / "trl" / "README.md").read_text()
+    for name in trl_suite.TEST_SUPPORT:
+        digest = hashlib.sha256((trl_suite.VENDORED / name).read_bytes()).hexdigest()
+        assert f"| tests/{name} | `{digest}` |" in readme, name
 
 
-@pytest.mark.skipif(not _trl_tests_available(),
-                    reason="TRL's tests/test_grpo_trainer.py is not in the harness cache: run `python3 "
-                           "bench/trl_suite.py prepare --trl-tests <a TRL checkout>/tests` (or set COHORT_TRL_TESTS)")
 def test_the_ci_sample_of_trl_tests_passes_against_the_facade(tmp_path):
     folder = trl_suite.prepare(None)
     run = trl_suite.run_mode("facade", folder, tmp_path, list(trl_suite.SAMPLE))

@@ -86,3 +86,31 @@ def test_dynamic_sampling_fills_the_step_on_its_last_try():
 def test_truncated_completions_can_be_masked():
     batch = run(mask_truncated_completions=True)
     assert batch.loss_mask_keep == [True, True, False] * 4
+
+
+def test_logged_reward_is_the_raw_weighted_sum_under_either_aggregation():
+    """TRL's `reward` and `reward_std` are the mean and std of the raw weighted sum of the functions' rewards,
+    also under normalize_then_sum, whose combined reward is normalised (TRL's test: weights 0.7/0.3 on constant
+    rewards 1 and 0 log 0.7)."""
+    def one(completion_ids, **kwargs):
+        return [1.0] * len(completion_ids)
+
+    def zero(completion_ids, **kwargs):
+        return [0.0] * len(completion_ids)
+
+    for aggregation in ("sum_then_normalize", "normalize_then_sum"):
+        batch = collect_rollouts(ScriptedEngine(), Tok(), feeder(), 4, SamplingParams(n=3),
+                                 RewardRunner([one, zero], weights=[0.7, 0.3]),
+                                 advantage_kwargs={"scale_rewards": "group", "reward_weights": [0.7, 0.3],
+                                                   "multi_objective_aggregation": aggregation},
+                                 trainer_state={})
+        assert abs(batch.metrics["reward"] - 0.7) < 1e-6, aggregation
+        assert batch.metrics["reward_std"] < 1e-6
+    by_prompt = collect_rollouts(ScriptedEngine(), Tok(), feeder(), 4, SamplingParams(n=3),
+                                 RewardRunner([reward_by_prompt, zero], weights=[2.0, 1.0]),
+                                 advantage_kwargs={"scale_rewards": "group", "reward_weights": [2.0, 1.0],
+                                                   "multi_objective_aggregation": "normalize_then_sum"},
+                                 trainer_state={})
+    raw = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 2.0] * 2) * 2.0  # prompts 0, 1, 2, 3
+    assert abs(by_prompt.metrics["reward"] - raw.mean().item()) < 1e-6
+    assert abs(by_prompt.metrics["reward_std"] - raw.std().item()) < 1e-6

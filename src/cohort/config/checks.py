@@ -14,6 +14,7 @@ from transformers import SchedulerType
 
 from cohort.algorithms import ESTIMATORS, build_advantage_estimator
 from cohort.config.parity import check_logprob_parity
+from cohort.config.hf_generate import check_hf_generate_kwargs
 from cohort.errors import ConfigError
 from cohort.remote.address import parse_address
 from cohort.resolve import is_import_path
@@ -153,6 +154,7 @@ def _check_generation(cfg: CohortConfig) -> None:
     _require(isinstance(g.stop_strings, list) and all(isinstance(s, str) and s for s in g.stop_strings),
              "generation.stop_strings", g.stop_strings, "give a list of non-empty strings, e.g. ['</answer>']")
     _require_choice("generation.engine", g.engine, ("auto", "cohort", "hf"))
+    check_hf_generate_kwargs(g.hf_generate_kwargs, g.engine, g.placement)
     _check_placement(cfg)
     longest = max(g.max_completion_length, cfg.run.eval_max_completion_length or 0)
     if g.max_model_len is not None:

@@ -157,6 +157,10 @@ class GenerationConfig:
                             "4-bit layers and adapters in place: no copy, bitsandbytes matmuls)")
     generation_batch_size: int | None = setting(
         None, help="hf engine only: rows (a prompt's copy per completion) per generate call; None: all of them at once")
+    hf_generate_kwargs: dict[str, Any] = setting(
+        default_factory=dict, help="engine=hf only: more transformers GenerationConfig options (num_beams, "
+                                   "length_penalty, no_repeat_ngram_size, ...); with num_beams > 1 the logprobs "
+                                   "are recomputed by a forward over each completion")
     max_tool_calling_iterations: int | None = setting(
         None, help="rounds of tool calls per completion (TRL's name); None: only max_completion_length, over the "
                    "whole conversation (model turns and tool results), bounds them")

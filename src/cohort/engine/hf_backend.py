@@ -21,6 +21,10 @@ Multi-turn: `generate_turns` has CohortEngine's contract and is its reference: a
 `generate` again on the whole conversation (prompt, completion so far, appended context), one row at a
 time, as TRL does; it re-prefills everything every turn, which is what the paged engine avoids.
 
+More GenerationConfig options (generation.hf_generate_kwargs: beam sampling, length_penalty, ...) pass through
+as given; with num_beams > 1 the logprobs come from one forward over the returned rows (generate keeps logits
+per beam and step, not per returned sequence).
+
 Memory: `output_logits` keeps [rows, steps, vocab] logits until the batch ends; bound it with batch_size.
 """
 
@@ -48,6 +52,7 @@ class HFGenerateEngine:
         batch_size: int | None = None,
         cache_implementation: str | None = None,
         compile: bool = False,
+        generate_kwargs: dict | None = None,
     ) -> None:
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1 (rows per generate call) or None (all)")
@@ -56,6 +61,9 @@ class HFGenerateEngine:
         self.batch_size = batch_size
         self.cache_implementation = cache_implementation
         self.compile = compile
+        # more GenerationConfig options (generation.hf_generate_kwargs, checked by cohort.config.hf_generate)
+        self.generate_kwargs = dict(generate_kwargs or {})
+        self.num_beams = int(self.generate_kwargs.get("num_beams", 1))
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _default_eos(model, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad is None:
@@ -107,10 +115,12 @@ class HFGenerateEngine:
             eos_token_id=eos or None,
             pad_token_id=self.pad_token_id,
             stop_strings=list(params.stop_strings) or None,
-            output_logits=True,
+            # beam search keeps logits per beam, not per returned sequence: its logprobs come from a forward
+            output_logits=self.num_beams == 1,
             return_dict_in_generate=True,
             cache_implementation=self.cache_implementation,
             disable_compile=not self.compile,
+            **self.generate_kwargs,
         )
 
     def _generate_rows(self, rows: list[list[int]], params: SamplingParams, first_row: int) -> list[Completion]:
@@ -130,8 +140,25 @@ class HFGenerateEngine:
                 **kwargs,
             )
         tokens = out.sequences[:, width:].cpu()
-        logprobs = _chosen_logprobs(out.logits, tokens, params.logprob_temperature)
+        if self.num_beams > 1:
+            logprobs = self._forward_logprobs(out.sequences, attention_mask.to(device), width,
+                                              params.logprob_temperature)
+        else:
+            logprobs = _chosen_logprobs(out.logits, tokens, params.logprob_temperature)
         return [self._finish(tokens[r].tolist(), logprobs[r].tolist(), params) for r in range(len(rows))]
+
+    @torch.no_grad()
+    def _forward_logprobs(self, sequences: torch.Tensor, prompt_mask: torch.Tensor, width: int,
+                          temperature: float) -> torch.Tensor:
+        """[rows, steps] logprob of each generated token under log_softmax(raw / T), from one forward over the
+        left-padded rows (beam search returns sequences whose per-step logits it does not keep)."""
+        steps = sequences.shape[1] - width
+        mask = torch.cat([prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], steps)], dim=1)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self.model(input_ids=sequences, attention_mask=mask, position_ids=positions).logits
+        z = logits[:, width - 1 : -1].float() / temperature
+        chosen = sequences[:, width:].unsqueeze(-1)
+        return (z.gather(-1, chosen).squeeze(-1) - torch.logsumexp(z, dim=-1)).cpu()
 
     def _finish(self, tokens: list[int], logprobs: list[float], params: SamplingParams) -> Completion:
         """Cut after the first stop (EOS / stop id / stop string); what follows is generate's padding."""

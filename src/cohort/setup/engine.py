@@ -58,7 +58,8 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
                                   cfg.generation.fuse_projections)
         echo(f"cohort engine does not support this model ({why}); falling back to Hugging Face generate")
     return HFGenerateEngine(policy, tokenizer, eos_token_ids=eos_ids(tokenizer, policy),
-                            batch_size=cfg.generation.generation_batch_size)
+                            batch_size=cfg.generation.generation_batch_size,
+                            generate_kwargs=cfg.generation.hf_generate_kwargs)
 
 
 def _cohort_engine(cfg: CohortConfig, model, policy, tokenizer, device, kv_cache_fraction, longest_prompt,

@@ -8,6 +8,7 @@ units are turned into cohort steps here). A conversion may also raise ConfigErro
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -16,6 +17,8 @@ from cohort.config.overrides import _set
 from cohort.errors import ConfigError
 from cohort.remote.client import parse_address
 from cohort.trl_compat.fields import TABLE, kind
+
+log = logging.getLogger("cohort.trl_compat")
 
 
 def _in_steps(count: float, per_gen: int) -> int:
@@ -117,6 +120,12 @@ _GENERATION_KWARGS = {"stop_strings": "stop_strings", "max_new_tokens": "max_com
 
 
 def _generation_kwargs(a, cfg, value, **_):
+    """TRL hands generation_kwargs to transformers' GenerationConfig. Those cohort's engine has (sampling knobs,
+    stops, lengths) map to generation.*; any other GenerationConfig option (num_beams > 1: beam sampling,
+    length_penalty, no_repeat_ngram_size, ...) makes transformers' generate sample, as it does in TRL without vLLM:
+    generation.engine=hf with the options in generation.hf_generate_kwargs, announced. A name that is no
+    GenerationConfig option is refused when the config is checked."""
+    passthrough: dict[str, Any] = {}
     for key, v in (value or {}).items():
         if key == "do_sample":  # cohort's engine samples; do_sample=False is greedy decoding (temperature 0)
             if not v:
@@ -124,15 +133,18 @@ def _generation_kwargs(a, cfg, value, **_):
             continue
         if key == "num_beams" and v in (None, 1):  # one beam: plain sampling, what the engine does
             continue
-        if key == "num_beams":
-            raise ConfigError(f"GRPOConfig(generation_kwargs={{'num_beams': {v!r}}}) is not supported by cohort: its "
-                              "engine samples each completion on its own (no beam search); leave num_beams at 1.")
         if key not in _GENERATION_KWARGS:
-            raise ConfigError(f"GRPOConfig(generation_kwargs={{{key!r}: ...}}) is not supported by cohort: its "
-                              f"engine takes {', '.join(sorted(_GENERATION_KWARGS))}.")
+            passthrough[key] = v
+            continue
         if key == "stop_strings" and isinstance(v, str):
             v = [v]
         setattr(cfg.generation, _GENERATION_KWARGS[key], v)
+    if passthrough:
+        log.warning("GRPOConfig(generation_kwargs=%r): cohort's engine has no %s, so transformers' generate samples "
+                    "the completions (generation.engine='hf', as TRL without vLLM; slower than cohort's engine).",
+                    passthrough, ", ".join(sorted(passthrough)))
+        cfg.generation.engine = "hf"
+        cfg.generation.hf_generate_kwargs = passthrough
 
 
 def _scale(a, cfg, value, **_):

@@ -185,7 +185,8 @@ FIELDS: list[tuple[str, Any, str]] = [
     ("min_p", None, "derived: generation.min_p (None: 0, off)"),
     ("generation_kwargs", None, "derived: stop_strings, max_new_tokens, temperature, top_p, top_k, min_p, "
      "repetition_penalty, ignore_eos map to generation.*; do_sample=False is temperature 0, num_beams=1 is "
-     "accepted; other keys (num_beams > 1: beam search) are rejected by name"),
+     "accepted; other GenerationConfig options (num_beams > 1, length_penalty, ...) go to "
+     "generation.hf_generate_kwargs and transformers' generate samples (generation.engine=hf), announced"),
     ("chat_template_kwargs", None, "trainer: passed to tokenizer.apply_chat_template for every prompt"),
     ("repetition_penalty", 1.0, "generation.repetition_penalty"),
     ("cache_implementation", None, "announce: the rollout engine keeps its own paged KV cache"),
