@@ -23,14 +23,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cohort import distributed, trainer  # trainer as a module: tests replace trainer.train
-from cohort.checkpointing import latest_checkpoint
+from cohort.checkpointing.interrupted import interrupted_message as checkpoint_interrupted_message
 from cohort.config import CohortConfig, dump_config, load_config
 from cohort.config.help import render_text
 from cohort.config.preflight import check_data_paths, check_model_path, check_paths
 from cohort.errors import CohortError, ConfigError
 from cohort.evaluation import evaluate
 from cohort.policy.model import load_policy
-from cohort.run.directory import run_has_progress
 from cohort.run.plot import plot_run
 from cohort.run.seeding import set_deterministic
 from cohort.serving.server import serve
@@ -95,16 +94,9 @@ def continue_command(args: argparse.Namespace, *, resume: bool = True) -> str:
 
 def interrupted_message(cfg, args: argparse.Namespace) -> str:
     """What Ctrl-C prints: the newest checkpoint (if any) and the exact command that continues the run."""
-    out = Path(cfg.run.output_dir).expanduser()
-    latest = latest_checkpoint(out) if out.is_dir() else None
-    if latest is not None:
-        return (f"cohort: interrupted. The newest checkpoint is {latest}; continue from it with:\n"
-                f"  {continue_command(args)}")
-    if out.is_dir() and run_has_progress(out):
-        return (f"cohort: interrupted before the first checkpoint; {out} holds metrics but nothing to resume from. "
-                f"Start again with:\n  {continue_command(args, resume=False)} --overwrite")
-    return (f"cohort: interrupted before the first checkpoint (nothing was kept). Start again with:\n"
-            f"  {continue_command(args, resume=False)}")
+    restart = continue_command(args, resume=False)
+    return checkpoint_interrupted_message(cfg.run.output_dir, resume=continue_command(args), restart=restart,
+                                          restart_over_progress=f"{restart} --overwrite")
 
 
 def _eval(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ import itertools
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ from huggingface_hub import HfApi
 
 from cohort import distributed
 from cohort.checkpointing import latest_checkpoint
+from cohort.checkpointing.interrupted import interrupted_message
 from cohort.checkpointing.weights import unwrap_model
 from cohort.data import check_text, load_prompt_dataset
 from cohort.errors import ConfigError
@@ -203,7 +205,14 @@ class GRPOTrainer(TrlSurface):
         if self.args.eval_on_start and self.eval_dataset:
             self.evaluate()
         started = time.monotonic()
-        self.result = train(cfg, self._comp, callbacks=[self.callback_handler])
+        try:
+            self.result = train(cfg, self._comp, callbacks=[self.callback_handler])
+        except KeyboardInterrupt:  # Ctrl-C: the CLI's message, with the call that continues; then stop as Python does
+            if distributed.current().is_main:
+                print(interrupted_message(cfg.run.output_dir, resume="trainer.train(resume_from_checkpoint=True)",
+                                          restart="trainer.train()", restart_over_progress="trainer.train()"),
+                      file=sys.stderr)
+            raise
         self.callback_handler.finish(time.monotonic() - started, steps_done=len(self.result.history))
         if self.args.push_to_hub:  # TRL pushes the final model when training ends
             self.push_to_hub()
