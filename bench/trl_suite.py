@@ -9,10 +9,10 @@
 Nothing is fetched at run time. `prepare` copies the five files the test file needs (`__init__.py`,
 `conftest.py`, `testing_utils.py`, `testing_constants.py`, `test_grpo_trainer.py`) into
 `bench/.cache/trl_suite/trl-tests/tests/` (git-ignored, as `.cache/` is) and builds the Hub stand-ins there
-(bench/trl_suite_standins.py: tiny random models with the real Qwen3 tokenizer in a local hub cache, the `zen`
-datasets). The files come from `--trl-tests DIR` or `COHORT_TRL_TESTS` (a newer TRL checkout), else from the
-unmodified copy in third_party/trl (TRL's Apache-2.0 licence and the commit are there; the results record the
-test file's SHA-256).
+(bench/trl_suite_standins.py: tiny random models with the real Qwen3 tokenizer in a local hub cache, the
+vision-language models with their processors (bench/trl_suite_vlm.py), the `zen` datasets). The files come from
+`--trl-tests DIR` or `COHORT_TRL_TESTS` (a newer TRL checkout), else from the unmodified copy in third_party/trl
+(TRL's Apache-2.0 licence and the commit are there; the results record the test file's SHA-256).
 
 `run` starts pytest once per mode in a subprocess with `HF_HUB_OFFLINE=1`, the stand-ins' hub cache and the
 plugin bench/trl_suite_plugin.py (which, in facade mode, puts cohort's `GRPOTrainer`/`GRPOConfig` in `trl`'s
@@ -48,7 +48,7 @@ TEST_SUPPORT = ("__init__.py", "conftest.py", "testing_utils.py", "testing_const
 DOCS = ROOT / "docs" / "trl_compat.md"
 VENDORED = ROOT / "third_party" / "trl" / "tests"  # TRL's five files, unmodified (third_party/trl/README.md)
 DOCS_BEGIN, DOCS_END = "<!-- trl-suite:begin (generated: python3 bench/trl_suite.py run) -->", "<!-- trl-suite:end -->"
-STANDINS_VERSION = 1  # bump when bench/trl_suite_standins.py changes what it builds
+STANDINS_VERSION = 2  # bump when bench/trl_suite_standins.py changes what it builds
 # The CI sample (tests/integration/test_trl_suite.py): TRL tests the facade passes that train little or not at
 # all, so the sample runs in minutes on a 2-core CPU: construction with each kind of dataset and reward model,
 # TRL's errors and warnings with its wording, argument normalisation, and TRL's loss helpers.

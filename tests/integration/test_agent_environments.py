@@ -97,7 +97,7 @@ class NoReset:
         return "x"
 
 
-def _setup(tmp_path, factory, rows=None):
+def _setup(tmp_path, factory, rows=None, reward_runner="zero", parser="call_press", **agent):
     from cohort.rewards import RewardRunner
     from cohort.setup import build_components
 
@@ -109,7 +109,9 @@ def _setup(tmp_path, factory, rows=None):
     cfg.train.prompts_per_step = 2
     cfg.model.chat_template = "chatml_tools"
     cfg.agent.environment_factory = factory
-    cfg.agent.tool_parser = f"{__name__}:call_press"
+    cfg.agent.tool_parser = f"{__name__}:{parser}"
+    for key, value in agent.items():
+        setattr(cfg.agent, key, value)
     path = tmp_path / "rows.jsonl"
     rows = rows or [{"prompt": [{"role": "user", "content": r["prompt"]}], "digit": r["digit"]} for r in toy_rows(1)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -118,7 +120,11 @@ def _setup(tmp_path, factory, rows=None):
     tok = make_tiny_tokenizer()
     model = tiny_model(tok)
     model.config.max_position_embeddings = 1400
-    comp = build_components(cfg, policy=model, tokenizer=tok, reward_runner=RewardRunner([zero_reward]))
+    if reward_runner == "zero":
+        reward_runner = RewardRunner([zero_reward])
+    else:  # the run's own: reward.funcs
+        cfg.reward.funcs = []
+    comp = build_components(cfg, policy=model, tokenizer=tok, reward_runner=reward_runner)
     return cfg, comp, tok
 
 
@@ -254,3 +260,47 @@ def test_calculator_recipe_parses_and_validates():
     roles = [m["role"] for m in cfg.data.few_shot]
     assert roles == ["user", "assistant", "tool", "assistant"] * 2
     assert cfg.data.few_shot[1]["tool_calls"][0]["name"] == "calculator"
+
+
+def test_environments_may_bring_every_reward(tmp_path):
+    """reward.funcs may be empty when the environments score the rollouts (TRL's environment-owned reward); a run
+    left with no reward function at all fails before it samples, naming both ways out."""
+    Button.resets = 0
+    cfg, comp, _ = _setup(tmp_path, f"{__name__}:Button", reward_runner=None)
+    assert comp.reward_runner.names == ["Button"] and comp.reward_runner.weights.tolist() == [1.0]
+    Button.resets = 0
+    batch = _rollouts(cfg, comp)
+    assert batch.rewards_per_func[:, 0].tolist() == [1.0, 0.0, 0.0, 0.0] * 2
+    with pytest.raises(ConfigError, match="no reward function: reward_funcs is empty and no environment"):
+        _setup(tmp_path, f"{__name__}:Varied", reward_runner=None)
+
+
+class Pressless:
+    """An environment whose rollouts only ever write malformed calls."""
+
+    def reset(self, **row) -> None:
+        return None
+
+    def press(self) -> str:
+        """Press the button."""
+        return "pressed"
+
+
+def malformed(text, tokenizer=None):
+    from cohort.agents.tools import INVALID_TOOL_NAME
+
+    return [ToolCall(INVALID_TOOL_NAME, {"raw": "{a: 3}", "error": "not valid JSON"})]
+
+
+@pytest.mark.parametrize("mode", ["feedback", "end"])
+def test_malformed_tool_calls_get_feedback_or_end_the_completion(tmp_path, mode):
+    """agent.malformed_tool_calls: "feedback" answers a call the parser could not read with an error (a failed
+    call, the completion goes on); "end" (TRL's way, the facade's default) makes it no call at all."""
+    cfg, comp, _ = _setup(tmp_path, f"{__name__}:Pressless", parser="malformed", malformed_tool_calls=mode)
+    assert comp.turn_loop.malformed_tool_calls == mode
+    batch = _rollouts(cfg, comp)
+    if mode == "feedback":
+        assert batch.metrics["tools/call_frequency"] > 0 and batch.metrics["tools/failure_frequency"] == 1.0
+    else:
+        assert batch.metrics.get("tools/call_frequency", 0.0) == 0.0
+        assert all(0 not in batch.token_mask(i) for i in range(len(batch)))

@@ -156,3 +156,39 @@ def test_beam_search_through_hf_generate_kwargs(model, tok, prompts, temperature
         ref_lp = packed_forward_logprobs(model, seqs, temperature=params.logprob_temperature, compute_entropy=False)
     got = torch.tensor([lp for group in out for c in group for lp in c.logprobs])
     torch.testing.assert_close(got, ref_lp.logprobs, rtol=1e-4, atol=1e-4)
+
+
+def test_a_generate_replaced_on_the_model_samples_and_regenerates_in_one_batch(model, tok, prompts):
+    """A model whose `generate` is replaced on the instance (a user's wrapper, a scripted stand-in such as TRL's
+    tests patch in) samples through it: build_engine picks the generate path, the replacement may return bare
+    sequences, the conversations that continue after tool results are regenerated in one call (as TRL does),
+    and the logprobs come from a forward."""
+    from cohort.config import CohortConfig
+    from cohort.setup.engine import build_engine
+
+    eos = tok.eos_token_id
+    calls = []
+
+    def scripted(input_ids, **kwargs):
+        calls.append(input_ids.shape[0])
+        if len(calls) == 1:  # three first turns: two end on EOS and ask for a tool, one ends without EOS
+            tail = torch.tensor([[5, 6, eos], [7, eos, tok.pad_token_id], [8, 9, 10]])
+        else:  # the two continuations, in one batch
+            tail = torch.tensor([[11, eos], [12, eos]])
+        return torch.cat([input_ids, tail.to(input_ids.device)], dim=-1)
+
+    model.generate = scripted
+    try:
+        engine = build_engine(CohortConfig(), model, tok, torch.device("cpu"), echo=lambda *_: None)
+        assert isinstance(engine, HFGenerateEngine)
+        out = engine.generate_turns([prompts[0]], SamplingParams(n=3, max_tokens=8, temperature=1.0),
+                                    lambda end: [20, 21] if end.turn == 1 else None)
+    finally:
+        del model.generate
+    assert calls == [3, 2]
+    assert [c.token_ids for c in out[0]] == [[5, 6, eos, 20, 21, 11, eos], [7, eos, 20, 21, 12, eos], [8, 9, 10]]
+    assert out[0][0].mask == [1, 1, 1, 0, 0, 1, 1]
+    first = out[0][2]
+    with torch.no_grad():
+        ref = packed_forward_logprobs(model, [(prompts[0], first.token_ids)], compute_entropy=False)
+    torch.testing.assert_close(torch.tensor(first.logprobs), ref.logprobs, rtol=1e-4, atol=1e-4)

@@ -24,7 +24,7 @@ import pytest
 
 from cohort.agents.builtins import PythonSandbox, SandboxLimits, make_python_tool
 from cohort.agents.tools import ToolCall, ToolRunner
-from cohort.config.sections import AgentConfig
+from cohort.config.agent_section import AgentConfig
 from cohort.errors import ConfigError
 
 SRC = Path(__file__).resolve().parents[2] / "src"

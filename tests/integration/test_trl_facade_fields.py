@@ -254,7 +254,7 @@ def test_unknown_generation_and_model_init_kwargs_are_rejected_by_name(caplog):
     assert any("transformers' generate samples" in r.getMessage() and "num_beams" in r.getMessage()
                for r in caplog.records)
     assert GRPOConfig(generation_kwargs={"top_k": 5}).to_cohort(num_rows=8).generation.engine == "auto"
-    with pytest.raises(ConfigError, match="'num_beam'.*did you mean 'num_beams'"):
+    with pytest.raises(ConfigError, match=r"'num_beam'.*did you mean 'num_beams'"):
         GRPOConfig(generation_kwargs={"num_beam": 2}).to_cohort(num_rows=8).validate()
     greedy = GRPOConfig(generation_kwargs={"do_sample": False, "num_beams": 1}).to_cohort(num_rows=8)
     assert greedy.generation.temperature == 0.0  # transformers' do_sample=False: greedy decoding

@@ -94,6 +94,7 @@ class Environments:
             name: _factory(spec, str(name or spec)) for name, spec in raw.items()}
         self.standalone_tools = build_tools(list(tools or []))
         self._pool: dict[str | None, list[Any]] = {}
+        self.last_sessions: list[EnvironmentSession] = []
         self._tools: dict[str | None, list[Tool]] = {}  # tools by environment (names/schemas of the probe instance)
         self.reward_classes: list[type] = []  # classes with get_reward, one reward column each
         for name, make in self.factories.items():
@@ -121,7 +122,7 @@ class Environments:
             return None
         name = row.get(ROUTING_COLUMN)
         if name not in self.factories:
-            raise ConfigError(f"a row has environment={name!r}, which is not one of the environments given "
+            raise ConfigError(f"a row has environment={name!r}, which is not among the environments given "
                               f"({sorted(map(str, self.factories))}); fix the dataset's 'environment' column.")
         return name
 
@@ -161,6 +162,7 @@ class Environments:
                                   f"{type(observation).__name__}; it must return a str (or content parts) or None.")
             tools = self.standalone_tools + environment_tools(instance)
             sessions.append(EnvironmentSession(name=name, instance=instance, tools=tools, observation=observation))
+        self.last_sessions = sessions  # the batch's rollouts (the TRL facade's `environments`)
         return sessions
 
     def rewards(self, sessions: Sequence[EnvironmentSession]) -> dict[str, list[float | None]]:

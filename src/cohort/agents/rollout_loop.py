@@ -39,7 +39,7 @@ from cohort.agents.messages import (
     tool_result_messages,
 )
 from cohort.agents.parsing import parse_tool_calls
-from cohort.agents.tools import ToolRunner, build_tools
+from cohort.agents.tools import INVALID_TOOL_NAME, ToolRunner, build_tools
 from cohort.types import Completion, SamplingParams, TurnEnd
 
 
@@ -80,6 +80,9 @@ class TurnLoop:
     # with its row; the rollout (cohort.rollout) hands each completion its instance's runner. None: plain tools.
     environments: Any = None
     inline_tools: bool = False
+    # agent.malformed_tool_calls: "feedback" hands the model an error for a call the parser could not read;
+    # "end" drops such calls (TRL), so a turn with no readable call ends the completion
+    malformed_tool_calls: str = "feedback"
 
     def __post_init__(self) -> None:
         # the agents package is imported here, not at module level: the engine and rollout never need it
@@ -113,6 +116,8 @@ class TurnLoop:
                     return None
                 raw = self.tokenizer.decode(turn.turn_ids, skip_special_tokens=False)
                 calls = parser(raw, self.tokenizer)
+                if self.malformed_tool_calls == "end":
+                    calls = [c for c in calls if c.name != INVALID_TOOL_NAME]
                 if not calls:
                     return None
                 conv = convs[(turn.prompt_index, turn.sample_index)]

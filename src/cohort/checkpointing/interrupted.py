@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cohort.run.layout import latest_checkpoint
 from cohort.run.directory import run_has_progress
+from cohort.run.layout import latest_checkpoint
 
 
 def interrupted_message(output_dir: str | Path, *, resume: str, restart: str, restart_over_progress: str) -> str:

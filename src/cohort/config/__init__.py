@@ -32,11 +32,11 @@ This package is the public API; its modules, one role each:
     help.py        every field's key, type, default and help text: `cohort train --help-config`, docs/settings.md
 """
 
+from cohort.config.agent_section import AgentConfig
 from cohort.config.overrides import apply_overrides, config_from_dict
 from cohort.config.recipes import dump_config, load_config
 from cohort.config.sections import (
     AdvantageConfig,
-    AgentConfig,
     DataConfig,
     GenerationConfig,
     LossConfig,

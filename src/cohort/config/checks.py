@@ -13,8 +13,8 @@ import torch
 from transformers import SchedulerType
 
 from cohort.algorithms import ESTIMATORS, build_advantage_estimator
-from cohort.config.parity import check_logprob_parity
 from cohort.config.hf_generate import check_hf_generate_kwargs
+from cohort.config.parity import check_logprob_parity
 from cohort.errors import ConfigError
 from cohort.remote.address import parse_address
 from cohort.resolve import is_import_path
@@ -167,8 +167,9 @@ def _check_generation(cfg: CohortConfig) -> None:
 def _check_reward(cfg: CohortConfig) -> None:
     """reward: at least one function, finite weights (not all zero), the timeout and on_error."""
     r = cfg.reward
-    _require(isinstance(r.funcs, list) and len(r.funcs) >= 1, "reward.funcs", r.funcs,
-             "give at least one reward function, e.g. [accuracy]")
+    # environments may bring every reward themselves (get_reward); setup fails when neither gives one
+    _require(isinstance(r.funcs, list) and (len(r.funcs) >= 1 or cfg.agent.environment_factory is not None),
+             "reward.funcs", r.funcs, "give at least one reward function, e.g. [accuracy]")
     if r.reward_weights is not None:
         # negative weights are allowed, as in TRL: a weight of -1 turns a score into a penalty
         _require(all(_finite(w) for w in r.reward_weights), "reward.reward_weights", r.reward_weights,

@@ -374,25 +374,3 @@ class RunConfig:
     time_limit_s: float | None = setting(
         None, help="stop at a step boundary after this long, in seconds, with a checkpoint to --resume from; "
                    "None: no limit")
-
-
-@dataclass
-class AgentConfig:
-    """Tool calling: with tools, each completion may call them, get the results and continue (multi-turn);
-    the tool results are context, never trained on. Empty tools: plain single-turn completions."""
-
-    tools: list[Any] = setting(
-        default_factory=list, help='functions or "pkg.module:function" paths the model may call; empty: no tools')
-    tool_timeout_s: float = setting(
-        10.0, help="per call, in seconds; a call that runs longer gets an error message instead")
-    tool_parser: str | None = setting(
-        None, help='"pkg.module:function"(text, tokenizer) -> list[ToolCall]; None: cohort.agents.parse_tool_calls')
-    environment_factory: Any = setting(
-        None, help="TRL's environment_factory: \"pkg.module:Class\" (or a class / zero-argument factory), or {name: "
-                   "that} routed by the dataset's `environment` column. Each rollout gets its own instance: "
-                   "reset(**row) before it, its methods as the rollout's tools, get_reward() (if defined) as one "
-                   "more reward column (weight 1). None: no environments")
-    inline_tools: bool = setting(
-        False, help="run the tools and render their results on the engine's thread as each turn ends, instead of "
-                    "on a thread pool: faster for tools that answer in about a millisecond (a calculator), wrong "
-                    "for slow ones (it stalls generation while they run); see cohort.agents.rollout_loop")

@@ -16,9 +16,9 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from cohort.config.agent_section import AgentConfig
 from cohort.config.sections import (
     AdvantageConfig,
-    AgentConfig,
     DataConfig,
     GenerationConfig,
     LossConfig,

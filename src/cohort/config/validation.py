@@ -140,6 +140,7 @@ def _check_choices(cfg: CohortConfig) -> None:
     _require_choice("data.truncation", cfg.data.truncation, ("left", "drop"))
     _require_choice("generation.engine", cfg.generation.engine, ("auto", "cohort", "hf"))
     _require_choice("reward.on_error", cfg.reward.on_error, ("raise", "skip"))
+    _require_choice("agent.malformed_tool_calls", cfg.agent.malformed_tool_calls, ("feedback", "end"))
     close = difflib.get_close_matches(str(t.lr_scheduler_type), _scheduler_names(), n=1, cutoff=0.6)
     _require(t.lr_scheduler_type.removeprefix("hf:") in _scheduler_names(), "train.lr_scheduler_type",
              t.lr_scheduler_type, (f"did you mean '{close[0]}'? " if close else "")

@@ -31,6 +31,7 @@ Memory: `output_logits` keeps [rows, steps, vocab] logits until the batch ends; 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -93,10 +94,33 @@ class HFGenerateEngine:
 
     def generate_turns(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                        on_turn_end: TurnCallback) -> list[list[Completion]]:
-        """CohortEngine.generate_turns' contract (see there), by re-running `generate` on each conversation
-        (cohort.engine.turns_by_regeneration). Seeds: the first turn samples as `generate` does; later turns of
-        row r use seed + r + 7919 * turn."""
-        return generate_turns_by_regeneration(self.generate, prompts, params, on_turn_end)
+        """CohortEngine.generate_turns' contract (see there), by re-running `generate` on the conversations
+        (cohort.engine.turns_by_regeneration). The conversations that continue after a round of tool results go
+        into one `generate` call (in rows of batch_size), as TRL regenerates them; batch_size=1 runs one call
+        per conversation. Seeds: the first turn samples as `generate` does; with batch_size=1 later turns of row r
+        use seed + r + 7919 * turn, in a batch the seed of its first row."""
+        return generate_turns_by_regeneration(self._generate_round, prompts, params, on_turn_end,
+                                              batched=self.batch_size != 1)
+
+    def _generate_round(self, prompts: Sequence[Sequence[int]],
+                        params: SamplingParams | Sequence[SamplingParams]) -> list[list[Completion]]:
+        """`generate`, or one round of continuations (one SamplingParams per prompt, n=1, each its own room and
+        seed): they share one generate call per batch_size rows, up to the longest room, and each completion is
+        then cut to its own room ("length" when cut)."""
+        if isinstance(params, SamplingParams):
+            return self.generate(prompts, params)
+        per = list(params)
+        # turns_by_regeneration shifts row i's seed down by i (cohort's engine adds it back): undo that here
+        seeds = [None if p.seed is None else p.seed + i for i, p in enumerate(per)]
+        step = self.batch_size or max(len(per), 1)
+        out: list[list[Completion]] = []
+        for start in range(0, len(per), step):
+            chunk = range(start, min(start + step, len(per)))
+            shared = dataclasses.replace(per[start], n=1, max_tokens=max(per[i].max_tokens for i in chunk),
+                                         seed=seeds[start])
+            groups = self.generate([prompts[i] for i in chunk], shared)
+            out += [[_cut(group[0], per[i].max_tokens)] for i, group in zip(chunk, groups, strict=True)]
+        return out
 
     # -----------------------------------------------------------------------------------------------------
 
@@ -139,12 +163,15 @@ class HFGenerateEngine:
                 generation_config=self._generation_config(params),
                 **kwargs,
             )
-        tokens = out.sequences[:, width:].cpu()
-        if self.num_beams > 1:
-            logprobs = self._forward_logprobs(out.sequences, attention_mask.to(device), width,
+        # a generate the user replaced on the model (cohort.setup.engine) may return the bare sequences
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        tokens = sequences[:, width:].cpu()
+        logits = None if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
+        if self.num_beams > 1 or logits is None:
+            logprobs = self._forward_logprobs(sequences, attention_mask.to(device), width,
                                               params.logprob_temperature)
         else:
-            logprobs = _chosen_logprobs(out.logits, tokens, params.logprob_temperature)
+            logprobs = _chosen_logprobs(logits, tokens, params.logprob_temperature)
         return [self._finish(tokens[r].tolist(), logprobs[r].tolist(), params) for r in range(len(rows))]
 
     @torch.no_grad()
@@ -171,6 +198,13 @@ class HFGenerateEngine:
         if cut is not None:
             return Completion(tokens[:cut], logprobs[:cut], "stop")
         return Completion(tokens, logprobs, "length")
+
+
+def _cut(c: Completion, max_tokens: int) -> Completion:
+    """A completion of a shared batch cut to its own max_tokens (it ends by length when cut)."""
+    if len(c.token_ids) <= max_tokens:
+        return c
+    return Completion(c.token_ids[:max_tokens], c.logprobs[:max_tokens], "length")
 
 
 def _default_eos(model, tokenizer) -> tuple[int, ...]:

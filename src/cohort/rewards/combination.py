@@ -77,9 +77,10 @@ class RewardRunner:
         *,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
         on_error: OnError = "raise",
+        allow_empty: bool = False,
     ):
         funcs = list(funcs) if isinstance(funcs, list | tuple) else [funcs]
-        if not funcs:
+        if not funcs and not allow_empty:  # allow_empty: environments add their get_reward later (with_functions)
             raise ConfigError("reward_funcs is empty; give at least one reward function (e.g. 'accuracy').")
         self.funcs: list[Callable[..., Any]] = [get_reward_function(f) if isinstance(f, str) else f for f in funcs]
         self.names = unique_names(self.funcs)
@@ -100,6 +101,11 @@ class RewardRunner:
         self._signatures = [accepted_kwargs(f) for f in self.funcs]
         self._bound = [set(getattr(f, "keywords", None) or {}) for f in self.funcs]  # functools.partial settings
         self.total_errors = dict.fromkeys(self.names, 0)  # cumulative over the run, for the final report
+
+    def with_functions(self, extra: Sequence[Callable[..., Any]]) -> RewardRunner:
+        """This runner with `extra` functions appended at weight 1 (TRL's environments' get_reward)."""
+        return RewardRunner(self.funcs + list(extra), self.weights.tolist() + [1.0] * len(extra),
+                            timeout_s=self.timeout_s, on_error=self.on_error)
 
     def __call__(
         self,

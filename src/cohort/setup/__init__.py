@@ -103,13 +103,14 @@ def _optimization(cfg: CohortConfig, policy):
 
 
 def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_runner=None,
-                     train_data=None, eval_data=None, echo=print) -> Components:
+                     train_data=None, eval_data=None, environments=None, echo=print) -> Components:
     cfg.validate()
     # train.seed decides what setup draws too (LoRA's initial A matrices), as TRL seeds before get_peft_model;
     # train() seeds again, so the training stream itself does not depend on what setup drew
     seed_everything(cfg.train.seed)
     set_deterministic(cfg.train.deterministic)  # before the model loads: cuBLAS reads its workspace setting once
-    environments = build_environments(cfg)  # before the model: a bad environment fails fast
+    if environments is None:  # (the TRL facade hands in the ones it probed at construction, as TRL keeps them)
+        environments = build_environments(cfg)  # before the model: a bad environment fails fast
     device = resolve_device(distributed.local_device(cfg.train.device))
     dtype = resolve_dtype(cfg.model.dtype, device)
     check_lengths(cfg, policy, device, dtype)  # the completion against the context and the memory, before the load

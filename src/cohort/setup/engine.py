@@ -42,6 +42,10 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
                             connect_timeout_s=g.server_connect_timeout_s, pusher=distributed.current().is_main,
                             session=_run_session(), liveness_timeout_s=g.server_liveness_timeout_s)
 
+    if "generate" in vars(policy):  # the user replaced this model's generate (a wrapper, a scripted stand-in)
+        echo("generation: this model's `generate` is replaced on the instance, so transformers' generate path "
+             "samples through it (generation.engine='hf' for this run; cohort's engine would bypass it)")
+        return _hf_engine(cfg, policy, tokenizer)
     # a VLM the paged engine cannot run: the vision group engine (None for text models and supported VLMs)
     vlm = vision_engine(policy, tokenizer, eos_ids(tokenizer, policy), echo, cfg.generation.engine)
     if vlm is not None:
@@ -57,6 +61,10 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
             return _cohort_engine(cfg, policy, policy, tokenizer, device, kv_cache_fraction, longest_prompt,
                                   cfg.generation.fuse_projections)
         echo(f"cohort engine does not support this model ({why}); falling back to Hugging Face generate")
+    return _hf_engine(cfg, policy, tokenizer)
+
+
+def _hf_engine(cfg: CohortConfig, policy, tokenizer) -> HFGenerateEngine:
     return HFGenerateEngine(policy, tokenizer, eos_token_ids=eos_ids(tokenizer, policy),
                             batch_size=cfg.generation.generation_batch_size,
                             generate_kwargs=cfg.generation.hf_generate_kwargs)

@@ -26,8 +26,9 @@ def build_reward_runner(cfg: CohortConfig) -> RewardRunner:
             funcs.append(get_reward_function(name, **(kwargs or {})))
         else:
             funcs.append(spec if callable(spec) else get_reward_function(spec))
+    # with environments, the rewards may all be theirs (get_reward, added by with_environment_rewards)
     return RewardRunner(funcs, cfg.reward.reward_weights, timeout_s=cfg.reward.timeout_s,
-                        on_error=cfg.reward.on_error)
+                        on_error=cfg.reward.on_error, allow_empty=cfg.agent.environment_factory is not None)
 
 
 def build_environments(cfg: CohortConfig):
@@ -38,14 +39,17 @@ def build_environments(cfg: CohortConfig):
     return Environments(cfg.agent.environment_factory, tools=list(cfg.agent.tools))
 
 
-def with_environment_rewards(runner: RewardRunner, environments) -> RewardRunner:
+def with_environment_rewards(runner, environments):
     """TRL 1.16: each environment class with get_reward is one more reward function (weight 1, named after the
-    class), reading the `environments` column (each rollout's instance); its column reaches the advantages."""
+    class), reading the `environments` column (each rollout's instance); its column reaches the advantages.
+    The runner keeps its kind (`with_functions`); a run left with no reward function at all fails here."""
     funcs = environments.reward_functions() if environments is not None else []
-    if not funcs:
-        return runner
-    return RewardRunner(list(runner.funcs) + funcs, runner.weights.tolist() + [1.0] * len(funcs),
-                        timeout_s=runner.timeout_s, on_error=runner.on_error)
+    if funcs:
+        runner = runner.with_functions(funcs)
+    if not list(runner.funcs):
+        raise ConfigError("no reward function: reward_funcs is empty and no environment class has a get_reward "
+                          "method; give reward_funcs, or a get_reward() -> float on the environment.")
+    return runner
 
 
 def build_turn_loop(cfg: CohortConfig, tokenizer, environments=None):
@@ -58,4 +62,5 @@ def build_turn_loop(cfg: CohortConfig, tokenizer, environments=None):
     tools = environments.all_tools if environments is not None else list(a.tools)
     return TurnLoop(tokenizer, tools, max_iterations=cfg.generation.max_tool_calling_iterations,
                     tool_timeout_s=a.tool_timeout_s, parser=import_object(a.tool_parser) if a.tool_parser else None,
-                    environments=environments, inline_tools=bool(a.inline_tools))
+                    environments=environments, inline_tools=bool(a.inline_tools),
+                    malformed_tool_calls=a.malformed_tool_calls)

@@ -41,6 +41,9 @@ class TrlRewardRunner:
     def __getattr__(self, name: str) -> Any:  # funcs, weights, names, timeout_s, ... of the wrapped runner
         return getattr(self.runner, name)
 
+    def with_functions(self, extra: list) -> TrlRewardRunner:
+        return TrlRewardRunner(self.runner.with_functions(extra))
+
     def __call__(self, prompts, completions, completion_ids, columns=None, trainer_state=None):
         state = trainer_state
         if dataclasses.is_dataclass(state) and hasattr(state, "is_eval"):  # warn, not raise, on all-None batches

@@ -86,6 +86,27 @@ class TrlSurface:
     _train_rows: list[dict]
     _train_rows_streamed: bool
     _accelerator: Accelerator | None = None
+    _environment_set: Any = None  # cohort.agents.Environments of environment_factory (None without)
+
+    # ------------------------------------------------------------------------------- environments
+    @property
+    def environments(self) -> list | None:
+        """TRL's per-rollout environment instances of the last generation batch, in rollout order (None before
+        the first batch or without environment_factory)."""
+        env = self._environment_set
+        sessions = getattr(env, "last_sessions", None)
+        return [s.instance for s in sessions] if sessions else None
+
+    @property
+    def _env_tools(self) -> dict:
+        """TRL's {environment name: the tools a rollout of it sees} (the probe instance's bound methods)."""
+        env = self._environment_set
+        return {} if env is None else {name: [t.function for t in tools] for name, tools in env._tools.items()}
+
+    @property
+    def _environment_pool(self) -> dict:
+        """TRL's {environment name: the reusable instances} (the probe seeds each pool)."""
+        return {} if self._environment_set is None else self._environment_set._pool
 
     @property
     def accelerator(self) -> Any:
@@ -136,8 +157,10 @@ class TrlSurface:
 
     @property
     def reward_weights(self) -> torch.Tensor:
-        weights = self.args.reward_weights
-        return torch.tensor(weights if weights is not None else [1.0] * len(self.reward_funcs), dtype=torch.float32)
+        weights = list(self.args.reward_weights or [])
+        weights = weights or [1.0] * len(self.reward_funcs)
+        # an environment's get_reward (appended to reward_funcs) weighs 1, as in TRL
+        return torch.tensor(weights + [1.0] * (len(self.reward_funcs) - len(weights)), dtype=torch.float32)
 
     @property
     def aux_loss_enabled(self) -> bool:

@@ -98,11 +98,17 @@ class GRPOTrainer(TrlSurface):
         self._comp: Components | None = None
         if tools:  # functions (or "pkg.module:function" paths): multi-turn tool calling (cohort.agents)
             self.config.agent.tools = list(tools)
+        environments = None
         if environment_factory is not None:  # a class, a factory, a path, or {name: one} routed by `environment`
             self.config.agent.environment_factory = environment_factory
-            build_environments(self.config)  # an environment without reset (or a bad tool method) fails here
+            environments = build_environments(self.config)  # no reset (or a bad tool method) fails here
         _check_before_loading(self.config, self.args)  # learning_rate=inf fails here, before any weights load
         self._load_models(model)
+        self._environment_set = environments
+        if environments is not None:  # as TRL: the environments' tools and get_reward functions join the lists
+            self.tools = list(tools or []) + [t.function for t in environments.all_tools
+                                              if t.name not in {getattr(f, "__name__", None) for f in tools or []}]
+            self.reward_funcs = self.reward_funcs + environments.reward_functions()
         self.callback_handler.event("on_init_end")
 
     def _setup_config(self, train_dataset) -> None:
@@ -115,11 +121,15 @@ class GRPOTrainer(TrlSurface):
         if rows is None:  # streaming: take the prompts the run will draw, as TRL's stream would
             needed = self.config.train.max_steps * self.config.train.prompts_per_step
             rows = [dict(r) for r in itertools.islice(iter(train_dataset), needed)]
+        if self.environment_factory is not None:  # TRL: rows without a prompt start empty; reset() supplies it
+            column = self.config.data.prompt_column
+            rows = [r if column in r else {**r, column: [{"role": "user", "content": ""}]} for r in rows]
         check_rows(rows, self.config.data.prompt_column)  # an empty dataset or no prompt column: before loading
         check_text(rows, "train_dataset")  # a lone surrogate fails here, not in the tokenizer
         self._train_rows = rows
         self.config.data.source = GivenRows(rows)  # the rows given, not cohort's default source (reasoning-gym)
         self.config.reward.funcs = self.reward_funcs
+        self.config.agent.malformed_tool_calls = "end"  # TRL: a call its parser cannot read is no call
         apply_model_init_kwargs(self.args.model_init_kwargs, self.config)
 
     def _load_models(self, model) -> None:
@@ -157,7 +167,8 @@ class GRPOTrainer(TrlSurface):
             evald = self._encode(prompt_rows(first_split(self.eval_dataset), self.args, "eval_dataset"), tok)
         self.ref_model = None  # build_components makes the run's reference (FSDP-sharded, compiled with the policy)
         comp = build_components(cfg, policy=policy, tokenizer=tok, train_data=train, eval_data=evald,
-                                reward_runner=TrlRewardRunner(build_reward_runner(cfg)))
+                                reward_runner=TrlRewardRunner(build_reward_runner(cfg)),
+                                environments=self._environment_set)
         if self.optimizer is not None:  # optimizers=(optimizer, scheduler), as in transformers' Trainer
             comp = dataclasses.replace(comp, optimizer=self.optimizer, scheduler=self.lr_scheduler or build_scheduler(
                 self.optimizer, kind=cfg.train.lr_scheduler_type, warmup_steps=cfg.train.warmup_steps,

@@ -38,7 +38,7 @@ from transformers import DynamicCache
 from cohort.engine.sampler import Sampler
 from cohort.engine.sequence import Sequence
 from cohort.types import Completion, SamplingParams
-from cohort.vision.forward import embed_with_images, mrope_positions
+from cohort.vision.forward import embed_with_images, mrope_positions, per_layer_inputs
 from cohort.vision.model import language_model, unwrap, uses_mrope
 
 if TYPE_CHECKING:
@@ -107,6 +107,7 @@ class VisionGroupEngine:
         dim = base.get_input_embeddings().weight.shape[1]
         dtype = base.get_input_embeddings().weight.dtype
         embeds = torch.zeros(len(prompts), width, dim, dtype=dtype, device=self.device)
+        row_ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
         mask = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
         positions = torch.zeros(3 if mrope else 1, len(prompts), width, dtype=torch.long, device=self.device)
         next_positions = []
@@ -114,6 +115,7 @@ class VisionGroupEngine:
             ids = torch.tensor(list(prompt), dtype=torch.long, device=self.device)
             pad = width - len(prompt)
             embeds[i, pad:] = embed_with_images(base, ids, [prompt], [0])[0]
+            row_ids[i, pad:] = ids
             if getattr(prompt, "num_images", 0):
                 self.stats.vision_passes += 1
             mask[i, pad:] = 1
@@ -122,7 +124,7 @@ class VisionGroupEngine:
             next_positions.append(int(pos.max()) + 1)
         cache = DynamicCache(config=body.config)
         out = body(inputs_embeds=embeds, attention_mask=mask, position_ids=positions if mrope else positions[0],
-                   use_cache=True, **{self._cache_arg: cache})
+                   use_cache=True, **per_layer_inputs(base, row_ids), **{self._cache_arg: cache})
         self.stats.prefills += len(prompts)
         self.stats.prefill_tokens += sum(len(p) for p in prompts)
         return cache, base.get_output_embeddings()(out.last_hidden_state[:, -1]), mask, next_positions
@@ -143,8 +145,10 @@ class VisionGroupEngine:
             owner += [i] * params.n
         seqs = [s for group in groups for s in group]
         rows = torch.tensor(owner, device=self.device)
-        # every completion starts from its prompt's KV: rows of the prefill, gathered (repeated) n times each
-        cache.batch_select_indices(rows)
+        # every completion starts from its prompt's KV: rows of the prefill, gathered (repeated) n times each.
+        # reorder_cache (an index_select per layer) exists on every transformers cache layer, the recurrent
+        # states of linear-attention layers (Qwen3.5) included; batch_select_indices does not.
+        cache.reorder_cache(rows)
         logits, mask = first_logits[rows], prompt_mask[rows]
         start = torch.tensor([next_positions[i] for i in owner], device=self.device)
         live = list(range(len(seqs)))
@@ -156,7 +160,7 @@ class VisionGroupEngine:
                 break
             if len(still) < len(live):  # finished rows leave the batch and the cache
                 keep = torch.tensor(still, device=self.device)
-                cache.batch_select_indices(keep)
+                cache.reorder_cache(keep)
                 mask, start = mask[keep], start[keep]
                 tokens = [tokens[k] for k in still]
                 live = [live[k] for k in still]
@@ -166,7 +170,7 @@ class VisionGroupEngine:
                 pos = pos[None].expand(3, -1, -1)
             step_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
             out = body(inputs_embeds=base.get_input_embeddings()(step_ids), attention_mask=mask, position_ids=pos,
-                       use_cache=True, **{self._cache_arg: cache})
+                       use_cache=True, **per_layer_inputs(base, step_ids), **{self._cache_arg: cache})
             logits = base.get_output_embeddings()(out.last_hidden_state[:, -1])
             step += 1
             self.stats.decode_steps += 1

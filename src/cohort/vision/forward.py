@@ -9,6 +9,7 @@ scored through the chunked logprob kernel. What images add:
   `VisionPrompt` object), through the model's own `get_image_features`; its features replace the embeddings
   at the image-token positions of every sequence of that prompt. Image tokens are context: they are never
   labels, and their embedding rows get no gradient (they are overwritten before the first layer).
+- Per-layer embeddings (Gemma 4): the language model also gets `per_layer_inputs` from the row's token ids.
 - Positions: each sequence's positions restart at 0. Qwen2-VL / Qwen2.5-VL use multimodal RoPE: the model's
   `get_rope_index` gives each sequence's (temporal, height, width) positions, and the packed row passes
   [4, 1, T] position ids (text positions first, as transformers expects for packed Qwen2-VL inputs).
@@ -106,6 +107,22 @@ def embed_with_images(model, ids: torch.Tensor, prompts: Sequence, owners: Seque
     return embeds.masked_scatter(mask[None, :, None], feats)
 
 
+def per_layer_inputs(model, ids: torch.Tensor, in_prompt: torch.Tensor | None = None) -> dict:
+    """The language model's per-layer token embeddings, for models that have them (Gemma 4's `per_layer_inputs`:
+    a second embedding of the token ids, which `inputs_embeds` alone cannot give): {"per_layer_inputs": ...}
+    for ids [B, T], with image tokens (of the prompt: `in_prompt`, as in `embed_with_images`) read as the pad
+    token, as transformers' own forward does; {} for every other model."""
+    body = language_model(model)
+    get = getattr(body, "get_per_layer_inputs", None)
+    if get is None or not getattr(body.config, "hidden_size_per_layer_input", None):
+        return {}
+    images = ids == image_token_id(model)
+    if in_prompt is not None:
+        images = images & in_prompt.view_as(ids)
+    pad = getattr(body.config, "pad_token_id", None)
+    return {"per_layer_inputs": get(torch.where(images, 0 if pad is None else int(pad), ids), None)}
+
+
 def _pack(sequences, device):
     """The text layout of `pack_layout` (ids and positions as flat vectors), plus which tokens are prompt: image
     tokens are only ever looked for there (a generated image-token id is an ordinary completion token)."""
@@ -145,7 +162,8 @@ def vision_packed_logprobs(model, sequences, *, temperature: float = 1.0, comput
         kwargs = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
     token = _PACKED_MASKS.set(attn == "varlen")
     try:
-        out = body(inputs_embeds=embeds, position_ids=position_ids, use_cache=False, **kwargs)
+        out = body(inputs_embeds=embeds, position_ids=position_ids, use_cache=False,
+                   **per_layer_inputs(base, ids[None], in_prompt), **kwargs)
     finally:
         _PACKED_MASKS.reset(token)
     hidden = out.last_hidden_state[0].index_select(0, hidden_idx)
