@@ -1,7 +1,8 @@
 """TRL's own `tests/test_grpo_trainer.py` against cohort's facade, CI-sized (issue 36; bench/trl_suite.py).
 
 `test_the_ci_sample_of_trl_tests_passes_against_the_facade` runs the fixed sample `trl_suite.SAMPLE` (TRL tests
-the facade passes: construction, TRL's errors and warnings, its loss helpers, evaluation datasets) through the
+the facade passes: construction, TRL's errors and warnings, its loss helpers, evaluation datasets, and, trained for
+`SAMPLE_MAX_STEPS` steps, tools, environments, generation_kwargs, reward logging, GPT-OSS and Gemma 2) through the
 harness in facade mode, offline, and requires every one to pass, on the unmodified copy of TRL's test files in
 third_party/trl (or a newer one that COHORT_TRL_TESTS names).
 
@@ -114,7 +115,7 @@ def test_the_repository_keeps_trls_test_files_unmodified():
 
 def test_the_ci_sample_of_trl_tests_passes_against_the_facade(tmp_path):
     folder = trl_suite.prepare(None)
-    run = trl_suite.run_mode("facade", folder, tmp_path, list(trl_suite.SAMPLE))
+    run = trl_suite.run_mode("facade", folder, tmp_path, list(trl_suite.SAMPLE), max_steps=trl_suite.SAMPLE_MAX_STEPS)
     assert run["imported"]["GRPOTrainer"] == "cohort.trl_compat.trainer.GRPOTrainer"
     assert len(trl_suite.SAMPLE) >= 20 and set(run["tests"]) == set(trl_suite.SAMPLE), json.dumps(run["tests"])
     failed = {t: r["reason"] for t, r in run["tests"].items() if r["outcome"] != "passed"}

@@ -133,14 +133,44 @@ def _pack(sequences, device):
             torch.tensor(in_prompt, dtype=torch.bool, device=device))
 
 
+# layer types of transformers' hybrid configs that are attention (anything else, e.g. Qwen3.5's
+# "linear_attention", carries a recurrent state along the sequence)
+_ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+
+
+def has_recurrent_layers(body) -> bool:
+    """Whether the language model has layers with a recurrent state (config.layer_types beyond attention)."""
+    return any(t not in _ATTENTION_LAYERS for t in getattr(body.config, "layer_types", None) or ())
+
+
 def vision_packed_logprobs(model, sequences, *, temperature: float = 1.0, compute_entropy: bool = True,
                            chunk_tokens: int = DEFAULT_CHUNK_TOKENS, attn: str = "varlen",
                            lm_head_grad_fp32: bool = True, keep_logits: bool = False):
-    """`packed_forward_logprobs` for prompts with images (see the module docstring) -> PackedLogprobs."""
+    """`packed_forward_logprobs` for prompts with images (see the module docstring) -> PackedLogprobs.
+
+    A language model with recurrent layers (Qwen3.5's linear attention) runs one sequence per forward with its
+    own attention: in a packed row its state would flow from one sequence into the next (transformers refuses
+    packed rows there unless flash-linear-attention is installed, and its causal convolution ignores the
+    boundaries even then)."""
     if attn not in ("varlen", "native"):
         raise ValueError(f"attn={attn!r} is not one of 'varlen', 'native'")
     if not sequences:
         raise ValueError("vision_packed_logprobs got no sequences")
+    options = dict(temperature=temperature, compute_entropy=compute_entropy, chunk_tokens=chunk_tokens,
+                   lm_head_grad_fp32=lm_head_grad_fp32, keep_logits=keep_logits)
+    if not has_recurrent_layers(language_model(unwrap(model))):
+        return _row_logprobs(model, sequences, attn=attn, **options)
+    parts = [_row_logprobs(model, [sequence], attn="native", **options) for sequence in sequences]
+    offsets = [0]
+    for part in parts:
+        offsets.append(offsets[-1] + part.offsets[-1])
+    entropy = torch.cat([p.entropy for p in parts]) if all(p.entropy is not None for p in parts) else None
+    return PackedLogprobs(torch.cat([p.logprobs for p in parts]), entropy, offsets)
+
+
+def _row_logprobs(model, sequences, *, temperature: float, compute_entropy: bool, chunk_tokens: int, attn: str,
+                  lm_head_grad_fp32: bool, keep_logits: bool) -> PackedLogprobs:
+    """One packed row of `sequences` through the language model (the module docstring)."""
     base = unwrap(model)
     device = base.get_input_embeddings().weight.device
     ids, text_pos, cu, hidden_idx, labels, offsets, in_prompt = _pack(sequences, device)
