@@ -89,8 +89,6 @@ TRL_PRIVATE = {
        "generates; rollout_func is rejected)" for t in (
         "test_generate_prefers_rollout_func", "test_generate_rollout_func_syncs_vllm_weights_when_needed",
         "test_generate_rollout_func_raises_when_required_keys_are_missing")},
-    "TestGRPOTrainer::test_train_with_mask_truncated_completions": "fakes transformers' `GenerationMixin.generate` "
-    "to script truncations; cohort's rollout engine never calls `generate`",
     "TestGRPOTrainer::test_prepare_input_called_with_correct_data": "counts the calls of TRL's private "
     "`training_step` and the batches they get",
     "TestGRPOTrainer::test_entropy_bonus_flows_gradients": "calls TRL's private `_get_per_token_logps_and_entropies`",

@@ -1,8 +1,9 @@
 """Tiny random-weight vision-language models with processors built offline (no hub).
 
-Three families: Qwen2-VL (multimodal RoPE, patch-merged image tokens), Qwen2.5-VL (the same with a
-window-attention vision tower) and Idefics3 (SmolVLM's architecture: a SigLIP-style tower, pixel-shuffle
-connector, Llama text model). Each comes with a word-level tokenizer
+Five families: Qwen2-VL (multimodal RoPE, patch-merged image tokens), Qwen2.5-VL (the same with a
+window-attention vision tower), Idefics3 (SmolVLM's architecture: a SigLIP-style tower, pixel-shuffle
+connector, Llama text model), Gemma 4 (per-layer token embeddings, 70 pooled soft tokens an image) and Qwen3.5
+(a hybrid language model: linear-attention layers with a recurrent state, then full attention). Each comes with a word-level tokenizer
 holding the family's special tokens, a small chat template that renders `{"type": "image"}` parts, and the
 family's PIL image processor sized so an image becomes 4 image tokens. Everything is a few tens of thousands
 of parameters: forward, generate and a few GRPO steps take well under a second each on the CPU.
@@ -142,12 +143,112 @@ def idefics3(processor, seed: int = 0, hidden: int = 32, layers: int = 2):
     return model
 
 
+_GEMMA4_SPECIAL = ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|image|>", "<|image>", "<image|>", "<|video|>",
+                   "<|audio|>", "<|audio>", "<audio|>"]
+_GEMMA4_NAMED = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
+                 "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"}
+_GEMMA4_TEMPLATE = _QWEN_TEMPLATE.replace("<|im_start|>", "<|turn>").replace("<|im_end|>", "<turn|>").replace(
+    "<|vision_start|><|image_pad|><|vision_end|>", "<|image|>").replace("assistant", "model")
+
+
+def _without_video(cls):
+    """`cls` (a processor taking a video processor) without it: the video processor needs torchvision, which
+    the test machines lack; images never need it."""
+    class _Processor(cls):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    return _Processor
+
+
+def gemma4_processor():
+    """Gemma 4: per-layer token embeddings beside the main ones, images as 70 pooled soft tokens."""
+    from transformers import Gemma4Processor
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    tok = _tokenizer(_GEMMA4_SPECIAL, ["user", "model", "system"], "<turn|>")
+    tok = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, eos_token="<turn|>", pad_token="<pad>",
+                                  bos_token="<bos>", extra_special_tokens=_GEMMA4_NAMED)
+    images = Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70, pooling_kernel_size=3)
+    return _without_video(Gemma4Processor)(feature_extractor=Gemma4AudioFeatureExtractor(), image_processor=images,
+                                            tokenizer=tok, video_processor=None, chat_template=_GEMMA4_TEMPLATE,
+                                            image_seq_length=70)
+
+
+def gemma4(processor, seed: int = 0, hidden: int = 32, layers: int = 2):
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    tok = processor.tokenizer
+    ids = tok.convert_tokens_to_ids
+    special = {"eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id, "pad_token_id": tok.pad_token_id}
+    cfg = Gemma4Config(
+        text_config={"vocab_size": len(tok), "vocab_size_per_layer_input": len(tok), "hidden_size": hidden,
+                     "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                     "global_head_dim": 8, "intermediate_size": 2 * hidden, "hidden_size_per_layer_input": 8,
+                     "layer_types": ["sliding_attention", "full_attention"][:layers], "num_kv_shared_layers": 0,
+                     "sliding_window": 64, "max_position_embeddings": 512, **special},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4, "pooling_kernel_size": 3,
+                       "position_embedding_size": 256},
+        audio_config=None, image_token_id=ids("<|image|>"), boi_token_id=ids("<|image>"), eoi_token_id=ids("<image|>"),
+        video_token_id=ids("<|video|>"), audio_token_id=ids("<|audio|>"), boa_token_id=ids("<|audio>"),
+        eoa_token_index=ids("<audio|>"), **special)
+    torch.manual_seed(seed)
+    return _with_generation_ids(Gemma4ForConditionalGeneration(cfg), tok)
+
+
+def qwen3_5_processor():
+    from transformers import Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = _tokenizer(_QWEN_SPECIAL, ["user", "assistant", "system"], "<|im_end|>")
+    images = Qwen2VLImageProcessorPil(min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 4, patch_size=16, merge_size=2,
+                                      temporal_patch_size=2)
+    return _without_video(Qwen3VLProcessor)(image_processor=images, tokenizer=tok, video_processor=None,
+                                            chat_template=_QWEN_TEMPLATE)
+
+
+def qwen3_5(processor, seed: int = 0, hidden: int = 32, layers: int = 2):
+    """Qwen3.5: a hybrid language model (gated delta-net linear attention, then full attention) with
+    interleaved multimodal RoPE."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    tok = processor.tokenizer
+    ids = tok.convert_tokens_to_ids
+    special = {"eos_token_id": tok.eos_token_id, "bos_token_id": None, "pad_token_id": tok.pad_token_id}
+    cfg = Qwen3_5Config(
+        text_config={"vocab_size": len(tok), "hidden_size": hidden, "num_hidden_layers": layers, "head_dim": 8,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 2 * hidden,
+                     "layer_types": ["linear_attention", "full_attention"][:layers], "full_attention_interval": 2,
+                     "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+                     "linear_num_value_heads": 4, "max_position_embeddings": 512,
+                     "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True,
+                                         "rope_theta": 10000.0}, **special},
+        vision_config={"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": hidden,
+                       "patch_size": 16, "num_position_embeddings": 64},
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
+    torch.manual_seed(seed)
+    return _with_generation_ids(Qwen3_5ForConditionalGeneration(cfg), tok)
+
+
+def _with_generation_ids(model, tok):
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.bos_token_id = None
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model
+
+
 FAMILIES = {"qwen2_vl": (qwen2_vl_processor, qwen2_vl), "qwen2_5_vl": (qwen2_vl_processor, qwen2_5_vl),
-            "idefics3": (idefics3_processor, idefics3)}
+            "idefics3": (idefics3_processor, idefics3), "gemma4": (gemma4_processor, gemma4),
+            "qwen3_5": (qwen3_5_processor, qwen3_5)}
 
 
 def build(family: str, seed: int = 0, **kwargs):
-    """(model, processor) of a tiny random VLM of `family` ('qwen2_vl', 'qwen2_5_vl' or 'idefics3')."""
+    """(model, processor) of a tiny random VLM of `family` (a key of FAMILIES)."""
     make_processor, make_model = FAMILIES[family]
     processor = make_processor()
     return make_model(processor, seed=seed, **kwargs).eval(), processor

@@ -192,3 +192,25 @@ def test_a_generate_replaced_on_the_model_samples_and_regenerates_in_one_batch(m
     with torch.no_grad():
         ref = packed_forward_logprobs(model, [(prompts[0], first.token_ids)], compute_entropy=False)
     torch.testing.assert_close(torch.tensor(first.logprobs), ref.logprobs, rtol=1e-4, atol=1e-4)
+
+
+def test_only_a_generate_that_is_not_transformers_or_peft_counts_as_replaced(model):
+    """cohort's engine stays for transformers' and peft's own generate (a LoRA policy); a generate patched on
+    the class (as TRL's tests patch GenerationMixin.generate) or a subclass's override is the user's."""
+    from unittest.mock import patch
+
+    from peft import LoraConfig, get_peft_model
+
+    from cohort.setup.engine import generate_replaced
+
+    assert not generate_replaced(model)
+    lora = get_peft_model(LlamaForCausalLM(model.config), LoraConfig(r=2, target_modules=["q_proj"]))
+    assert not generate_replaced(lora)
+    with patch("transformers.generation.utils.GenerationMixin.generate"):
+        assert generate_replaced(model)
+
+    class Constrained(LlamaForCausalLM):
+        def generate(self, *args, **kwargs):
+            return super().generate(*args, **kwargs)
+
+    assert generate_replaced(Constrained(model.config))

@@ -42,9 +42,10 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
                             connect_timeout_s=g.server_connect_timeout_s, pusher=distributed.current().is_main,
                             session=_run_session(), liveness_timeout_s=g.server_liveness_timeout_s)
 
-    if "generate" in vars(policy):  # the user replaced this model's generate (a wrapper, a scripted stand-in)
-        echo("generation: this model's `generate` is replaced on the instance, so transformers' generate path "
-             "samples through it (generation.engine='hf' for this run; cohort's engine would bypass it)")
+    if generate_replaced(policy):  # the user's own generate (a wrapper, a scripted stand-in): honour it
+        echo("generation: this model's `generate` is not transformers' own (replaced on the model or its class), "
+             "so transformers' generate path samples through it (generation.engine='hf' for this run; cohort's "
+             "engine would bypass it)")
         return _hf_engine(cfg, policy, tokenizer)
     # a VLM the paged engine cannot run: the vision group engine (None for text models and supported VLMs)
     vlm = vision_engine(policy, tokenizer, eos_ids(tokenizer, policy), echo, cfg.generation.engine)
@@ -62,6 +63,16 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
                                   cfg.generation.fuse_projections)
         echo(f"cohort engine does not support this model ({why}); falling back to Hugging Face generate")
     return _hf_engine(cfg, policy, tokenizer)
+
+
+def generate_replaced(model) -> bool:
+    """Whether `model.generate` is someone's replacement (set on the instance, or on its class, or a class
+    defined outside transformers and peft overriding it) rather than transformers' own (or peft's, which calls
+    it): then it is what samples."""
+    if "generate" in vars(model):
+        return True
+    fn = getattr(type(model), "generate", None)
+    return fn is not None and not str(getattr(fn, "__module__", "")).startswith(("transformers.", "peft."))
 
 
 def _hf_engine(cfg: CohortConfig, policy, tokenizer) -> HFGenerateEngine:
