@@ -27,10 +27,11 @@ def test_recipe_and_overrides(tmp_path):
     ("generation.num_generations=1", "generation.num_generations=1"),
     ("loss.loss_type=nope", "nope"),
     ("noequals", "section.field=value"),
+    ("model.lora_target_modules=[q_proj,lm_head]", "leave lm_head out"),
 ])
 def test_bad_overrides_name_the_key(override, fragment):
     with pytest.raises(ConfigError, match=None) as info:
-        load_config(None, [override])
+        load_config(None, [override, "model.lora_r=8"] if "lora" in override else [override])
     assert fragment in str(info.value)
 
 

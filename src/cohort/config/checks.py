@@ -90,6 +90,10 @@ def _check_model(cfg: CohortConfig) -> None:
                  "use a probability in [0, 1), e.g. 0.0 or 0.05")
         _require(bool(m.lora_target_modules), "model.lora_target_modules", m.lora_target_modules,
                  "name at least one module, e.g. [q_proj, v_proj]")
+        # the chunked logprob kernel reads lm_head.weight directly: an adapter there would be neither used nor trained
+        _require("lm_head" not in m.lora_target_modules, "model.lora_target_modules", m.lora_target_modules,
+                 "leave lm_head out: cohort's logprob kernel reads lm_head.weight directly, so an adapter on it "
+                 "would never be used nor trained (all-linear already skips it)")
     _require(isinstance(m.name_or_path, str) and m.name_or_path.strip() != "", "model.name_or_path",
              m.name_or_path, "give a local model folder, a .gguf file, a hub id or smollm2-135m-instruct")
 
