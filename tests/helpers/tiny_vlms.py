@@ -189,7 +189,7 @@ def gemma4(processor, seed: int = 0, hidden: int = 32, layers: int = 2):
                      "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
                      "global_head_dim": 8, "intermediate_size": 2 * hidden, "hidden_size_per_layer_input": 8,
                      "layer_types": ["sliding_attention", "full_attention"][:layers], "num_kv_shared_layers": 0,
-                     "sliding_window": 512, "max_position_embeddings": 512, **special},
+                     "sliding_window": 64, "max_position_embeddings": 512, **special},
         vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
                        "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4, "pooling_kernel_size": 3,
                        "position_embedding_size": 256},

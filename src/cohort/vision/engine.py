@@ -30,7 +30,7 @@ import itertools
 import random
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from transformers import DynamicCache
@@ -148,7 +148,7 @@ class VisionGroupEngine:
         # every completion starts from its prompt's KV: rows of the prefill, gathered (repeated) n times each.
         # reorder_cache (an index_select per layer) exists on every transformers cache layer, the recurrent
         # states of linear-attention layers (Qwen3.5) included; batch_select_indices does not.
-        cache.reorder_cache(rows)
+        cache.reorder_cache(cast(torch.LongTensor, rows))
         logits, mask = first_logits[rows], prompt_mask[rows]
         start = torch.tensor([next_positions[i] for i in owner], device=self.device)
         live = list(range(len(seqs)))
@@ -160,7 +160,7 @@ class VisionGroupEngine:
                 break
             if len(still) < len(live):  # finished rows leave the batch and the cache
                 keep = torch.tensor(still, device=self.device)
-                cache.reorder_cache(keep)
+                cache.reorder_cache(cast(torch.LongTensor, keep))
                 mask, start = mask[keep], start[keep]
                 tokens = [tokens[k] for k in still]
                 live = [live[k] for k in still]

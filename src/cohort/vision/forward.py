@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -156,15 +157,17 @@ def vision_packed_logprobs(model, sequences, *, temperature: float = 1.0, comput
         raise ValueError(f"attn={attn!r} is not one of 'varlen', 'native'")
     if not sequences:
         raise ValueError("vision_packed_logprobs got no sequences")
-    options = dict(temperature=temperature, compute_entropy=compute_entropy, chunk_tokens=chunk_tokens,
-                   lm_head_grad_fp32=lm_head_grad_fp32, keep_logits=keep_logits)
+    options: dict[str, Any] = dict(temperature=temperature, compute_entropy=compute_entropy,
+                                   chunk_tokens=chunk_tokens, lm_head_grad_fp32=lm_head_grad_fp32,
+                                   keep_logits=keep_logits)
     if not has_recurrent_layers(language_model(unwrap(model))):
         return _row_logprobs(model, sequences, attn=attn, **options)
     parts = [_row_logprobs(model, [sequence], attn="native", **options) for sequence in sequences]
     offsets = [0]
     for part in parts:
         offsets.append(offsets[-1] + part.offsets[-1])
-    entropy = torch.cat([p.entropy for p in parts]) if all(p.entropy is not None for p in parts) else None
+    entropies = [p.entropy for p in parts if p.entropy is not None]
+    entropy = torch.cat(entropies) if len(entropies) == len(parts) else None
     return PackedLogprobs(torch.cat([p.logprobs for p in parts]), entropy, offsets)
 
 
