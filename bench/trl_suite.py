@@ -77,6 +77,10 @@ SAMPLE = (
         "test_train_with_generation_kwargs", "test_reward_metric_reflects_reward_weights[normalize_then_sum]",
         "test_train[trl-internal-testing/tiny-GptOssForCausalLM]",
         "test_train_with_cast_lm_head_to_fp32[trl-internal-testing/tiny-Gemma2ForCausalLM]")),
+    # vision-language models: the multimodal RoPE, Gemma 4's per-layer inputs, Qwen3.5's linear attention
+    *(f"TestGRPOTrainerVLM::test_train_vlm[trl-internal-testing/tiny-{m}]" for m in (
+        "Qwen2_5_VLForConditionalGeneration", "Gemma4ForConditionalGeneration",
+        "Qwen3_5ForConditionalGeneration-NoThink")),
 )
 SAMPLE_MAX_STEPS = 3
 
