@@ -50,6 +50,7 @@ from cohort.forward.micro_batches import (
 )
 from cohort.forward.packing import PackedRow, host_to_device, pack_row, packed_forward_logprobs
 from cohort.forward.plugins import has_extra_inputs
+from cohort.forward.recurrent import one_sequence_per_row
 from cohort.forward.router_replay import RouterReplayer
 from cohort.forward.shared_prompts import prompt_groups
 from cohort.run.callbacks import UpdateEvent
@@ -140,7 +141,9 @@ class PolicyUpdater:
         completion_lens = [len(batch.completion_ids[r]) for r in rows]
         lengths = [p + c for p, c in zip(prompt_lens, completion_lens, strict=True)]
         # (the trainer's schedule line says that prompts with images are not shared)
-        if self.s.share_prompts and not has_extra_inputs(prompts):
+        if one_sequence_per_row(self.policy):  # a recurrent state would leak across a packed row's sequences
+            micro = [[i] for i in range(len(rows))]
+        elif self.s.share_prompts and not has_extra_inputs(prompts):
             micro = split_grouped_micro_batches(prompt_groups(prompts), prompt_lens, completion_lens,
                                                 self.s.token_budget)
         else:

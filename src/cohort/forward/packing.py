@@ -36,6 +36,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 from cohort.forward.logprobs import DEFAULT_CHUNK_TOKENS, selective_logprobs_and_entropy
 from cohort.forward.packed_attention import _PACKED_MASKS, VARLEN_IMPL, enable_packed_attention, prepare_flash
 from cohort.forward.plugins import has_extra_inputs, row_forward_for
+from cohort.forward.recurrent import check_one_sequence
 from cohort.forward.router_replay import RouterReplay, row_replay
 from cohort.forward.shared_prompts import pack_shared_layout
 
@@ -179,6 +180,7 @@ def pack_row(model, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], *,
         raise ValueError("packed_forward_logprobs got no sequences")
     if has_extra_inputs([prompt for prompt, _ in sequences]):  # prompts with images: their plug-in's forward
         return None
+    check_one_sequence(model, len(sequences))  # cohort.forward.recurrent: no state leaking between sequences
     device = model.get_input_embeddings().weight.device
     send = functools.partial(host_to_device, device=device)
     shared = pack_shared_layout(sequences) if share_prompts and _routes_varlen(model, attn) else None

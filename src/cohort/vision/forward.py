@@ -26,6 +26,7 @@ import torch
 from cohort.forward.logprobs import DEFAULT_CHUNK_TOKENS, selective_logprobs_and_entropy
 from cohort.forward.packed_attention import _PACKED_MASKS, enable_packed_attention, prepare_flash
 from cohort.forward.packing import PackedLogprobs, pack_layout
+from cohort.forward.recurrent import has_recurrent_layers
 from cohort.vision.model import image_token_id, inner_model, language_model, unwrap, uses_mrope
 
 
@@ -134,16 +135,6 @@ def _pack(sequences, device):
             torch.tensor(in_prompt, dtype=torch.bool, device=device))
 
 
-# layer types of transformers' hybrid configs that are attention (anything else, e.g. Qwen3.5's
-# "linear_attention", carries a recurrent state along the sequence)
-_ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
-
-
-def has_recurrent_layers(body) -> bool:
-    """Whether the language model has layers with a recurrent state (config.layer_types beyond attention)."""
-    return any(t not in _ATTENTION_LAYERS for t in getattr(body.config, "layer_types", None) or ())
-
-
 def vision_packed_logprobs(model, sequences, *, temperature: float = 1.0, compute_entropy: bool = True,
                            chunk_tokens: int = DEFAULT_CHUNK_TOKENS, attn: str = "varlen",
                            lm_head_grad_fp32: bool = True, keep_logits: bool = False):
@@ -160,7 +151,7 @@ def vision_packed_logprobs(model, sequences, *, temperature: float = 1.0, comput
     options: dict[str, Any] = dict(temperature=temperature, compute_entropy=compute_entropy,
                                    chunk_tokens=chunk_tokens, lm_head_grad_fp32=lm_head_grad_fp32,
                                    keep_logits=keep_logits)
-    if not has_recurrent_layers(language_model(unwrap(model))):
+    if not has_recurrent_layers(language_model(unwrap(model))):  # (cohort.forward.recurrent)
         return _row_logprobs(model, sequences, attn=attn, **options)
     parts = [_row_logprobs(model, [sequence], attn="native", **options) for sequence in sequences]
     offsets = [0]
