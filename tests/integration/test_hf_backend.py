@@ -214,3 +214,12 @@ def test_only_a_generate_that_is_not_transformers_or_peft_counts_as_replaced(mod
             return super().generate(*args, **kwargs)
 
     assert generate_replaced(Constrained(model.config))
+
+
+def test_prompts_with_images_are_refused_not_sampled_without_them(model, tok, prompts):
+    class WithImage(list):  # a prompt that carries model inputs besides its ids (cohort.types.PromptWithInputs)
+        def model_inputs(self, device=None):
+            return {"pixel_values": torch.zeros(1)}
+
+    with pytest.raises(ValueError, match="prompt 1 carries images"):
+        HFGenerateEngine(model, tok).generate([prompts[0], WithImage(prompts[1])], SamplingParams(max_tokens=2))

@@ -38,6 +38,7 @@ import torch
 from transformers import GenerationConfig
 
 from cohort.engine.turns_by_regeneration import generate_turns_by_regeneration
+from cohort.forward.plugins import has_extra_inputs
 from cohort.types import Completion, SamplingParams, TurnCallback
 
 
@@ -80,6 +81,9 @@ class HFGenerateEngine:
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty: generation needs at least one prompt token")
+            if has_extra_inputs([p]):  # its token ids alone would drop the images: never silently
+                raise ValueError(f"prompt {i} carries images, which this generate path does not pass to the model; "
+                                 "vision-language prompts sample with cohort's vision engine (cohort.vision.engine)")
         rows = [list(p) for p in prompts for _ in range(params.n)]
         step = self.batch_size or max(len(rows), 1)
         flat: list[Completion] = []

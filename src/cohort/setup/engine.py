@@ -43,6 +43,7 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
                             session=_run_session(), liveness_timeout_s=g.server_liveness_timeout_s)
 
     if generate_replaced(policy):  # the user's own generate (a wrapper, a scripted stand-in): honour it
+        # (prompts with images then fail in HFGenerateEngine, naming why, rather than sample without them)
         echo("generation: this model's `generate` is not transformers' own (replaced on the model or its class), "
              "so transformers' generate path samples through it (generation.engine='hf' for this run; cohort's "
              "engine would bypass it)")
