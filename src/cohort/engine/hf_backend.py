@@ -17,9 +17,10 @@ Semantics (see `cohort.types.SamplingParams`):
   With batch_size=1 completion r uses exactly seed + r, as the protocol states; with larger batches the
   results are deterministic for a given batch_size but depend on it (generate draws one batch at a time).
 
-Multi-turn: `generate_turns` has CohortEngine's contract and is its reference: after each turn it calls
-`generate` again on the whole conversation (prompt, completion so far, appended context), one row at a
-time, as TRL does; it re-prefills everything every turn, which is what the paged engine avoids.
+Multi-turn: `generate_turns` has CohortEngine's contract and is its reference: after each round of tool
+results it calls `generate` again on the whole conversations that continue (prompt, completion so far, appended
+context), in one batch as TRL does (one row at a time with batch_size=1); it re-prefills everything every turn,
+which is what the paged engine avoids.
 
 More GenerationConfig options (generation.hf_generate_kwargs: beam sampling, length_penalty, ...) pass through
 as given; with num_beams > 1 the logprobs come from one forward over the returned rows (generate keeps logits
@@ -81,7 +82,7 @@ class HFGenerateEngine:
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty: generation needs at least one prompt token")
-            if has_extra_inputs([p]):  # its token ids alone would drop the images: never silently
+            if has_extra_inputs([p]) and getattr(p, "num_images", 1):  # its ids alone would drop the images
                 raise ValueError(f"prompt {i} carries images, which this generate path does not pass to the model; "
                                  "vision-language prompts sample with cohort's vision engine (cohort.vision.engine)")
         rows = [list(p) for p in prompts for _ in range(params.n)]
