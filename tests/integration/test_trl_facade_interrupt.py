@@ -35,7 +35,7 @@ SCRIPT = textwrap.dedent('''
         calls.append(1)
         if len(calls) == 2:
             marker.write_text("generating")
-            for _ in range(500):  # a long generation: the engine's real work, many times over
+            for _ in range(20000):  # a long generation: the engine's real work, many times over
                 sample(self, *args, **kwargs)
         return sample(self, *args, **kwargs)
 
@@ -58,19 +58,20 @@ def test_ctrl_c_during_generation_stops_with_the_resume_call(tmp_path):
     proc = subprocess.Popen([sys.executable, str(script), str(out), str(marker)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while not marker.exists():
+        for _ in range(4800):  # up to 4 minutes for step 1 and the start of step 2
+            if marker.exists():
+                break
             assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "step 2 never started generating"
             time.sleep(0.05)
+        else:
+            pytest.fail("step 2 never started generating")
         time.sleep(0.5)  # well inside step 2's generation
-        sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
+        # step 2's generation alone would run for many minutes: ending within the minute is Ctrl-C's doing
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert time.monotonic() - sent < 30, "Ctrl-C took too long to stop the run"
     assert proc.returncode != 0 and "KeyboardInterrupt" in err, err[-3000:]
     step1 = out / "checkpoints" / "step-000001"
     assert f"cohort: interrupted. The newest checkpoint is {step1}; continue from it with:" in err, err[-3000:]
