@@ -82,7 +82,8 @@ class HFGenerateEngine:
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty: generation needs at least one prompt token")
-            if has_extra_inputs([p]) and getattr(p, "num_images", 1):  # its ids alone would drop the images
+            images = int(getattr(p, "num_images", 1)) if has_extra_inputs([p]) else 0
+            if images:  # its token ids alone would drop the images: never silently
                 raise ValueError(f"prompt {i} carries images, which this generate path does not pass to the model; "
                                  "vision-language prompts sample with cohort's vision engine (cohort.vision.engine)")
         rows = [list(p) for p in prompts for _ in range(params.n)]
