@@ -18,18 +18,22 @@ _STATELESS_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_a
                                "mlp", "dense"})
 
 
-def has_recurrent_layers(model) -> bool:
-    """Whether the (language) model has layers with a recurrent state (its config's layer_types)."""
+def _layer_types(model) -> list[str]:
     config = getattr(model, "config", None)
     config = getattr(config, "text_config", None) or config  # a VLM's language side
-    return any(str(t) not in _STATELESS_LAYERS for t in getattr(config, "layer_types", None) or ())
+    return [str(t) for t in getattr(config, "layer_types", None) or ()]
+
+
+def has_recurrent_layers(model) -> bool:
+    """Whether the (language) model has layers with a recurrent state (its config's layer_types)."""
+    return any(t not in _STATELESS_LAYERS for t in _layer_types(model))
 
 
 def check_one_sequence(model, count: int) -> None:
     """A packed row of `count` sequences for a recurrent model would leak state between them: refuse it."""
     if count > 1 and has_recurrent_layers(model):
         raise ValueError(f"a packed row of {count} sequences for a model with recurrent layers (layer_types "
-                         f"{sorted(set(model.config.layer_types))}): their state would flow from one sequence into "
+                         f"{sorted(set(_layer_types(model)))}): their state would flow from one sequence into "
                          "the next; pack one sequence per row (cohort.update does)")
 
 
