@@ -1,12 +1,15 @@
 """One rank of a toy GRPO run launched by `python -m torch.distributed.run` (gloo, CPU), for the many-rank
 launch tests (tests/integration/test_eight_ranks.py).
 
-    python -m torch.distributed.run --standalone --nproc-per-node N tests/helpers/rank_worker.py OUT SHARDING STEPS
+    python -m torch.distributed.run --standalone --nproc-per-node N tests/helpers/rank_worker.py OUT SHARDING STEPS \
+        [CONTEXT_PARALLEL]
 
 Trains the toy task of tests/integration/test_trainer_learns.py with a global batch that does not depend on N
 (train.prompts_per_step=8, 4 completions each), joins the process group as the CLI does
 (cohort.distributed.init_from_env), and writes OUT/weights-<rank>.pt: the whole parameters of the rank's
-policy (FSDP shards gathered) after the last step. Rank 0 writes OUT/run/metrics.jsonl.
+policy (FSDP shards gathered) after the last step. Rank 0 writes OUT/run/metrics.jsonl. With CONTEXT_PARALLEL
+(tests/integration/test_context_parallel.py), train.context_parallel is set and train.share_prompts is off
+(context parallelism refuses it; the 1-rank baseline runs without it too).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def full_params(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def main(out: str, sharding: str, steps: int) -> None:
+def main(out: str, sharding: str, steps: int, context_parallel: int | None = None) -> None:
     from tests.integration.test_trainer_learns import toy_components, toy_config
 
     from cohort import distributed
@@ -47,6 +50,9 @@ def main(out: str, sharding: str, steps: int) -> None:
     cfg.train.device = "cpu"
     cfg.train.sharding = sharding
     cfg.train.prompts_per_step = PROMPTS_PER_STEP
+    if context_parallel is not None:
+        cfg.train.context_parallel = context_parallel
+        cfg.train.share_prompts = False
     cfg.generation.num_generations = 4
     cfg.generation.max_completion_length = 8
     cfg.advantage.scale_rewards = "batch"  # needs every rank's rewards: exercises the gather
@@ -58,4 +64,4 @@ def main(out: str, sharding: str, steps: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else None)

@@ -8,7 +8,7 @@
   under gradient checkpointing (the attention's collectives run again in the recomputation).
 - The trainer: 2 steps of the toy task (tests/integration/test_trainer_learns.py) launched by torchrun on 2 gloo
   ranks with train.context_parallel=2 (sharding none and fsdp) log the metrics and end with the weights of a
-  1-rank run of the same global batch (tests/helpers/context_rank_worker.py).
+  1-rank run of the same global batch (tests/helpers/rank_worker.py with its CONTEXT_PARALLEL argument).
 
 Workers write what they observe; the test process compares (a failure reads as an assertion).
 """
@@ -43,7 +43,7 @@ from cohort.forward.packing import packed_forward_logprobs
 from cohort.run.logging import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
-CONTEXT_WORKER = REPO / "tests" / "helpers" / "context_rank_worker.py"
+CONTEXT_WORKER = REPO / "tests" / "helpers" / "rank_worker.py"
 VOCAB = 96
 # (prompt length, completion length): 8 + 13 + 8 + 8 = 37 tokens, padded to 40, chunks of 10 held by rank 0
 # ([0, 10), [30, 40)) and rank 1 ([10, 20), [20, 30)); sequence 1 ([8, 21)) spans 3 chunks on both ranks,

@@ -209,25 +209,37 @@ def _announce_slow_path(what: str, reason: str) -> None:
     warnings.warn(f"packed attention on CUDA: {what}, because {reason}", RuntimeWarning, stacklevel=3)
 
 
+def _segments(query, key, value, cu_q, cu_k):
+    """Each segment's (query, key, value), the KV heads expanded to the query heads."""
+    rep = query.shape[1] // key.shape[1]
+    for (qa, qb), (ka, kb) in zip(itertools.pairwise(cu_q.tolist()), itertools.pairwise(cu_k.tolist()), strict=True):
+        k = key[:, :, ka:kb].repeat_interleave(rep, dim=1) if rep > 1 else key[:, :, ka:kb]
+        v = value[:, :, ka:kb].repeat_interleave(rep, dim=1) if rep > 1 else value[:, :, ka:kb]
+        yield query[:, :, qa:qb], k, v
+
+
+def _segment_mask(q_len: int, k_len: int, window: int | None, device) -> torch.Tensor:
+    """[q, k] visibility of a query segment aligned to the end of its key segment: key j is visible from query i
+    when i - W < j <= i (transformers' sliding_window_overlay; no lower bound without a window)."""
+    keys = torch.arange(k_len, device=device)
+    queries = keys[k_len - q_len:]
+    mask = keys[None, :] <= queries[:, None]
+    if window is not None:
+        mask &= keys[None, :] > queries[:, None] - window
+    return mask
+
+
 def _segment_sdpa(query, key, value, cu_q, cu_k, scaling, window=None):
     """Exact fallback: causal (optionally sliding-window) SDPA over each segment separately, a query segment
     aligned to the end of its key segment (they differ for a completion after its shared prompt).
     query [1, Hq, T, D], key/value [1, Hkv, K, D] -> [1, T, Hq, D]."""
-    rep = query.shape[1] // key.shape[1]
     outs = []
-    for (qa, qb), (ka, kb) in zip(itertools.pairwise(cu_q.tolist()), itertools.pairwise(cu_k.tolist()), strict=True):
-        k = key[:, :, ka:kb].repeat_interleave(rep, dim=1) if rep > 1 else key[:, :, ka:kb]
-        v = value[:, :, ka:kb].repeat_interleave(rep, dim=1) if rep > 1 else value[:, :, ka:kb]
-        if qb - qa == kb - ka and (window is None or kb - ka <= window):
-            outs.append(F.scaled_dot_product_attention(query[:, :, qa:qb], k, v, is_causal=True, scale=scaling))
+    for q, k, v in _segments(query, key, value, cu_q, cu_k):
+        if q.shape[2] == k.shape[2] and (window is None or k.shape[2] <= window):
+            outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling))
         else:
-            keys = torch.arange(kb - ka, device=query.device)
-            queries = keys[kb - ka - (qb - qa):]
-            # key j is visible from query i when i - W < j <= i (transformers' sliding_window_overlay)
-            mask = keys[None, :] <= queries[:, None]
-            if window is not None:
-                mask &= keys[None, :] > queries[:, None] - window
-            outs.append(F.scaled_dot_product_attention(query[:, :, qa:qb], k, v, attn_mask=mask, scale=scaling))
+            mask = _segment_mask(q.shape[2], k.shape[2], window, query.device)
+            outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling))
     return torch.cat(outs, dim=2).transpose(1, 2)
 
 
@@ -236,20 +248,12 @@ def _segment_eager(query, key, value, cu_q, cu_k, scaling, window=None, softcap=
     attention-logit cap (scores -> c * tanh(scores / c), Gemma 2) and attention sinks (one learned logit per
     head that joins each query's softmax and carries no value, GPT-OSS). The masks are `_segment_sdpa`'s.
     query [1, Hq, T, D], key/value [1, Hkv, K, D], sinks [Hq] -> [1, T, Hq, D]."""
-    rep = query.shape[1] // key.shape[1]
     outs = []
-    for (qa, qb), (ka, kb) in zip(itertools.pairwise(cu_q.tolist()), itertools.pairwise(cu_k.tolist()), strict=True):
-        k = key[:, :, ka:kb].repeat_interleave(rep, dim=1) if rep > 1 else key[:, :, ka:kb]
-        v = value[:, :, ka:kb].repeat_interleave(rep, dim=1) if rep > 1 else value[:, :, ka:kb]
-        scores = torch.matmul(query[:, :, qa:qb], k.transpose(2, 3)).float() * scaling  # [1, H, q, k]
+    for q, k, v in _segments(query, key, value, cu_q, cu_k):
+        scores = torch.matmul(q, k.transpose(2, 3)).float() * scaling  # [1, H, q, k]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        keys = torch.arange(kb - ka, device=query.device)
-        queries = keys[kb - ka - (qb - qa):]
-        mask = keys[None, :] <= queries[:, None]
-        if window is not None:
-            mask &= keys[None, :] > queries[:, None] - window
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~_segment_mask(q.shape[2], k.shape[2], window, query.device), float("-inf"))
         if sinks is not None:  # the sink's column joins the softmax, then is dropped: it only takes weight away
             sink = sinks.float().reshape(1, -1, 1, 1).expand(1, scores.shape[1], scores.shape[2], 1)
             probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]

@@ -106,8 +106,8 @@ class GRPOTrainer(TrlSurface):
         self._load_models(model)
         self._environment_set = environments
         if environments is not None:  # as TRL: the environments' tools and get_reward functions join the lists
-            self.tools = list(tools or []) + [t.function for t in environments.all_tools
-                                              if t.name not in {getattr(f, "__name__", None) for f in tools or []}]
+            given = {getattr(f, "__name__", None) for f in tools or []}
+            self.tools = list(tools or []) + [t.function for t in environments.all_tools if t.name not in given]
             self.reward_funcs = self.reward_funcs + environments.reward_functions()
         self.callback_handler.event("on_init_end")
 
