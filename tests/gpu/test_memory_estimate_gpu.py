@@ -28,11 +28,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("memory") / "rows.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "memory.py"), "--rows", ",".join(ROWS), "--steps", "2",
-                           "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=1500)
-    print(proc.stdout[-6000:])  # the table, kept in the test's output
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    # the rows' output streams to a file (kept with COHORT_TEST_OUT), so a run stopped from outside still shows how
+    # far it got; the first GPU run, killed at a device call's limit, left nothing
+    keep = os.environ.get("COHORT_TEST_OUT")
+    log = (Path(keep) if keep else out.parent) / "memory_estimate.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as fh:
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "memory.py"), "--rows", ",".join(ROWS), "--steps",
+                               "2", "--out", str(out)], cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, text=True,
+                              timeout=1500, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    text = log.read_text()
+    print(text[-6000:])  # the table, kept in the test's output
+    assert proc.returncode == 0, text[-4000:]
     if os.environ.get("COHORT_TEST_OUT"):  # keep the rows (and their manifest) for bench/results
         shutil.copytree(out.parent, Path(os.environ["COHORT_TEST_OUT"]) / "memory_estimate", dirs_exist_ok=True)
     return {r["row"]: r for r in json.loads(out.read_text())}
