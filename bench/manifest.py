@@ -32,7 +32,7 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = RESULTS.parent.parent
 NAME = "manifest.json"
-VERSIONED = ("torch", "transformers", "trl")
+VERSIONED = ("torch", "transformers", "triton", "trl")
 REQUIRED = ("date", "what", "command", "device", "commit", "files", "docs_section")
 
 
