@@ -286,6 +286,9 @@ def _assemble(kept, g: int, advantage_kwargs: dict[str, Any], mask_truncated: bo
         texts += txts
         results.append(result)
         greedy += [] if baseline is None else [baseline]
+    # a completion whose context holds model inputs (a tool's images): its prompt carries them to the update
+    prompt_ids = [p if c.context_inputs is None else c.context_inputs.training_prompt(p)
+                  for p, c in zip(prompt_ids, completions, strict=True)]
     result = results[0].concat(results) if len(results) > 1 else results[0]
     baselines = greedy[0].concat(greedy) if greedy else None
     extras = _estimator_inputs(completions, baselines)

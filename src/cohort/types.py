@@ -74,6 +74,9 @@ class Completion:
     routed_experts: router replay (train.router_replay): the top-k experts each sparse layer of a mixture-of-experts
         engine chose for every token it fed, a [prompt + completion tokens - 1, sparse layers, k] integer array (row p:
         position p of prompt + completion; the last token never runs). None when the engine records none.
+    context_inputs: model inputs in the completion's context (the images a tool returned to a vision-language
+        model): an object whose `training_prompt(prompt_ids)` is the prompt that carries them to the update
+        (cohort.vision.conversation.ToolImages); None otherwise.
     """
 
     token_ids: list[int]
@@ -87,6 +90,7 @@ class Completion:
     version: int | None = None
     routed_experts: Any = None
     token_versions: list[int] | None = None
+    context_inputs: Any = None
 
 
 @dataclass(frozen=True)

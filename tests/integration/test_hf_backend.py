@@ -216,10 +216,27 @@ def test_only_a_generate_that_is_not_transformers_or_peft_counts_as_replaced(mod
     assert generate_replaced(Constrained(model.config))
 
 
-def test_prompts_with_images_are_refused_not_sampled_without_them(model, tok, prompts):
+def test_prompts_with_images_reach_generate_with_their_tensors(model, tok, prompts, monkeypatch):
     class WithImage(list):  # a prompt that carries model inputs besides its ids (cohort.types.PromptWithInputs)
-        def model_inputs(self, device=None):
-            return {"pixel_values": torch.zeros(1)}
+        num_images = 1
 
-    with pytest.raises(ValueError, match="prompt 1 carries images"):
-        HFGenerateEngine(model, tok).generate([prompts[0], WithImage(prompts[1])], SamplingParams(max_tokens=2))
+        def model_inputs(self, device=None):
+            return {"pixel_values": torch.ones(4, 3), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+
+    seen: dict = {}
+
+    def scripted(input_ids, **kwargs):  # a generate that records what it was given
+        seen.update(kwargs, rows=input_ids.shape[0])
+        return torch.cat([input_ids, torch.full((input_ids.shape[0], 2), 5)], dim=-1)
+
+    engine = HFGenerateEngine(model, tok)
+    monkeypatch.setattr(model, "generate", scripted, raising=False)
+    monkeypatch.setattr(engine, "_forward_logprobs", lambda seqs, *a: torch.zeros(seqs.shape[0], 2))
+    engine.generate([prompts[0], WithImage(prompts[1])], SamplingParams(n=2, max_tokens=2))
+    assert seen["rows"] == 4
+    # prompt 1's patches and grid once per row that holds it (its two completions), in row order
+    assert seen["pixel_values"].shape == (8, 3)
+    assert seen["image_grid_thw"].tolist() == [[1, 2, 2], [1, 2, 2]]
+    seen.clear()
+    engine.generate([prompts[0]], SamplingParams(n=1, max_tokens=2))  # no images: nothing extra
+    assert "pixel_values" not in seen

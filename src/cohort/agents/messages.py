@@ -34,9 +34,23 @@ from cohort.errors import ConfigError
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>")
 
 
-def tool_result_messages(results: Sequence[ToolResult]) -> list[dict[str, Any]]:
-    """One `{"role": "tool", "name": ..., "content": ...}` message per result, in order."""
-    return [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+def tool_result_messages(results: Sequence[ToolResult], with_images: bool = False) -> list[dict[str, Any]]:
+    """One `{"role": "tool", "name": ..., "content": ...}` message per result, in order.
+
+    A result with images (a tool that returned content blocks): with_images (a vision-language model) makes its
+    content the blocks, `{"type": "image"}` where each image goes (the processor's chat template renders the
+    placeholder, the processor expands it); otherwise the text says how many images the text-only model does not
+    see, rather than dropping them silently."""
+    out = []
+    for r in results:
+        content: Any = r.content
+        if r.images and with_images:
+            content = [{"type": "image"} if kind == "image" else {"type": "text", "text": value}
+                       for kind, value in r.parts]
+        elif r.images:
+            content = f"{r.content}\n[{len(r.images)} image(s) returned by the tool; this model reads text only]"
+        out.append({"role": "tool", "name": r.name, "content": content})
+    return out
 
 
 def assistant_message(text: str, calls: Sequence[ToolCall] = (), tokenizer: Any = None) -> dict[str, Any]:
@@ -56,6 +70,7 @@ def assistant_message(text: str, calls: Sequence[ToolCall] = (), tokenizer: Any 
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], schemas, *, generation_prompt: bool, **kwargs) -> str:
+    # (tokenizer: whatever renders the template: the tokenizer, or a VLM's processor when tool results hold images)
     """The chat template's text, memoised: every tool round renders the history three times (about 0.4 ms each
     for a 500-token prompt with a tool schema, under the GIL), and the samples of a prompt share that history
     (often the calls and results too). The key is the JSON of everything the template reads."""
@@ -111,17 +126,19 @@ _MARKERS: weakref.WeakKeyDictionary[Any, tuple[str, ...]] = weakref.WeakKeyDicti
 def continuation_text(tokenizer: Any, conversation_so_far: Sequence[dict[str, Any]],
                       new_messages: Sequence[dict[str, Any]],
                       tools: Sequence[Tool | dict[str, Any]] | None = None, *, close_turn: bool = False,
-                      **template_kwargs: Any) -> str:
-    """The text `continuation_ids` tokenises; see the module docstring."""
+                      renderer: Any = None, **template_kwargs: Any) -> str:
+    """The text `continuation_ids` tokenises; see the module docstring. renderer: what applies the chat template
+    (default the tokenizer; a VLM's processor for tool messages with images)."""
     if not conversation_so_far or conversation_so_far[-1].get("role") != "assistant":
         raise ValueError("continuation: conversation_so_far must end with the assistant message that made the calls")
     schemas = tool_schemas(tools)
     markers = end_of_turn_markers(tokenizer)
     conv, new = list(conversation_so_far), list(new_messages)
-    text = _suffix(tokenizer, conv, new, schemas, markers, close_turn, template_kwargs)
+    render = tokenizer if renderer is None else renderer
+    text = _suffix(render, conv, new, schemas, markers, close_turn, template_kwargs)
     if text is None:  # the template re-renders history: render the new messages after a stand-in conversation
         stand_in = [{"role": "user", "content": "."}, conv[-1]]
-        text = _suffix(tokenizer, stand_in, new, schemas, markers, close_turn, template_kwargs)
+        text = _suffix(render, stand_in, new, schemas, markers, close_turn, template_kwargs)
     if text is None:
         raise ConfigError(
             "the chat template renders a conversation differently once tool messages follow it, so the tool "

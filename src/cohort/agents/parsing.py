@@ -14,6 +14,17 @@ JSON object with a string `name` (and an object, or a JSON string of an object, 
 `ToolCall("__invalid__", {"raw": body, "error": why})`: the runner answers it with an error message, and it
 counts as a failed call. A last `<tool_call>` left open (generation stopped at a `</tool_call>` stop string)
 is read the same way.
+
+The XML body of Qwen3-Coder and Qwen3.5 templates is read too (a parameter's value as JSON when it parses, else
+the text):
+
+    <tool_call>
+    <function=calculator>
+    <parameter=expression>
+    12 + 30
+    </parameter>
+    </function>
+    </tool_call>
 """
 
 from __future__ import annotations
@@ -58,8 +69,14 @@ def parse_chatml_tool_calls(text: str) -> list[ToolCall]:
     return calls
 
 
+_XML_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)(?:</function>|$)", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
 def _call_from_body(body: str) -> ToolCall:
     raw = body.strip()
+    if raw.startswith("<function="):
+        return _call_from_xml(raw)
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -86,6 +103,20 @@ def _call_from_obj(obj: Any, raw: str) -> ToolCall:
     if not isinstance(args, dict):
         return _invalid(raw, "'arguments' must be a JSON object")
     return ToolCall(name=name, arguments=args)
+
+
+def _call_from_xml(raw: str) -> ToolCall:
+    """`<function=name><parameter=key>value</parameter>...</function>` (Qwen3-Coder, Qwen3.5)."""
+    m = _XML_FUNCTION.match(raw)
+    if m is None:
+        return _invalid(raw, "a <function=name> block must name its function and close with </function>")
+    args: dict[str, Any] = {}
+    for key, value in _XML_PARAMETER.findall(m.group(2)):
+        try:
+            args[key] = json.loads(value)
+        except json.JSONDecodeError:
+            args[key] = value
+    return ToolCall(name=m.group(1), arguments=args)
 
 
 def _invalid(raw: str, why: str) -> ToolCall:

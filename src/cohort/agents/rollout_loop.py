@@ -35,6 +35,7 @@ from typing import Any
 from cohort.agents.messages import (
     assistant_message,
     continuation_ids,
+    continuation_text,
     end_of_turn_markers,
     tool_result_messages,
 )
@@ -51,6 +52,7 @@ class _Conversation:
     calls: int = 0
     failures: int = 0
     rounds: list[tuple[list, list]] = field(default_factory=list)  # (calls, results) per turn that made calls
+    contexts: list[list[int]] = field(default_factory=list)  # the continuations handed back, in order
 
 
 @dataclass
@@ -83,6 +85,10 @@ class TurnLoop:
     # agent.malformed_tool_calls: "feedback" hands the model an error for a call the parser could not read;
     # "end" drops such calls (TRL), so a turn with no readable call ends the completion
     malformed_tool_calls: str = "feedback"
+    # a vision-language model (cohort.vision.conversation.VisionTurns): tool results with images are rendered by
+    # its processor's chat template and expanded by the processor, and each completion carries their images to
+    # the update (Completion.context_inputs); None: a text model (a tool's images are announced, not shown)
+    vision: Any = None
 
     def __post_init__(self) -> None:
         # the agents package is imported here, not at module level: the engine and rollout never need it
@@ -132,6 +138,9 @@ class TurnLoop:
                 conv = convs[(i, j)]
                 completion.tool_calls, completion.tool_failures = conv.calls, conv.failures
                 completion.messages = self._messages(completion, conv)
+                if self.vision is not None:
+                    completion.context_inputs = self.vision.completion_inputs(conv.contexts, completion.token_ids,
+                                                                              completion.mask)
         return groups
 
     def _messages(self, completion: Completion, conv: _Conversation) -> list[dict[str, Any]]:
@@ -149,7 +158,7 @@ class TurnLoop:
             calls, results = conv.rounds[k] if k < len(conv.rounds) else ([], [])
             out.append(assistant_message(self.tokenizer.decode(ids, skip_special_tokens=True), calls))
             if k + 1 < len(turns):
-                out += tool_result_messages(results)
+                out += tool_result_messages(results, with_images=self.vision is not None)
         return out
 
     def _run_tools(self, conv: _Conversation, turn: TurnEnd, calls: list, max_tokens: int,
@@ -162,13 +171,20 @@ class TurnLoop:
             conv.rounds.append((list(calls), list(results)))
         text = self.tokenizer.decode(turn.turn_ids, skip_special_tokens=True)
         conv.messages.append(assistant_message(text, calls))
-        new = tool_result_messages(results)
+        new = tool_result_messages(results, with_images=self.vision is not None)
         close_turn = not turn.turn_ids or turn.turn_ids[-1] not in self._end_of_turn_ids
-        ids = continuation_ids(self.tokenizer, conv.messages, new, self.tools, close_turn=close_turn,
-                               **self.template_kwargs)
+        images = [image for r in results for image in r.images] if self.vision is not None else []
+        if images:  # the processor's template places them, the processor expands each into its image tokens
+            text = continuation_text(self.tokenizer, conv.messages, new, self.tools, close_turn=close_turn,
+                                     renderer=self.vision.renderer, **self.template_kwargs)
+            ids = self.vision.encode(text, images)
+        else:
+            ids = continuation_ids(self.tokenizer, conv.messages, new, self.tools, close_turn=close_turn,
+                                   **self.template_kwargs)
         if len(turn.completion_ids) + len(ids) >= max_tokens:
             return None  # no room for the results and another turn: end as the model left it (TRL drops them)
         conv.messages.extend(new)
+        conv.contexts.append(ids)
         return ids
 
 

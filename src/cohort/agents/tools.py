@@ -52,11 +52,17 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ToolResult:
-    """What a call returned, as the text the model will read; `failed` marks errors of any kind."""
+    """What a call returned, as the text the model will read; `failed` marks errors of any kind.
+
+    images: the images a tool returned as content blocks (TRL's `[{"type": "image", "image": ...}, {"type":
+    "text", ...}]`), and parts: those blocks in order, each ("image", index into images) or ("text", str); a
+    vision-language model reads them (`cohort.agents.messages.tool_result_messages`), `content` holds the text."""
 
     name: str
     content: str
     failed: bool = False
+    images: tuple = ()
+    parts: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -203,7 +209,7 @@ class ToolRunner:
             return ToolResult(name, f"Error: tool {name!r} timed out after {self.timeout_s:g} s.", failed=True)
         except Exception as exc:
             return ToolResult(name, f"Error: tool {name!r} raised {type(exc).__name__}: {exc}", failed=True)
-        return ToolResult(name, self._text(value), failed=False)
+        return self._result(name, value)
 
     async def arun(self, calls: Sequence[ToolCall], _gate: asyncio.Semaphore | None = None) -> list[ToolResult]:
         """The coroutine behind `run`, for callers that already have an event loop."""
@@ -235,7 +241,7 @@ class ToolRunner:
             return ToolResult(name, f"Error: tool {name!r} timed out after {self.timeout_s:g} s.", failed=True)
         except (Exception, SystemExit) as exc:
             return ToolResult(name, f"Error: tool {name!r} raised {type(exc).__name__}: {exc}", failed=True)
-        return ToolResult(name, self._text(value), failed=False)
+        return self._result(name, value)
 
     def _prepare(self, call: ToolCall) -> ToolResult | tuple[Tool, dict[str, Any]]:
         """(tool, arguments cast to its schema) for a call that can run, else the error result for the model."""
@@ -256,6 +262,23 @@ class ToolRunner:
             return ToolResult(name, f"Error: {bad}.", failed=True)
         return tool, arguments
 
+    def _result(self, name: str, value: Any) -> ToolResult:
+        """The result of a call that returned `value`: content blocks with images keep them (`ToolResult`)."""
+        blocks = _content_blocks(value)
+        if blocks is None:
+            return ToolResult(name, self._text(value), failed=False)
+        images = tuple(b["image"] for b in blocks if b["type"] == "image")
+        parts: list[tuple[str, Any]] = []
+        k = 0
+        for b in blocks:
+            if b["type"] == "image":
+                parts.append(("image", k))
+                k += 1
+            else:
+                parts.append(("text", self._text(b.get("text", ""))))
+        text = "\n".join(str(t) for kind, t in parts if kind == "text")
+        return ToolResult(name, text, failed=False, images=images, parts=tuple(parts))
+
     def _text(self, value: Any) -> str:
         if isinstance(value, str):
             text = value
@@ -269,6 +292,18 @@ class ToolRunner:
         if self.max_result_chars is not None and len(text) > self.max_result_chars:
             text = text[: self.max_result_chars] + f"... [truncated, {len(text)} characters]"
         return text
+
+
+def _content_blocks(value: Any) -> list[dict] | None:
+    """`value` as content blocks when it is a list of {"type": "image" | "text"} dicts holding an image (TRL's
+    multimodal tool response), else None (the value is rendered as text)."""
+    if not isinstance(value, list | tuple) or not value:
+        return None
+    if not all(isinstance(b, dict) and b.get("type") in ("image", "text") for b in value):
+        return None
+    if not any(b["type"] == "image" and b.get("image") is not None for b in value):
+        return None
+    return [b for b in value if b["type"] == "text" or b.get("image") is not None]
 
 
 def run_turns(turns: Sequence[tuple[ToolRunner, Sequence[ToolCall]]], max_concurrency: int = 64

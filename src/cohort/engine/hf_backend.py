@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers import GenerationConfig
@@ -82,11 +83,7 @@ class HFGenerateEngine:
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty: generation needs at least one prompt token")
-            images = int(getattr(p, "num_images", 1)) if has_extra_inputs([p]) else 0
-            if images:  # its token ids alone would drop the images: never silently
-                raise ValueError(f"prompt {i} carries images, which this generate path does not pass to the model; "
-                                 "vision-language prompts sample with cohort's vision engine (cohort.vision.engine)")
-        rows = [list(p) for p in prompts for _ in range(params.n)]
+        rows = [p for p in prompts for _ in range(params.n)]  # (prompts with images keep them: _image_inputs)
         step = self.batch_size or max(len(rows), 1)
         flat: list[Completion] = []
         was_training = self.model.training
@@ -153,7 +150,7 @@ class HFGenerateEngine:
             **self.generate_kwargs,
         )
 
-    def _generate_rows(self, rows: list[list[int]], params: SamplingParams, first_row: int) -> list[Completion]:
+    def _generate_rows(self, rows: Sequence[Sequence[int]], params: SamplingParams, first_row: int) -> list[Completion]:
         device = self.model.get_input_embeddings().weight.device
         width = max(map(len, rows))
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
@@ -162,11 +159,13 @@ class HFGenerateEngine:
             input_ids[r, width - len(ids) :] = torch.tensor(ids)
             attention_mask[r, width - len(ids) :] = 1
         kwargs = {"tokenizer": self.tokenizer} if params.stop_strings else {}
+        images = self._image_inputs(rows, input_ids, device)
         with _seeded(params.seed, first_row, device):
             out = self.model.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention_mask.to(device),
                 generation_config=self._generation_config(params),
+                **images,
                 **kwargs,
             )
         # a generate the user replaced on the model (cohort.setup.engine) may return the bare sequences
@@ -175,20 +174,47 @@ class HFGenerateEngine:
         logits = None if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
         if self.num_beams > 1 or logits is None:
             logprobs = self._forward_logprobs(sequences, attention_mask.to(device), width,
-                                              params.logprob_temperature)
+                                              params.logprob_temperature, images)
         else:
             logprobs = _chosen_logprobs(logits, tokens, params.logprob_temperature)
         return [self._finish(tokens[r].tolist(), logprobs[r].tolist(), params) for r in range(len(rows))]
 
+    def _image_inputs(self, rows: Sequence[Any], input_ids: torch.Tensor, device) -> dict:
+        """The images of the rows that carry some (a VLM's prompts, or conversations a tool added images to), as
+        the model's generate takes them for the batch: each key concatenated in row order (Qwen-style processors:
+        flattened patches and one grid row per image), plus `mm_token_type_ids` marking the image tokens of the
+        prompts (an image-token id the model generates stays text). {} when no row has images."""
+        carriers = [r for r in rows if getattr(r, "num_images", 0) and has_extra_inputs([r])]
+        if not carriers:
+            return {}
+        pieces = [r.model_inputs(device) for r in carriers]
+        if len(pieces) > 1 and not all(set(p) <= {"pixel_values", "image_grid_thw"} for p in pieces):
+            raise ValueError(f"a batch of prompts with images on transformers' generate needs a processor that lays "
+                             f"images out as flattened patches with a grid (Qwen2-VL, Qwen2.5-VL, Qwen3.5); this one "
+                             f"gives {sorted(pieces[0])}: set generation.generation_batch_size=1")
+        out = {k: torch.cat([p[k] for p in pieces], dim=0) for k in pieces[0]}
+        token = getattr(getattr(self.model, "config", None), "image_token_id", None)
+        if token is not None:
+            out["mm_token_type_ids"] = (input_ids == int(token)).long().to(device)
+        return out
+
     @torch.no_grad()
     def _forward_logprobs(self, sequences: torch.Tensor, prompt_mask: torch.Tensor, width: int,
-                          temperature: float) -> torch.Tensor:
+                          temperature: float, images: dict | None = None) -> torch.Tensor:
         """[rows, steps] logprob of each generated token under log_softmax(raw / T), from one forward over the
-        left-padded rows (beam search returns sequences whose per-step logits it does not keep)."""
+        left-padded rows (beam search returns sequences whose per-step logits it does not keep). With images,
+        the model places them and its own positions (multimodal RoPE) from the attention mask."""
         steps = sequences.shape[1] - width
         mask = torch.cat([prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], steps)], dim=1)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = self.model(input_ids=sequences, attention_mask=mask, position_ids=positions).logits
+        if images:
+            extra = dict(images)
+            if "mm_token_type_ids" in extra:  # the generated tokens are text
+                types = extra["mm_token_type_ids"]
+                extra["mm_token_type_ids"] = torch.cat([types, types.new_zeros(types.shape[0], steps)], dim=1)
+            logits = self.model(input_ids=sequences, attention_mask=mask, **extra).logits
+        else:
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = self.model(input_ids=sequences, attention_mask=mask, position_ids=positions).logits
         z = logits[:, width - 1 : -1].float() / temperature
         chosen = sequences[:, width:].unsqueeze(-1)
         return (z.gather(-1, chosen).squeeze(-1) - torch.logsumexp(z, dim=-1)).cpu()

@@ -8,6 +8,9 @@ conversation whose turn ended on a stop and whose callback answered with context
 generated on prompt + everything so far, with n=1, the room left under max_tokens, and the seed
 seed + row + 7919 x turn: one call per conversation, or with `batched` one call per round for engines that
 take one SamplingParams per prompt (the same draws). Model tokens get mask 1 and their logprobs; context tokens mask 0 and logprob 0.
+Images (a VLM's prompt, or a tool that returned one: the callback's ids then carry them, cohort.vision.conversation)
+go with the conversation: the next turn's prompt is the ids joined by the last image carrier's `join_inputs`,
+which knows every image of the conversation in order.
 A served engine's completions carry the policy version that sampled them: a multi-turn completion records
 the oldest of its turns' versions (the staleness that counts for the importance correction).
 """
@@ -32,7 +35,7 @@ def generate_turns_by_regeneration(generate: Generate, prompts: Sequence[Sequenc
     draws completion j of prompt i with seed + i * n + j, so prompt i's seed is set i lower), and the draws
     equal the unbatched loop's."""
     groups = generate(prompts, params)
-    convs = [_Conversation(i, j, list(p), c) for i, (p, group) in enumerate(zip(prompts, groups, strict=True))
+    convs = [_Conversation(i, j, p, c) for i, (p, group) in enumerate(zip(prompts, groups, strict=True))
              for j, c in enumerate(group)]
     live = [c for c in convs if c.finish_reason == "stop"]
     while live:
@@ -53,9 +56,9 @@ def generate_turns_by_regeneration(generate: Generate, prompts: Sequence[Sequenc
         if batched and round_:
             shifted = [p if p.seed is None else dataclasses.replace(p, seed=p.seed - i)
                        for i, (_, p) in enumerate(round_)]
-            answers = generate([conv.prompt + conv.ids for conv, _ in round_], shifted)
+            answers = generate([conv.so_far() for conv, _ in round_], shifted)
         else:
-            answers = [generate([conv.prompt + conv.ids], p)[0] for conv, p in round_]
+            answers = [generate([conv.so_far()], p)[0] for conv, p in round_]
         for (conv, _), group in zip(round_, answers, strict=True):
             conv.add_turn(group[0])
         live = [conv for conv, _ in round_ if conv.finish_reason == "stop"]
@@ -65,8 +68,10 @@ def generate_turns_by_regeneration(generate: Generate, prompts: Sequence[Sequenc
 class _Conversation:
     """One multi-turn completion being built."""
 
-    def __init__(self, index: int, sample: int, prompt: list[int], first: Completion) -> None:
-        self.index, self.sample, self.prompt = index, sample, prompt
+    def __init__(self, index: int, sample: int, prompt: Sequence[int], first: Completion) -> None:
+        self.index, self.sample, self.prompt = index, sample, list(prompt)
+        # what carries images (the prompt, continuations), in order: the next turns' prompts carry them too
+        self.carriers: list = [prompt] if getattr(prompt, "num_images", 0) else []
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.mask: list[int] = []
@@ -87,7 +92,14 @@ class _Conversation:
         if c.version is not None:
             self.versions.append(c.version)
 
+    def so_far(self) -> list[int]:
+        """The conversation so far as the next turn's prompt (with its images, when it has any)."""
+        ids = self.prompt + self.ids
+        return self.carriers[-1].join_inputs(ids, self.carriers) if self.carriers else ids
+
     def add_context(self, tokens: Sequence[int]) -> None:
+        if getattr(tokens, "num_images", 0):
+            self.carriers.append(tokens)
         self.ids += list(tokens)
         self.logprobs += [0.0] * len(tokens)
         self.mask += [0] * len(tokens)

@@ -118,7 +118,7 @@ def build_components(cfg: CohortConfig, *, policy=None, tokenizer=None, reward_r
     set_logprob_parity(policy, cfg.generation.logprob_parity)  # the model checked and marked before the engine
     loss_fn = build_policy_loss(cfg.loss.loss_type, cfg.loss.loss_params())
     reward_runner = with_environment_rewards(reward_runner or build_reward_runner(cfg), environments)
-    turn_loop = build_turn_loop(cfg, tokenizer, environments)
+    turn_loop = build_turn_loop(cfg, tokenizer, environments, processor)
     if train_data is None:
         train_data, eval_data = load_run_data(cfg, tokenizer, echo, tools=turn_loop.tools if turn_loop else None,
                                               policy=policy, processor=processor)

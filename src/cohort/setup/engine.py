@@ -20,6 +20,7 @@ from cohort.remote.client import RemoteEngine
 from cohort.setup.lengths import engine_model_len
 from cohort.setup.settings import replay_routes
 from cohort.types import RolloutEngine, SamplingParams
+from cohort.vision.model import is_vision_model
 from cohort.vision.setup import build_engine as vision_engine
 
 
@@ -47,6 +48,10 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
         echo("generation: this model's `generate` is not transformers' own (replaced on the model or its class), "
              "so transformers' generate path samples through it (generation.engine='hf' for this run; cohort's "
              "engine would bypass it)")
+        return _hf_engine(cfg, policy, tokenizer)
+    if cfg.generation.engine == "hf" and is_vision_model(policy) and (cfg.agent.tools or cfg.agent.environment_factory):
+        echo("generation: transformers' generate on the VLM (generation.engine=hf with tools): each turn regenerates "
+             "the conversation with its images, those the tools returned included")
         return _hf_engine(cfg, policy, tokenizer)
     # a VLM the paged engine cannot run: the vision group engine (None for text models and supported VLMs)
     vlm = vision_engine(policy, tokenizer, eos_ids(tokenizer, policy), echo, cfg.generation.engine)

@@ -18,6 +18,7 @@ from cohort.forward.packing import compile_decoder_layers
 from cohort.policy.model import load_policy, resolve_model_path
 from cohort.policy.model import resolve_dtype as model_dtype
 from cohort.policy.quantized import is_4bit
+from cohort.setup.engine import generate_replaced
 from cohort.vision import setup as vision
 from cohort.vision.model import is_vision_checkpoint, is_vision_model
 from cohort.vision.setup import lora_targets
@@ -57,7 +58,7 @@ def prepare_policy(cfg: CohortConfig, policy, tokenizer, *, device: torch.device
     elif next(policy.parameters()).device != device and not is_4bit(policy):  # 4-bit: stays where bnb put it
         policy.to(device)  # a model object handed in (facade, tests) trains where the config says
     check_quantized(cfg, policy, device)
-    vision.check_settings(cfg, policy)
+    vision.check_settings(cfg, policy, hf_generate=cfg.generation.engine == "hf" or generate_replaced(policy))
     vision.prepare_policy(cfg, policy, echo)
     policy = with_lora(cfg, policy)
     if cfg.model.chat_template and tokenizer is not None:  # before any prompt is rendered

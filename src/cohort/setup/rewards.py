@@ -12,6 +12,7 @@ from cohort.config import CohortConfig
 from cohort.data.sources import import_object
 from cohort.errors import ConfigError
 from cohort.rewards import RewardRunner, get_reward_function
+from cohort.vision.conversation import VisionTurns
 
 
 def build_reward_runner(cfg: CohortConfig) -> RewardRunner:
@@ -52,9 +53,10 @@ def with_environment_rewards(runner, environments):
     return runner
 
 
-def build_turn_loop(cfg: CohortConfig, tokenizer, environments=None):
+def build_turn_loop(cfg: CohortConfig, tokenizer, environments=None, processor=None):
     """agent.tools (or agent.environment_factory): the turn loop that runs them between model turns; None
-    without tools (single-turn). With environments, every rollout calls its own instance's methods."""
+    without tools (single-turn). With environments, every rollout calls its own instance's methods. processor:
+    a vision-language model's, so that images a tool returns reach the model (cohort.vision.conversation)."""
     a = cfg.agent
     if not a.tools and environments is None:
         return None
@@ -63,4 +65,5 @@ def build_turn_loop(cfg: CohortConfig, tokenizer, environments=None):
     return TurnLoop(tokenizer, tools, max_iterations=cfg.generation.max_tool_calling_iterations,
                     tool_timeout_s=a.tool_timeout_s, parser=import_object(a.tool_parser) if a.tool_parser else None,
                     environments=environments, inline_tools=bool(a.inline_tools),
-                    malformed_tool_calls=a.malformed_tool_calls)
+                    malformed_tool_calls=a.malformed_tool_calls,
+                    vision=VisionTurns(processor) if processor is not None else None)

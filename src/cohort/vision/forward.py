@@ -73,10 +73,11 @@ def batched_image_features(model, prompts: Sequence, device) -> dict[int, torch.
 
 def mrope_positions(model, ids: torch.Tensor, prompt) -> torch.Tensor:
     """[3, L] Qwen2-VL positions of one sequence (prompt + completion) from the model's get_rope_index. Only
-    the prompt's image tokens are images: one the policy generated is text, as in `generate`."""
+    the prompt's image tokens (and a tool result's, `image_slots`) are images: one the policy generated is text,
+    as in `generate`."""
     inner = inner_model(model)
-    token_types = (ids == image_token_id(model)).long()[None]
-    token_types[:, len(prompt):] = 0
+    slots = torch.tensor(image_slots(prompt, ids.shape[0] - len(prompt)), dtype=torch.bool, device=ids.device)
+    token_types = ((ids == image_token_id(model)) & slots).long()[None]
     if not bool(token_types.any()):
         return torch.arange(ids.shape[0], device=ids.device).view(1, -1).expand(3, -1)
     grid = prompt.vision_inputs(ids.device).get("image_grid_thw")
@@ -128,11 +129,21 @@ def per_layer_inputs(model, ids: torch.Tensor, in_prompt: torch.Tensor | None = 
 def _pack(sequences, device):
     """The text layout of `pack_layout` (ids and positions as flat vectors), plus which tokens are prompt: image
     tokens are only ever looked for there (a generated image-token id is an ordinary completion token)."""
+    in_prompt = [flag for prompt, completion in sequences for flag in image_slots(prompt, len(completion))]
     sequences = [(list(prompt), list(completion)) for prompt, completion in sequences]
     ids, text_pos, cu, hidden_idx, labels, offsets = pack_layout(sequences, device)
-    in_prompt = [flag for prompt, completion in sequences for flag in [True] * len(prompt) + [False] * len(completion)]
     return (ids[0], text_pos[0], cu, hidden_idx, labels, offsets,
             torch.tensor(in_prompt, dtype=torch.bool, device=device))
+
+
+def image_slots(prompt, completion_len: int) -> list[bool]:
+    """Per token of prompt + completion, whether an image token there is an image: every prompt token, and the
+    completion positions where a tool result's images sit (`completion_image_positions` of a
+    cohort.vision.conversation.VisionSequence); an image-token id the model sampled is text."""
+    flags = [True] * len(prompt) + [False] * completion_len
+    for k in getattr(prompt, "completion_image_positions", ()):
+        flags[len(prompt) + k] = True
+    return flags
 
 
 def vision_packed_logprobs(model, sequences, *, temperature: float = 1.0, compute_entropy: bool = True,

@@ -28,6 +28,7 @@ import torch
 from cohort.data.dataset import EncodeStats, PromptDataset, is_conversational
 from cohort.data.images import IMAGE_COLUMNS, row_images
 from cohort.errors import DataError
+from cohort.vision.conversation import VisionSequence
 
 # Prompts whose pixel tensors stay in memory (the step's prompts are reused by the engine and the update).
 _CACHE_SIZE = 256
@@ -92,6 +93,10 @@ class VisionPrompt(list[int]):
 
     def __reduce__(self):  # pickling (multiprocessing, deepcopy): keep the ids and images
         return (VisionPrompt, (list(self), self.images, self.processor, self.text))
+
+    def join_inputs(self, ids, parts):
+        """`ids` (a conversation that starts with this prompt) carrying the images of `parts` (multi-turn)."""
+        return VisionSequence(ids, parts)
 
     def model_inputs(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
         """`cohort.types.PromptWithInputs`: what the text-only layers know of this prompt."""

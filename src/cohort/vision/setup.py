@@ -52,8 +52,10 @@ def load_model(cfg, *, dtype, device):
     return model, processor.tokenizer, processor
 
 
-def check_settings(cfg, policy) -> None:
-    """Settings that a VLM (or a text model) cannot take, before any work."""
+def check_settings(cfg, policy, hf_generate: bool = False) -> None:
+    """Settings that a VLM (or a text model) cannot take, before any work. hf_generate: the rollouts run on
+    transformers' generate (generation.engine=hf, or a generate the user replaced), the path that continues a
+    conversation with images."""
     vision = is_vision_model(policy)
     if cfg.model.freeze_vision and not vision:
         raise ConfigError(f"model.freeze_vision=true but model {cfg.model.name_or_path!r} is a text-only model (no "
@@ -61,11 +63,11 @@ def check_settings(cfg, policy) -> None:
     if vision and cfg.train.sharding == "fsdp":
         raise ConfigError("train.sharding=fsdp is not supported for vision-language models yet; use "
                           "train.sharding=none (data parallel) or LoRA (model.lora_r) to fit the model")
-    if vision and (cfg.agent.tools or cfg.agent.environment_factory is not None):
+    if vision and (cfg.agent.tools or cfg.agent.environment_factory is not None) and not hf_generate:
         field = "agent.tools" if cfg.agent.tools else "agent.environment_factory"
-        raise ConfigError(f"{field} with a vision-language model is not supported yet (multi-turn rollouts "
-                          f"re-encode text only and do not continue a conversation with images); remove {field} "
-                          "or use a text model")
+        raise ConfigError(f"{field} with a vision-language model runs its multi-turn rollouts on transformers' "
+                          "generate (cohort's vision engines do not continue a conversation with images yet); set "
+                          f"generation.engine=hf, or remove {field}")
 
 
 def lora_targets(policy, names: list[str]) -> list[str]:
