@@ -96,3 +96,13 @@ def test_tokenizer_without_template_uses_chatml_parser():
             raise AssertionError
 
     assert parse_tool_calls(ONE, Plain()) == [ToolCall("calculator", {"expression": "12 + 30"})]
+
+
+def test_the_xml_calls_of_qwen3_5_and_qwen3_coder_templates():
+    text = ("<tool_call>\n<function=calculator>\n<parameter=expression>\n12 + 30\n</parameter>\n"
+            "<parameter=digits>\n3\n</parameter>\n</function>\n</tool_call><|im_end|>")
+    assert parse_tool_calls(text) == [ToolCall("calculator", {"expression": "12 + 30", "digits": 3})]
+    assert parse_tool_calls("<tool_call>\n<function=screenshot>\n</function>\n</tool_call>") == [
+        ToolCall("screenshot", {})]
+    bad = parse_tool_calls("<tool_call><function=calc</tool_call>")
+    assert bad[0].name == "__invalid__" and "function=name" in bad[0].arguments["error"]

@@ -282,3 +282,23 @@ def test_sync_calls_reuse_worker_threads():
         out = runner.run([ToolCall("multiply", {"a": i, "b": 2}), ToolCall("multiply", {"a": 1, "b": 1})])
         assert [r.content for r in out] == [str(2 * i), "1"] and not any(r.failed for r in out)
     assert threading.active_count() <= before + 2
+
+
+def test_a_tool_returning_content_blocks_keeps_its_images_in_order():
+    def screenshot() -> list:
+        """Takes a screenshot."""
+        return [{"type": "text", "text": "before"}, {"type": "image", "image": "IMG-A"},
+                {"type": "image", "image": "IMG-B"}, {"type": "text", "text": "after"}]
+
+    [result] = ToolRunner([Tool.from_callable(screenshot)]).run([ToolCall("screenshot", {})])
+    assert not result.failed
+    assert result.images == ("IMG-A", "IMG-B")
+    assert result.parts == (("text", "before"), ("image", 0), ("image", 1), ("text", "after"))
+    assert result.content == "before\nafter"
+    # a plain list of dicts without images stays JSON text, as before
+    def rows() -> list:
+        """Rows."""
+        return [{"type": "text", "text": "x"}]
+
+    [plain] = ToolRunner([Tool.from_callable(rows)]).run([ToolCall("rows", {})])
+    assert plain.images == () and plain.content == '[{"type": "text", "text": "x"}]'
