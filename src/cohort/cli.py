@@ -110,7 +110,7 @@ def _eval(args: argparse.Namespace) -> int:
     cfg.train.prompts_per_step = 1  # evaluation draws no training batches: any training set size will do
     comp = build_components(cfg)
     samples: list[dict] | None = [] if args.samples else None
-    for k, v in evaluate(comp, cfg, samples=samples).items():
+    for k, v in evaluate(comp, cfg, samples=samples, progress=lambda line: print(line, flush=True)).items():
         print(f"{k}: {v:.4f}")
     if samples is not None:  # --samples: one JSON line per completion, to read what the model answered
         with open(args.samples, "w", encoding="utf-8") as f:

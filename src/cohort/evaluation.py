@@ -18,6 +18,8 @@ so two evaluations of the same checkpoint draw the same completions.
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,10 +34,11 @@ from cohort.types import SamplingParams, TrainerState
 
 @torch.no_grad()
 def evaluate(comp, cfg: CohortConfig, *, batch_prompts: int = 64, correct_threshold: float = 1.0,
-             samples: list[dict] | None = None) -> dict[str, float]:
+             samples: list[dict] | None = None, progress: Callable[[str], Any] | None = None) -> dict[str, float]:
     """Greedy accuracy (or mean accuracy, pass@k, maj@n and the accuracy's interval with n samples) and mean
     total reward on comp.eval_data. When `samples` is a list, one row per completion is appended to it:
-    prompt, completion, reward, correct."""
+    prompt, completion, reward, correct. progress: called with a line after each batch of prompts (`cohort
+    eval` prints it: an evaluation with many samples per prompt runs for minutes)."""
     k = max(1, cfg.run.eval_num_samples)
     max_tokens = cfg.run.eval_max_completion_length or comp.sampling_params.max_tokens
     params = dataclasses.replace(comp.sampling_params, n=k, seed=cfg.train.seed, max_tokens=max_tokens,
@@ -44,6 +47,7 @@ def evaluate(comp, cfg: CohortConfig, *, batch_prompts: int = 64, correct_thresh
     comp.policy.eval()
     data = comp.eval_data
     correct, rewards, passed, answers = [], [], [], []
+    started = time.monotonic()
     for start in range(0, len(data), batch_prompts):
         idx = list(range(start, min(len(data), start + batch_prompts)))
         # prompt i of the eval set draws seeds seed + i * k + j, however the prompts are batched
@@ -60,6 +64,10 @@ def evaluate(comp, cfg: CohortConfig, *, batch_prompts: int = 64, correct_thresh
             samples.extend({"prompt": prompt, "completion": text, "reward": float(total),
                             "correct": bool(good)}
                            for prompt, text, total, good in zip(prompts, texts, result.total.tolist(), ok.tolist()))
+        if progress is not None:
+            done = idx[-1] + 1
+            progress(f"eval: {done}/{len(data)} prompts x {k} ({100 * done / len(data):.0f}%), accuracy so far "
+                     f"{float(torch.cat(correct).mean()):.3f}, {time.monotonic() - started:.0f} s")
     if was_training:
         comp.policy.train()
     hits = torch.cat(correct)

@@ -78,7 +78,9 @@ def test_generate_eval_and_plot_commands(capsys, workspace, tmp_path):
                  "reward.funcs=[tests.helpers.toy_task:digit_share]", "generation.max_completion_length=4"]
     samples = tmp_path / "answers.jsonl"
     assert main([*eval_args, "--samples", str(samples)]) == 0
-    assert "accuracy:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "accuracy:" in out
+    assert "eval: 10/10 prompts x 1 (100%)" in out  # progress, one line per batch of prompts
     rows = [json.loads(line) for line in samples.read_text().splitlines()]
     assert len(rows) == 10 and {"prompt", "completion", "reward", "correct"} <= set(rows[0])
     assert main([*eval_args, "--samples", str(tmp_path / "no" / "such" / "a.jsonl")]) == 2
