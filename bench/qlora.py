@@ -1,6 +1,6 @@
 r"""QLoRA against LoRA on bf16 weights: one GRPO step's seconds and peak memory, each row in its own process, one run.
 
-    python3 bench/qlora.py                          # 0.5B: lora, qlora (merged bf16 copy), qlora-4bit (in place)
+    python3 bench/qlora.py                          # 0.5B: lora, lora-merged, qlora (merged bf16 copy), qlora-4bit
     python3 bench/qlora.py --size 1.5b --steps 3
     python3 bench/qlora.py --release-kv             # every row with generation.release_kv_during_update=true
     python3 bench/qlora.py --size tiny --rows lora --prompts 4 --generations 4 --prompt-len 16 \
@@ -20,7 +20,8 @@ on-policy. Every row trains LoRA adapters of rank --lora-r (alpha 2r) on all sev
 with cohort's defaults otherwise (no gradient checkpointing unless --gradient-checkpointing, fp32 adapters and
 Adam moments).
 
-Rows: `lora` (the base in bf16, the engine running the adapters unmerged on it in place), `qlora`
+Rows: `lora` (the base in bf16, the engine running the adapters unmerged on it in place), `lora-merged` (the same,
+the engine on a copy of the adapted layers with the adapters merged: generation.lora_engine=merged), `qlora`
 (model.quantization=nf4: the base in 4 bits, the engine on a merged bf16 copy refreshed after each step:
 generation.quantized_engine=merged_bf16, the default), `qlora-4bit` (the same base, the engine on the trainer's
 4-bit layers and adapters in place: generation.quantized_engine=4bit). Each row loads the folder with cohort's
@@ -63,7 +64,8 @@ from grpo_step import (
 from manifest import record_run
 
 # row -> (model.quantization, generation.quantized_engine)
-ROWS = {"lora": ("none", "merged_bf16"), "qlora": ("nf4", "merged_bf16"), "qlora-4bit": ("nf4", "4bit")}
+ROWS = {"lora": ("none", "merged_bf16"), "lora-merged": ("none", "merged_bf16"), "qlora": ("nf4", "merged_bf16"),
+        "qlora-4bit": ("nf4", "4bit")}
 GIB = 2**30
 
 
@@ -81,12 +83,14 @@ def save_model_folder(size: str, folder: str) -> str:
 
 
 def row_config(args, row: str, kv_fraction: float):
-    """The trainer's config of a row: only model.quantization and generation.quantized_engine differ."""
+    """The trainer's config of a row: only model.quantization, generation.quantized_engine and
+    generation.lora_engine differ."""
     from cohort.config import CohortConfig
 
     cfg = CohortConfig()
     m, g, t = cfg.model, cfg.generation, cfg.train
     m.name_or_path, (m.quantization, g.quantized_engine) = args.folder, ROWS[row]
+    g.lora_engine = "merged" if row == "lora-merged" else "adapters"
     m.lora_r, m.lora_alpha, m.gradient_checkpointing = args.lora_r, 2 * args.lora_r, args.gradient_checkpointing
     g.num_generations, g.max_completion_length, g.temperature = args.generations, args.completion_len, 1.0
     g.ignore_eos, g.engine, g.kv_cache_fraction = True, "cohort", kv_fraction

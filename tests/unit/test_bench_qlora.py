@@ -25,12 +25,15 @@ def _args(**over):
 
 def test_rows_differ_only_in_the_quantization_settings(bench):
     configs = {row: bench.row_config(_args(), row, 0.2) for row in bench.ROWS}
-    assert {r: (c.model.quantization, c.generation.quantized_engine) for r, c in configs.items()} == {
-        "lora": ("none", "merged_bf16"), "qlora": ("nf4", "merged_bf16"), "qlora-4bit": ("nf4", "4bit")}
+    assert {r: (c.model.quantization, c.generation.quantized_engine, c.generation.lora_engine)
+            for r, c in configs.items()} == {
+        "lora": ("none", "merged_bf16", "adapters"), "lora-merged": ("none", "merged_bf16", "merged"),
+        "qlora": ("nf4", "merged_bf16", "adapters"), "qlora-4bit": ("nf4", "4bit", "adapters")}
     plain = [c.to_dict() for c in configs.values()]
     for c in plain:
         c["model"].pop("quantization"), c["generation"].pop("quantized_engine"), c["run"].pop("output_dir")
-    assert plain[0] == plain[1] == plain[2]
+        c["generation"].pop("lora_engine")
+    assert plain[0] == plain[1] == plain[2] == plain[3]
     cfg = configs["lora"]
     assert (cfg.model.lora_r, cfg.model.lora_alpha, cfg.generation.ignore_eos, cfg.loss.beta) == (8, 16, True, 0.0)
     assert cfg.train.max_steps == 3 and cfg.generation.kv_cache_fraction == 0.2
@@ -41,6 +44,7 @@ def test_every_row_validates_and_qlora_names_what_the_machine_lacks(bench, monke
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     bench.row_config(_args(), "lora", 0.2).validate()
+    bench.row_config(_args(), "lora-merged", 0.2).validate()
     with pytest.raises(ConfigError, match=r"model.quantization='nf4'.*CUDA GPU"):
         bench.row_config(_args(), "qlora", 0.2).validate()
 

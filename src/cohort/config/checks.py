@@ -105,6 +105,21 @@ def _check_quantization(cfg: CohortConfig) -> None:
     _require_choice("model.quantization", q, ("none", "nf4", "fp4"),
                     " (none: weights in model.dtype; nf4 / fp4: a 4-bit base through bitsandbytes, QLoRA)")
     _require_choice("generation.quantized_engine", cfg.generation.quantized_engine, ("merged_bf16", "4bit"))
+    _require_choice("generation.lora_engine", cfg.generation.lora_engine, ("adapters", "merged"))
+    if cfg.generation.lora_engine == "merged":
+        _require(isinstance(m.lora_r, int) and m.lora_r > 0, "generation.lora_engine", "merged",
+                 "it merges LoRA adapters into the engine's copy, and model.lora_r=0 trains none: set model.lora_r, "
+                 "or generation.lora_engine=adapters")
+        _require(q == "none", "generation.lora_engine", "merged",
+                 f"with a 4-bit base (model.quantization={q!r}) generation.quantized_engine decides what the engine "
+                 "samples from (merged_bf16 is already a merged copy): remove generation.lora_engine")
+        _require(cfg.generation.engine != "hf" and cfg.generation.placement != "server", "generation.lora_engine",
+                 "merged", "the merged copy is cohort's in-process engine's (generation.engine=hf and a served engine "
+                 "sample otherwise): set generation.engine=auto or cohort and generation.placement=colocate, or "
+                 "remove generation.lora_engine")
+        _require(cfg.train.sharding != "fsdp", "generation.lora_engine", "merged",
+                 "with train.sharding=fsdp the engine samples from its own gathered copy of the weights: remove "
+                 "generation.lora_engine")
     if q == "none":
         return
     _require(isinstance(m.lora_r, int) and m.lora_r > 0, "model.quantization", q,

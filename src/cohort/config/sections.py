@@ -155,6 +155,12 @@ class GenerationConfig:
                             "(a dequantised copy in model.dtype with the LoRA adapters merged, refreshed after each "
                             "optimizer step: plain matmuls, 2 more bytes per base weight) or 4bit (the trainer's own "
                             "4-bit layers and adapters in place: no copy, bitsandbytes matmuls)")
+    lora_engine: Literal["adapters", "merged"] = setting(
+        "adapters", help="with LoRA on a model.dtype base (model.lora_r > 0, model.quantization=none): what cohort's "
+                         "engine samples from: adapters (the base in place with the adapters unmerged: two small "
+                         "matmuls more per projection per decode step) or merged (a copy of the adapted layers with "
+                         "the adapters merged, refreshed after each optimizer step: plain matmuls, the adapted "
+                         "weights' bytes once more). docs/training.md#lora-engine")
     generation_batch_size: int | None = setting(
         None, help="hf engine only: rows (a prompt's copy per completion) per generate call; None: all of them at once")
     hf_generate_kwargs: dict[str, Any] = setting(

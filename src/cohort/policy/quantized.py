@@ -104,6 +104,18 @@ def copy_bytes(model: nn.Module) -> int:
     return total
 
 
+def lora_copy_bytes(model: nn.Module) -> int:
+    """Bytes of a merged copy of a LoRA policy on plain weights (generation.lora_engine=merged): every adapted
+    layer's base weight once more, in its dtype."""
+    total = 0
+    for module in model.modules():
+        base: Any = module.get_base_layer() if _is_lora(module) else None  # (peft's layer)
+        if base is not None:
+            weight = base.weight
+            total += int(weight.numel()) * int(weight.element_size())
+    return total
+
+
 def _dequantized(module: Any) -> torch.Tensor:
     """A linear layer's weight as a plain tensor: bnb's 4-bit codes dequantised, or the weight itself."""
     w = module.weight
@@ -138,6 +150,7 @@ class MergedCopy:
         source: Any = get_base() if callable(get_base) else policy
         embedding = source.get_input_embeddings().weight
         self.dtype, self.device = embedding.dtype, embedding.device
+        self.four_bit = is_4bit(source)  # else a LoRA policy on plain weights (generation.lora_engine=merged)
         self.model = _plain_twin(source)
         self.slots = _fill(self.model, source, self.dtype, self.device)
         self.numel = sum(s.shape.numel() for s in self.slots)
@@ -272,7 +285,8 @@ class MergedCopyEngine:
         self.merged.release()
 
     def engine_name(self) -> str:
-        return f"{self.engine.engine_name()}, on a merged {self.merged.dtype_name} copy of the 4-bit base"
+        what = "the 4-bit base" if self.merged.four_bit else "the LoRA-adapted layers"
+        return f"{self.engine.engine_name()}, on a merged {self.merged.dtype_name} copy of {what}"
 
     def __getattr__(self, name: str) -> Any:
         if name in ("engine", "merged"):  # not set yet (a copy being built): no recursion through __getattr__

@@ -64,6 +64,8 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
         ok, why = engine_supports(policy)
         if ok and is_4bit(policy) and cfg.generation.quantized_engine == "merged_bf16":
             return _merged_copy_engine(cfg, policy, tokenizer, device, echo, kv_cache_fraction, longest_prompt)
+        if ok and cfg.generation.lora_engine == "merged":  # LoRA on plain weights (cohort.config.checks)
+            return _merged_copy_engine(cfg, policy, tokenizer, device, echo, kv_cache_fraction, longest_prompt)
         if ok:
             return _cohort_engine(cfg, policy, policy, tokenizer, device, kv_cache_fraction, longest_prompt,
                                   cfg.generation.fuse_projections)
@@ -98,19 +100,29 @@ def _cohort_engine(cfg: CohortConfig, model, policy, tokenizer, device, kv_cache
 
 def _merged_copy_engine(cfg: CohortConfig, policy, tokenizer, device, echo, kv_cache_fraction,
                         longest_prompt) -> RolloutEngine:
-    """A 4-bit policy (QLoRA) with generation.quantized_engine=merged_bf16: cohort's engine over a dequantised copy
-    with the adapters merged (cohort.policy.quantized), without fused projection copies unless asked for (they
-    would copy the copy); Hugging Face generate, saying why, when the copy cannot be made."""
+    """A 4-bit policy (QLoRA) with generation.quantized_engine=merged_bf16, or LoRA on plain weights with
+    generation.lora_engine=merged: cohort's engine over a copy with the adapters merged (cohort.policy.quantized;
+    4-bit: without fused projection copies unless asked for, they would copy the copy). When the copy cannot be
+    made it says why and samples otherwise: Hugging Face generate (4-bit), the adapters in place (LoRA)."""
+    four_bit = is_4bit(policy)
+    setting = "generation.quantized_engine=merged_bf16" if four_bit else "generation.lora_engine=merged"
     try:
         merged = MergedCopy(policy)
     except ValueError as exc:
-        echo(f"generation.quantized_engine=merged_bf16: no merged copy of this 4-bit model ({exc}); falling back "
-             "to Hugging Face generate on the 4-bit model")
+        if not four_bit:  # the adapters stay usable in place: say so and sample from them
+            echo(f"{setting}: no merged copy of this LoRA model ({exc}); sampling from the adapters in place")
+            return _cohort_engine(cfg, policy, policy, tokenizer, device, kv_cache_fraction, longest_prompt,
+                                  cfg.generation.fuse_projections)
+        echo(f"{setting}: no merged copy of this 4-bit model ({exc}); falling back to Hugging Face generate on "
+             "the 4-bit model")
         return HFGenerateEngine(policy, tokenizer, eos_token_ids=eos_ids(tokenizer, policy),
                                 batch_size=cfg.generation.generation_batch_size)
-    fuse = bool(cfg.generation.fuse_projections)  # None (auto) means off here
+    # a 4-bit base's copy holds every weight: fused copies would copy the copy (None, auto, means off); a LoRA
+    # copy holds the adapted layers, whose fused copies the engine makes as for any plain model
+    fuse = bool(cfg.generation.fuse_projections) if four_bit else cfg.generation.fuse_projections
     engine = _cohort_engine(cfg, merged.model, policy, tokenizer, device, kv_cache_fraction, longest_prompt, fuse)
-    echo(f"generation: cohort engine on a merged {merged.dtype_name} copy of the 4-bit base "
+    what = "the 4-bit base" if four_bit else "the LoRA-adapted layers"
+    echo(f"generation: cohort engine on a merged {merged.dtype_name} copy of {what} "
          f"({merged.bytes / 2**30:.2f} GiB, refreshed after each optimizer step)")
     return MergedCopyEngine(engine, merged)
 

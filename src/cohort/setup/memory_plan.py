@@ -16,7 +16,7 @@ from cohort import distributed
 from cohort.config import CohortConfig
 from cohort.errors import ConfigError
 from cohort.policy.memory import check_fits, estimate_memory
-from cohort.policy.quantized import copy_bytes, is_4bit, weight_bytes
+from cohort.policy.quantized import copy_bytes, is_4bit, lora_copy_bytes, weight_bytes
 
 
 def plan_memory(cfg: CohortConfig, policy, device: torch.device, with_reference: bool, echo, *,
@@ -75,10 +75,14 @@ def plan_memory(cfg: CohortConfig, policy, device: torch.device, with_reference:
 
 def _four_bit_terms(cfg: CohortConfig, est, policy, with_reference: bool):
     """A 4-bit base (QLoRA): the weights and the reference as loaded (packed 4-bit), not P x dtype bytes, and the
-    engine's merged copy (generation.quantized_engine=merged_bf16) in engine_weights. Returns (the estimate, the
-    copy's bytes, which the engine allocates after the plan: 0 for other models)."""
+    engine's merged copy (generation.quantized_engine=merged_bf16) in engine_weights; LoRA on plain weights with
+    generation.lora_engine=merged: that copy of the adapted layers. Returns (the estimate, the copy's bytes, which
+    the engine allocates after the plan: 0 for other models)."""
     if not is_4bit(policy):
-        return est, 0
+        if cfg.generation.lora_engine != "merged":
+            return est, 0
+        copy = lora_copy_bytes(policy)  # generation.lora_engine=merged: the adapted layers once more
+        return replace(est, engine_weights=est.engine_weights + copy), copy
     weights = weight_bytes(policy)
     merged = cfg.generation.quantized_engine == "merged_bf16" and cfg.generation.engine != "hf"
     copy = copy_bytes(policy) if merged else 0
