@@ -108,10 +108,10 @@ def lora_copy_bytes(model: nn.Module) -> int:
     """Bytes of a merged copy of a LoRA policy on plain weights (generation.lora_engine=merged): every adapted
     layer's base weight once more, in its dtype."""
     total = 0
-    for module in model.modules():
-        base: Any = module.get_base_layer() if _is_lora(module) else None  # (peft's layer)
-        if base is not None:
-            weight = base.weight
+    layers: list[Any] = [m for m in model.modules() if _is_lora(m)]  # peft's LoRA layers
+    for layer in layers:
+        weight = layer.get_base_layer().weight
+        if weight is not None:
             total += int(weight.numel()) * int(weight.element_size())
     return total
 
