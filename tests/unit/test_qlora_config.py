@@ -147,3 +147,36 @@ def test_a_model_handed_in_must_match_the_setting():
         check_quantized(_cfg(), _four_bit_model(), torch.device("cuda"))
     check_quantized(_cfg(quantization="none"), _four_bit_model(), cpu)  # TRL's quantization_config: 4-bit, LoRA
     check_quantized(_cfg(), _four_bit_model(), cpu)
+
+
+def test_trls_quantization_config_maps_to_a_4bit_load_and_is_checked_before_it():
+    from transformers import BitsAndBytesConfig
+
+    from cohort.trl_compat.model_setup import apply_model_init_kwargs, four_bit_quant_type
+
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    assert four_bit_quant_type(nf4) == four_bit_quant_type(nf4.to_dict()) == "nf4"
+    assert four_bit_quant_type(BitsAndBytesConfig(load_in_4bit=True)) == "fp4"  # transformers' default type
+    with pytest.raises(ConfigError, match=r"load_in_8bit=True.*4-bit bitsandbytes weights only"):
+        four_bit_quant_type(BitsAndBytesConfig(load_in_8bit=True))
+    cfg = CohortConfig()
+    cfg.train.device = "cpu"  # no GPU: refused before any weights load, naming the key and why
+    with pytest.raises(ConfigError, match=r"quantization_config.*QLoRA.*CUDA GPU"):
+        apply_model_init_kwargs({"quantization_config": nf4}, cfg)
+    assert apply_model_init_kwargs({"dtype": "float32"}, cfg) == "none"
+
+
+def test_the_facade_loads_a_named_model_in_4_bits_and_its_adapters_pass(monkeypatch):
+    from cohort.trl_compat import model_setup
+
+    seen = {}
+    monkeypatch.setattr(model_setup, "resolve_model_path", lambda name, gguf_file=None: "/models/x")
+    monkeypatch.setattr(model_setup, "is_vision_checkpoint", lambda path: False)
+    monkeypatch.setattr(model_setup, "load_policy", lambda path, **kw: seen.update(kw) or ("model", "tok"))
+    cfg = CohortConfig()
+    cfg.train.device = "cpu"
+    assert model_setup.load_named_model("x", cfg, "nf4") == ("model", "tok")
+    assert seen["quantization"] == "nf4"
+    policy = _four_bit_model()
+    policy.peft_config = {"default": object()}  # peft's LoRA wrapper, as the facade's peft_config makes it
+    check_quantized(_cfg(quantization="none", lora_r=0), policy, torch.device("cpu"))

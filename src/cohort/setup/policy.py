@@ -84,7 +84,7 @@ def check_quantized(cfg: CohortConfig, policy, device: torch.device) -> None:
     if four_bit and where.type != device.type:
         raise ConfigError(f"train.device={cfg.train.device!r} resolves to {device.type}, but the 4-bit model handed in "
                           f"is on {where} and bitsandbytes weights cannot be moved; set train.device={where.type}")
-    if four_bit and cfg.model.lora_r <= 0:
+    if four_bit and cfg.model.lora_r <= 0 and not hasattr(policy, "peft_config"):  # (adapters handed in: facade)
         raise ConfigError(f"model.lora_r={cfg.model.lora_r} with a 4-bit (bitsandbytes) model: its weights cannot "
                           "be trained, only LoRA adapters on them; set model.lora_r (e.g. 16)")
     if four_bit and is_vision_model(policy):

@@ -163,7 +163,8 @@ FIELDS: list[tuple[str, Any, str]] = [
     ("local_rank", -1, f"announce: {_ONE_PROCESS}"),
     # ---- GRPOConfig's own fields
     ("model_init_kwargs", None, "trainer: dtype/torch_dtype -> model.dtype, attn_implementation -> "
-     "model.attn_implementation, trust_remote_code; other keys are rejected by name"),
+     "model.attn_implementation, trust_remote_code, quantization_config (a 4-bit BitsAndBytesConfig: the named "
+     "model loads in 4 bits, QLoRA with peft_config); other keys are rejected by name"),
     ("trust_remote_code", False, "model.trust_remote_code"),
     ("router_aux_loss_coef", None, "derived: loss.router_aux_loss_coef (None: the model config's own coefficient, "
      "0.0: off; logged as aux_loss)"),

@@ -18,6 +18,7 @@ from cohort.agents.tools import build_tools
 from cohort.algorithms import build_policy_loss
 from cohort.errors import ConfigError
 from cohort.policy.model import load_policy, resolve_model_path
+from cohort.policy.quantized import missing_support
 from cohort.setup import frozen_copy, resolve_device, resolve_dtype
 from cohort.setup.rewards import build_environments
 from cohort.vision.model import is_vision_checkpoint, load_vision_policy
@@ -26,7 +27,7 @@ _MODEL_INIT_KEYS = {"dtype": "dtype", "torch_dtype": "dtype", "attn_implementati
                     "trust_remote_code": "trust_remote_code"}
 
 
-def load_named_model(name: str, cfg):
+def load_named_model(name: str, cfg, quantization: str = "none"):
     """GRPOTrainer(model="<name>"): (model, tokenizer or a VLM's processor) on cfg.train.device.
 
     The name is resolved first (`resolve_model_path`): an alias (smollm2-135m-instruct, gemma-3-270m), a .gguf
@@ -35,13 +36,20 @@ def load_named_model(name: str, cfg):
     the Hub first (five tries, about 25 s, when the network is unreachable and HF_HUB_OFFLINE is unset)."""
     device = resolve_device(cfg.train.device)
     path = resolve_model_path(name, gguf_file=cfg.model.gguf_file)
-    load = load_vision_policy if is_vision_checkpoint(path) else load_policy  # a VLM: its processor
-    return load(path, dtype=resolve_dtype(cfg.model.dtype, device), device=device,
-                trust_remote_code=cfg.model.trust_remote_code, attn_implementation=cfg.model.attn_implementation)
+    if is_vision_checkpoint(path):  # a VLM: its processor
+        if quantization != "none":
+            raise ConfigError("GRPOConfig(model_init_kwargs={'quantization_config': ...}): 4-bit vision-language "
+                              "models are not supported yet; train LoRA adapters on model.dtype weights")
+        return load_vision_policy(path, dtype=resolve_dtype(cfg.model.dtype, device), device=device,
+                                  trust_remote_code=cfg.model.trust_remote_code,
+                                  attn_implementation=cfg.model.attn_implementation)
+    return load_policy(path, dtype=resolve_dtype(cfg.model.dtype, device), device=device,
+                       trust_remote_code=cfg.model.trust_remote_code, attn_implementation=cfg.model.attn_implementation,
+                       quantization=quantization)
 
 
 def load_trainer_models(model: Any, processing_class: Any, cfg, *, peft_config: Any = None,
-                        dropout_off: bool = False) -> tuple[Any, Any, Any]:
+                        dropout_off: bool = False, quantization: str = "none") -> tuple[Any, Any, Any]:
     """What TRL's GRPOTrainer.__init__ builds: (policy, processing class, reference model or None).
 
     A name loads here (a model needing remote code without model_init_kwargs trust_remote_code=True raises, as
@@ -50,7 +58,7 @@ def load_trainer_models(model: Any, processing_class: Any, cfg, *, peft_config: 
     wraps the policy in LoRA adapters, disable_dropout zeroes every Dropout; with beta != 0 the reference is a
     frozen copy of the policy as it stands (cohort's rule, also under LoRA)."""
     if isinstance(model, str | os.PathLike):
-        policy, loaded = load_named_model(str(model), cfg)
+        policy, loaded = load_named_model(str(model), cfg, quantization)
         cfg.model.name_or_path = str(model)
         processing_class = processing_class or loaded
     else:
@@ -122,10 +130,19 @@ def tool_schemas(cfg, tok) -> list | None:
     return [t.schema for t in build_tools(list(a.tools))]
 
 
-def apply_model_init_kwargs(kwargs: dict | None, cfg) -> None:
-    """GRPOConfig(model_init_kwargs=...) onto cfg.model: the keys cohort's loader takes; others raise ConfigError."""
+def apply_model_init_kwargs(kwargs: dict | None, cfg) -> str:
+    """GRPOConfig(model_init_kwargs=...) onto cfg.model: the keys cohort's loader takes; others raise ConfigError.
+    Returns the 4-bit quantisation a `quantization_config` asks for ("nf4" / "fp4", QLoRA), else "none": the
+    facade loads the named model so (cohort.policy.model.load_policy), and hands it in as it is."""
+    quantization = "none"
     for key, value in (kwargs or {}).items():
         if value is None or (key == "revision" and value == "main"):  # TRL's scripts pass their defaults
+            continue
+        if key == "quantization_config":
+            quantization = four_bit_quant_type(value)
+            why = missing_support(str(cfg.train.device))  # before any weights load
+            if why is not None:
+                raise ConfigError(f"GRPOConfig(model_init_kwargs={{'quantization_config': ...}}) (QLoRA): {why}")
             continue
         if key == "revision":
             raise ConfigError(f"GRPOConfig(model_init_kwargs={{'revision': {value!r}}}) is not supported by cohort: "
@@ -136,6 +153,23 @@ def apply_model_init_kwargs(kwargs: dict | None, cfg) -> None:
         if _MODEL_INIT_KEYS[key] == "dtype":
             value = str(value).removeprefix("torch.")
         setattr(cfg.model, _MODEL_INIT_KEYS[key], value)
+    return quantization
+
+
+def four_bit_quant_type(config: Any) -> str:
+    """The quant type of a transformers BitsAndBytesConfig (or its dict) that loads 4-bit weights, as
+    model.quantization names it; ConfigError for what cohort does not train on (8-bit, other methods)."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    method = get("quant_method", "bitsandbytes")
+    method = str(getattr(method, "value", method))  # transformers' QuantizationMethod enum, or its string
+    kind = str(get("bnb_4bit_quant_type", "fp4"))
+    if method != "bitsandbytes" or not get("load_in_4bit", False) or kind not in ("nf4", "fp4"):
+        shown = (f"{type(config).__name__}(quant_method={method!r}, load_in_4bit={get('load_in_4bit', False)}, "
+                 f"load_in_8bit={get('load_in_8bit', False)}, bnb_4bit_quant_type={kind!r})")
+        raise ConfigError(f"GRPOConfig(model_init_kwargs={{'quantization_config': {shown}}}): cohort trains LoRA "
+                          "adapters on 4-bit bitsandbytes weights only (QLoRA): use BitsAndBytesConfig(load_in_4bit=True, "
+                          "bnb_4bit_quant_type='nf4') with a peft_config, or no quantization_config")
+    return kind
 
 
 def disable_dropout(model) -> None:

@@ -69,8 +69,9 @@ class GRPOTrainer(TrlSurface):
                  peft_config: Any = None, tools: list | None = None, rollout_func: Any = None,
                  environment_factory: Any = None):
         if quantization_config is not None:
-            raise ConfigError("GRPOTrainer(quantization_config=...) is not supported by cohort: train LoRA adapters "
-                              "on a bf16 model with peft_config= instead.")
+            raise ConfigError("GRPOTrainer(quantization_config=...) is not supported by cohort: pass it as TRL's "
+                              "GRPOConfig(model_init_kwargs={'quantization_config': BitsAndBytesConfig(load_in_4bit=True, "
+                              "...)}) with peft_config= (QLoRA), or train LoRA on a bf16 model.")
         if rollout_func is not None:
             raise ConfigError("GRPOTrainer(rollout_func=...) is not supported by cohort: its own engine generates; "
                               "multi-turn rollouts go through tools= / environment_factory= (cohort.agents).")
@@ -130,7 +131,7 @@ class GRPOTrainer(TrlSurface):
         self.config.data.source = GivenRows(rows)  # the rows given, not cohort's default source (reasoning-gym)
         self.config.reward.funcs = self.reward_funcs
         self.config.agent.malformed_tool_calls = "end"  # TRL: a call its parser cannot read is no call
-        apply_model_init_kwargs(self.args.model_init_kwargs, self.config)
+        self._quantization = apply_model_init_kwargs(self.args.model_init_kwargs, self.config)
 
     def _load_models(self, model) -> None:
         """As TRL's constructor: the policy (`self.model`, the object training updates in place), its processing
@@ -139,7 +140,8 @@ class GRPOTrainer(TrlSurface):
         if self.args.tf32 is not None:
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(self.args.tf32)
         self.model, self.processing_class, self.ref_model = load_trainer_models(
-            model, self.processing_class, cfg, peft_config=self.peft_config, dropout_off=self.args.disable_dropout)
+            model, self.processing_class, cfg, peft_config=self.peft_config, dropout_off=self.args.disable_dropout,
+            quantization=self._quantization)
         cfg.reward.funcs = resolve_reward_funcs(self.reward_funcs, self.reward_processing_classes, cfg,
                                                 state=self.state)
         self.reward_funcs = [getattr(r, "model", r) if isinstance(f, str | os.PathLike) else f  # TRL: the models
