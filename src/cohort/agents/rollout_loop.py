@@ -184,7 +184,8 @@ class TurnLoop:
         if len(turn.completion_ids) + len(ids) >= max_tokens:
             return None  # no room for the results and another turn: end as the model left it (TRL drops them)
         conv.messages.extend(new)
-        conv.contexts.append(ids)
+        if ids:  # an empty continuation ends the conversation (no span in the completion)
+            conv.contexts.append(ids)
         return ids
 
 
