@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("peft")
 
 from peft import LoraConfig, get_peft_model
+from tests.helpers.engine_checks import assert_sampling_logprobs_match_trainer
 from tests.helpers.tiny_tokenizer import make_tiny_tokenizer
 from tests.helpers.toy_task import tiny_model, toy_rows
 
@@ -18,12 +19,10 @@ from cohort.config import CohortConfig
 from cohort.data.sources import load_prompt_dataset
 from cohort.engine import CohortEngine
 from cohort.errors import ConfigError
-from cohort.forward.packing import packed_forward_logprobs
 from cohort.policy.quantized import MergedCopy, MergedCopyEngine, lora_copy_bytes
 from cohort.rewards import RewardRunner
 from cohort.setup import build_components, build_engine
 from cohort.trainer import train
-from cohort.types import SamplingParams
 
 TARGETS = ["q_proj", "v_proj", "gate_proj", "down_proj"]
 
@@ -85,14 +84,7 @@ def test_engine_logprobs_equal_the_trainers_forward(mode):
     assert isinstance(engine, CohortEngine) == (mode == "adapters")
     if mode == "merged":
         assert any("merged float32 copy of the LoRA-adapted layers" in s for s in said), said
-    prompts = [tok(t)["input_ids"] for t in ("Say the digit 3", "What is 2 + 3? The answer")]
-    groups = engine.generate(prompts, SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=4))
-    seqs = [(p, c.token_ids) for p, g in zip(prompts, groups) for c in g]
-    with torch.no_grad():
-        packed = packed_forward_logprobs(policy, seqs, temperature=1.0, compute_entropy=False)
-    sampled = torch.cat([torch.tensor(c.logprobs) for g in groups for c in g])
-    assert sampled.numel() == packed.logprobs.numel() > 0
-    torch.testing.assert_close(packed.logprobs, sampled, atol=2e-5, rtol=0)
+    assert_sampling_logprobs_match_trainer(engine, policy, tok)
 
 
 def test_two_steps_train_the_adapters_and_the_engine_samples_the_trained_policy(tmp_path):

@@ -15,6 +15,7 @@ pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
 
 from peft import LoraConfig, get_peft_model
+from tests.helpers.engine_checks import assert_sampling_logprobs_match_trainer
 from tests.helpers.tiny_tokenizer import make_tiny_tokenizer
 from tests.helpers.toy_task import tiny_model, toy_rows
 from transformers import AutoModelForCausalLM
@@ -22,7 +23,6 @@ from transformers import AutoModelForCausalLM
 from cohort.config import CohortConfig
 from cohort.data.sources import load_prompt_dataset
 from cohort.engine.hf_backend import HFGenerateEngine
-from cohort.forward.packing import packed_forward_logprobs
 from cohort.policy.quantized import MergedCopy, MergedCopyEngine, bnb_config, is_4bit
 from cohort.rewards import RewardRunner
 from cohort.setup import build_components, build_engine
@@ -107,14 +107,7 @@ def test_engine_logprobs_equal_the_trainers_forward(tmp_path, mode):
     cfg.generation.quantized_engine = mode
     engine = build_engine(cfg, policy, tok, torch.device("cpu"), echo=lambda *a: None)
     assert isinstance(engine, MergedCopyEngine) == (mode == "merged_bf16")
-    prompts = [tok(t)["input_ids"] for t in ("Say the digit 3", "What is 2 + 3? The answer")]
-    groups = engine.generate(prompts, SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=4))
-    seqs = [(p, c.token_ids) for p, g in zip(prompts, groups) for c in g]
-    with torch.no_grad():
-        packed = packed_forward_logprobs(policy, seqs, temperature=1.0, compute_entropy=False)
-    sampled = torch.cat([torch.tensor(c.logprobs) for g in groups for c in g])
-    assert sampled.numel() == packed.logprobs.numel() > 0
-    torch.testing.assert_close(packed.logprobs, sampled, atol=2e-5, rtol=0)
+    assert_sampling_logprobs_match_trainer(engine, policy, tok)
 
 
 def test_a_copy_it_cannot_make_falls_back_to_generate_and_says_why(tmp_path):

@@ -62,9 +62,10 @@ def build_engine(cfg: CohortConfig, policy, tokenizer, device: torch.device, ech
         choice = "cohort"
     if choice == "cohort":
         ok, why = engine_supports(policy)
-        if ok and is_4bit(policy) and cfg.generation.quantized_engine == "merged_bf16":
-            return _merged_copy_engine(cfg, policy, tokenizer, device, echo, kv_cache_fraction, longest_prompt)
-        if ok and cfg.generation.lora_engine == "merged":  # LoRA on plain weights (cohort.config.checks)
+        # a merged copy: a 4-bit base's (QLoRA) or LoRA on plain weights' (generation.lora_engine)
+        merged = (cfg.generation.quantized_engine == "merged_bf16" if is_4bit(policy)
+                  else cfg.generation.lora_engine == "merged")
+        if ok and merged:
             return _merged_copy_engine(cfg, policy, tokenizer, device, echo, kv_cache_fraction, longest_prompt)
         if ok:
             return _cohort_engine(cfg, policy, policy, tokenizer, device, kv_cache_fraction, longest_prompt,

@@ -48,7 +48,7 @@ def plan_memory(cfg: CohortConfig, policy, device: torch.device, with_reference:
                               lora_params=_trainable_params(policy) if cfg.model.lora_r > 0 else 0)
     except (KeyError, TypeError, ValueError, AttributeError):  # an architecture the estimator cannot read
         return fraction, None
-    est, copy = _four_bit_terms(cfg, est, policy, with_reference)
+    est, copy = _engine_copy_terms(cfg, est, policy, with_reference)
     if device.type != "cuda":
         return fraction, est
     free, _ = torch.cuda.mem_get_info(device)
@@ -73,7 +73,7 @@ def plan_memory(cfg: CohortConfig, policy, device: torch.device, with_reference:
     return fraction, est
 
 
-def _four_bit_terms(cfg: CohortConfig, est, policy, with_reference: bool):
+def _engine_copy_terms(cfg: CohortConfig, est, policy, with_reference: bool):
     """A 4-bit base (QLoRA): the weights and the reference as loaded (packed 4-bit), not P x dtype bytes, and the
     engine's merged copy (generation.quantized_engine=merged_bf16) in engine_weights; LoRA on plain weights with
     generation.lora_engine=merged: that copy of the adapted layers. Returns (the estimate, the copy's bytes, which

@@ -37,11 +37,12 @@ def _grid_style(tensors: dict[str, torch.Tensor]) -> bool:
 class ImageContext(list[int]):
     """A continuation's token ids (image tokens expanded) with its images and their processor tensors."""
 
-    def __init__(self, ids: Sequence[int], images: list, tensors: dict[str, torch.Tensor], image_token_id: int):
+    def __init__(self, ids: Sequence[int], images: list, tensors: dict[str, torch.Tensor],
+                 image_offsets: Sequence[int]):
         super().__init__(int(t) for t in ids)
         self.images = images
         self.tensors = tensors
-        self.image_offsets = tuple(k for k, t in enumerate(self) if t == image_token_id)
+        self.image_offsets = tuple(image_offsets)  # where its image tokens are, in its own ids
 
     @property
     def num_images(self) -> int:
@@ -58,13 +59,7 @@ class ImageContext(list[int]):
         return VisionSequence(ids, parts)
 
     def __reduce__(self):
-        return (_rebuild_context, (list(self), self.images, self.tensors, self.image_offsets))
-
-
-def _rebuild_context(ids, images, tensors, offsets) -> ImageContext:
-    out = ImageContext(ids, images, tensors, image_token_id=-1)
-    out.image_offsets = tuple(offsets)
-    return out
+        return (ImageContext, (list(self), self.images, self.tensors, self.image_offsets))
 
 
 class VisionSequence(list[int]):
@@ -163,7 +158,9 @@ def encode_image_context(processor, text: str, images: list) -> ImageContext | l
         raise ValueError(f"a tool returned an image, but this processor ({type(processor).__name__}) lays images out "
                          f"as {sorted(tensors)}; images in tool results need a Qwen-style processor (flattened "
                          "patches with a grid: Qwen2-VL, Qwen2.5-VL, Qwen3.5)")
-    return ImageContext(out["input_ids"][0].tolist(), list(images), tensors, image_token_of(processor))
+    ids = out["input_ids"][0].tolist()
+    image = image_token_of(processor)
+    return ImageContext(ids, list(images), tensors, [k for k, t in enumerate(ids) if t == image])
 
 
 class VisionTurns:
