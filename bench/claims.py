@@ -19,18 +19,21 @@ from pathlib import Path
 import yaml
 
 HERE = Path(__file__).resolve().parent
-_STEP = re.compile(r"""\.?([A-Za-z_][\w-]*)|\[(-?\d+)\]|\[["']([^"']+)["']\]""")
-_SAFE = {"abs": abs, "max": max, "min": min, "range": range, "len": len, "round": round}
+_STEP = re.compile(r"""\.?([A-Za-z_][\w-]*)|\[(-?\d+)\]|\[["']([^"']+)["']\]|\[(\*)\]""")
+_SAFE = {"abs": abs, "max": max, "min": min, "range": range, "len": len, "round": round, "sum": sum}
 
 
 def read_path(data, path: str):
-    """`data` at a JSON path such as `rows[2].s_per_step` or `[0]["eval/accuracy"]`."""
+    """`data` at a JSON path such as `rows[2].s_per_step` or `[0]["eval/accuracy"]`; `[*]` maps the rest of the
+    path over every element (`[*].step_time` of a .jsonl file: the list of every row's step time)."""
     pos = 0
     while pos < len(path):
         m = _STEP.match(path, pos)
         if m is None:
             raise ValueError(f"bad path {path!r} at {path[pos:]!r}")
-        key, index, quoted = m.groups()
+        key, index, quoted, every = m.groups()
+        if every:
+            return [read_path(item, path[m.end():]) for item in data]
         data = data[int(index)] if index is not None else data[key if key is not None else quoted]
         pos = m.end()
     return data

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import types
 from pathlib import Path
@@ -77,21 +78,28 @@ def _straddle(model, a, b, params: SamplingParams, prompt: list[int], switch_aft
     return stream.take([group])[0]
 
 
+def _forward(model, ids, past=None, use_cache=True):
+    """One forward with a KV cache, under either name transformers gives it (`cache` from 5.2x,
+    `past_key_values` before): the GPU image's transformers is older than CI's."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(ids, use_cache=use_cache, **({name: past} if past is not None else {}))
+    return out, getattr(out, name, None)
+
+
 def _mixed_kv_continuation(model, a, b, prompt: list[int], part1: list[int], count: int):
     """Greedy continuation with `b` over the KV that `a` computed for prompt + part1[:-1] (the engine's state at
     the switch: the last sampled token is fed to the next step, with the new weights)."""
     _load(model, a)
     with torch.no_grad():
-        past = model(_ids(model, prompt + part1[:-1]), use_cache=True).cache
+        _, past = _forward(model, _ids(model, prompt + part1[:-1]))
         _load(model, b)
         token, tokens, logprobs = part1[-1], [], []
         for _ in range(count):
-            out = model(_ids(model, [token]), cache=past, use_cache=True)
+            out, past = _forward(model, _ids(model, [token]), past)
             logp = out.logits[0, -1].float().log_softmax(-1)
             token = int(logp.argmax())
             tokens.append(token)
             logprobs.append(float(logp[token]))
-            past = out.cache
     return tokens, logprobs
 
 
@@ -100,9 +108,9 @@ def _mixed_kv_logprobs(model, a, b, prompt: list[int], completion: list[int], cu
     completion[:cut - 1]."""
     _load(model, a)
     with torch.no_grad():
-        past = model(_ids(model, prompt + completion[:cut - 1]), use_cache=True).cache
+        _, past = _forward(model, _ids(model, prompt + completion[:cut - 1]))
         _load(model, b)
-        logits = model(_ids(model, completion[cut - 1:-1]), cache=past).logits[0].float()
+        logits = _forward(model, _ids(model, completion[cut - 1:-1]), past, use_cache=False)[0].logits[0].float()
     return logits.log_softmax(-1).gather(-1, _ids(model, completion[cut:])[0, :, None])[:, 0].tolist()
 
 

@@ -61,3 +61,9 @@ def test_rounding_and_bounds():
     assert claims.agrees(3.3, "25", "<=") and not claims.agrees(25.5, "25", "<=")
     assert claims.agrees(18.4, "19", tolerance=1) and not claims.agrees(17.4, "19", tolerance=1)
     assert claims.read_path({"rows": [{}, {}, {"s_per_step": 1.5}]}, "rows[2].s_per_step") == 1.5
+
+
+def test_a_star_maps_the_rest_of_the_path_over_every_row():
+    rows = [{"step_time": 0.25, "x": {"y": 1}}, {"step_time": 0.5, "x": {"y": 2}}]
+    assert claims.read_path(rows, "[*].step_time") == [0.25, 0.5]
+    assert claims.read_path({"rows": rows}, "rows[*].x.y") == [1, 2]
