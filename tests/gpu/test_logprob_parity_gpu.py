@@ -3,7 +3,8 @@ Qwen2.5-0.5B shape, bf16) sampled by the engine in one mixed batch (prompts of 2
 each: prefill graphs, multi-step decode graphs at every batch size as sequences finish, the fused sampler) and
 their log-probabilities recomputed by the training forward in packed rows of another composition (shuffled, an
 8k-token budget). exact: max |engine - trainer| == 0. fast: today's mismatch is printed (no bound: it is what
-exact removes). The same for a small Qwen3 architecture (per-head q/k norms). Gemma 3 has no exact path yet.
+exact removes). The same for a small Qwen3 architecture (per-head q/k norms) and for Gemma-3-270M's architecture
+(random weights: local layers with a 512-token window, shorter than the longest sequences, and global ones).
 
 Run: pytest -s tests/gpu/test_logprob_parity_gpu.py (prints the fast mode's mismatch).
 """
@@ -36,6 +37,23 @@ def _qwen3_model():
                          tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)
     torch.manual_seed(0)
     return Qwen3ForCausalLM(config).to("cuda", torch.bfloat16).eval()
+
+
+def _gemma3_model():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    layer_types = (["sliding_attention"] * 5 + ["full_attention"]) * 3
+    config = Gemma3TextConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                              num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+                              sliding_window=512, layer_types=layer_types, max_position_embeddings=32768,
+                              pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():  # HF initialises the (1 + w) norms' w to 0: random ones, as a trained model has
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+    return model.to("cuda", torch.bfloat16).eval()
 
 
 def _sample(model, mode: str, prompts_n: int = 32, n: int = 8):
@@ -90,9 +108,9 @@ def _mismatch(model, mode: str, prompts_n: int = 32) -> tuple[float, float, int]
     return diff.max().item(), diff.mean().item(), diff.numel()
 
 
-@pytest.mark.parametrize("family", ["qwen2-0.5b", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2-0.5b", "qwen3", "gemma3-270m"])
 def test_exact_parity_engine_logprobs_equal_the_trainer_bitwise(family):
-    model = _bench_model() if family == "qwen2-0.5b" else _qwen3_model()
+    model = {"qwen2-0.5b": _bench_model, "qwen3": _qwen3_model, "gemma3-270m": _gemma3_model}[family]()
     worst, mean, tokens = _mismatch(model, "exact", 32 if family == "qwen2-0.5b" else 8)
     print(f"\n{family} exact: max |engine - trainer| = {worst}, mean {mean}, over {tokens} tokens")
     assert tokens > 1000

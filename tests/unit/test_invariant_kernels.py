@@ -1,7 +1,8 @@
 """The batch-invariance property of cohort.forward.invariant's kernels, on the CPU under TRITON_INTERPRET=1.
 
 A row's output is bitwise the same when the batch around it changes size, when it moves in the batch, and when the
-work is chunked or packed differently: the matmul (float32 and bfloat16), RMSNorm, SiLU-gate, the chosen-token
+work is chunked or packed differently: the matmul (float32 and bfloat16), RMSNorm (Llama's and Gemma's), the SiLU and
+GELU-tanh gates, the chosen-token
 log-softmax, and attention, where one query's output is the same from the engine's decode (one token, paged
 cache), the engine's prefill (a packed prompt) and a training row (a segment of a packed row with other segments
 around it), including a context over several fixed-size splits and a sliding window. The kernels run in a child
@@ -35,6 +36,16 @@ def _check_rowwise() -> None:
         assert torch.equal(kernels.rms_norm(x[[9, 3]], norm_w, 1e-6), normed[[9, 3]])
         gated = kernels.silu_mul(x[:, :100], x[:, 100:])
         assert torch.equal(kernels.silu_mul(x[5:6, :100], x[5:6, 100:]), gated[5:6])
+        # Gemma's norm (times 1 + weight, one rounding) and GELU-tanh gate: row-wise, and HF's values
+        gnormed = kernels.rms_norm(x, norm_w, 1e-6, offset=True)
+        assert torch.equal(kernels.rms_norm(x[[9, 3]], norm_w, 1e-6, offset=True), gnormed[[9, 3]])
+        h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        torch.testing.assert_close(gnormed, (h * (1 + norm_w.float())).to(dtype))
+        assert not torch.equal(gnormed, normed)
+        gelu = kernels.gelu_tanh_mul(x[:, :100], x[:, 100:])
+        assert torch.equal(kernels.gelu_tanh_mul(x[5:6, :100], x[5:6, 100:]), gelu[5:6])
+        ref = torch.nn.functional.gelu(x[:, :100], approximate="tanh") * x[:, 100:]
+        torch.testing.assert_close(gelu, ref, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-5 if dtype == torch.float32 else 1e-2)
         # logprobs: a vocabulary over several blocks, rows in another batch and order
         # a flat distribution: every term of the sum counts, so another summation order shows in the bits
         logits = (torch.randn(16, 9000, generator=gen) * 0.5).to(dtype)

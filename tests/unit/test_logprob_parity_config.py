@@ -57,10 +57,25 @@ def test_exact_without_triton_says_how_to_get_it(monkeypatch):
 
 
 def test_a_family_without_an_invariant_forward_is_refused_at_set_up():
-    config = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                              num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-    with pytest.raises(ConfigError, match=r"model_type 'gemma3_text'.*generation.logprob_parity=fast"):
-        parity.set_logprob_parity(Gemma3ForCausalLM(config), "exact")
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                            num_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ConfigError, match=r"model_type 'qwen3_moe'.*generation.logprob_parity=fast"):
+        parity.set_logprob_parity(Qwen3MoeForCausalLM(config), "exact")
+
+
+def test_gemma3_with_soft_capped_logits_is_refused_and_without_them_accepted(monkeypatch):
+    monkeypatch.setattr(kernels, "available", lambda device=None: True)  # the kernels themselves never run here
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16, layer_types=["sliding_attention", "full_attention"])
+    capped = Gemma3ForCausalLM(Gemma3TextConfig(**shape, final_logit_softcapping=30.0))
+    with pytest.raises(ConfigError, match=r"final_logit_softcapping=30.0.*generation.logprob_parity=fast"):
+        parity.set_logprob_parity(capped, "exact")
+    model = Gemma3ForCausalLM(Gemma3TextConfig(**shape))
+    parity.set_logprob_parity(model, "exact")
+    assert parity.is_exact(model)
 
 
 def test_exact_marks_the_model_and_its_copies(monkeypatch):

@@ -145,7 +145,7 @@ class GenerationConfig:
     logprob_parity: Literal["fast", "exact"] = setting(
         "fast", help="exact: the engine and the trainer run one batch-invariant forward (Triton), so the sampling "
                      "logprobs equal the trainer's bit for bit and the old-logprob pass is skipped (Llama, Mistral, Qwen2, "
-                     "Qwen3; rows without shared prompts); fast: their own kernels (a small mismatch, corrected by "
+                     "Qwen3, Gemma 3; rows without shared prompts); fast: their own kernels (a small mismatch, corrected by "
                      "importance sampling). docs/training.md#logprob-parity")
     fuse_projections: bool | None = setting(
         None, help="engine's fused QKV/gate-up weight copies; None: on for CUDA (off for a 4-bit base's merged "

@@ -21,7 +21,7 @@ from cohort.forward.invariant.parity import engine_logprobs
 
 
 class ExactForward:
-    """The batch-invariant forward of a Llama-family model on the engine's packed tokens and paged KV cache."""
+    """The batch-invariant forward of a Llama-family or Gemma 3 model on the engine's packed tokens and paged KV cache."""
 
     def __init__(self, model: torch.nn.Module, max_len: int) -> None:
         self.decoder = InvariantDecoder(model)
@@ -50,7 +50,7 @@ class ExactForward:
                 store_kv(kv_cache[0, i], kv_cache[1, i], k, v, ctx.slot_mapping)
                 return attend_paged(q, kv_cache[0, i], kv_cache[1, i], tables, rows, keys, scale, window)
 
-        return self.decoder.hidden(input_ids, self.cos[positions], self.sin[positions], attend)
+        return self.decoder.hidden(input_ids, self.cos[:, positions], self.sin[:, positions], attend)
 
     def _prefill_attention(self, tokens: int, ctx: AttnContext, kv_cache: torch.Tensor):
         """The prefill's attention callback: packed segments, then the continued turns over their prefix."""

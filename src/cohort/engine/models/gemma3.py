@@ -11,7 +11,8 @@ What differs from the Llama family (decoder.py), each following transformers' mo
 - attention scale query_pre_attn_scalar ** -0.5 (the HF module's `scaling`);
 - the embedding module multiplies by sqrt(hidden) itself (the engine calls it); tied LM head;
 - GELU-tanh gate (the MLP's own act_fn); final logit soft-capping when the config sets it.
-Attention-logit soft-capping (Gemma 2) and bidirectional attention are refused by `unsupported`.
+Attention-logit soft-capping (Gemma 2) and bidirectional attention are refused by `unsupported`. In
+generation.logprob_parity=exact the forward is cohort.forward.invariant's (models/exact.py), as for the Llama family.
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ class Gemma3Forward(DecoderForward):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttnContext,
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [2, layers, blocks, block_size, kv_heads, D]. -> [T, hidden]."""
+        if self.exact is not None:  # generation.logprob_parity=exact: the trainer's batch-invariant forward
+            return self.exact.forward(input_ids, positions, ctx, kv_cache)
         g, layers = self.gemma, self.inner.layers
         x = self.inner.embed_tokens(input_ids)  # Gemma3TextScaledWordEmbedding multiplies by sqrt(hidden)
         tables = {t: (self.cos[t][positions], self.sin[t][positions]) for t in self.cos}

@@ -10,13 +10,13 @@ engine fuses QKV and gate-up copies, compiles its norms and RoPE with torch.comp
 Here every reduction of a token's row has one order whatever the batch, the row's place in it, the chunking or
 the packing:
 - `kernels`: the matmul with fixed tiles and one K loop (no split-K: each output row is a function of its input
-  row only), RMSNorm one row per program, SiLU-gate, and the log-softmax of the chosen token over fixed blocks of
-  the vocabulary;
+  row only), RMSNorm one row per program, the SiLU and GELU-tanh gates, and the log-softmax of the chosen token
+  over fixed blocks of the vocabulary;
 - `attention`: one query token (its GQA group of heads) per program, keys in tiles from position 0 and the
   context split by a fixed number of keys (SPLIT_KEYS), the same code whether the keys come from the engine's
   paged cache (prefill or decode) or a training row's packed K/V;
-- `decoder`: the Llama-family forward (Llama, Mistral, Qwen2, Qwen3) over these kernels, with one RoPE table
-  per position (`rope_table`), called by the engine (engine/models/decoder.py) and the training forward
-  (forward/packing.py); `ops` gives the kernels a backward (the usual torch maths) for the training forward;
+- `decoder`: the Llama-family forward (Llama, Mistral, Qwen2, Qwen3) and Gemma 3's over these kernels, with
+  one RoPE table per layer type and position (`rope_table`), called by the engine (engine/models/decoder.py)
+  and the training forward (forward/packing.py); `ops` gives the kernels a backward (the usual torch maths) for the training forward;
 - `parity`: the mode on the model, the checks, and the chosen-token log-probabilities of both sides.
 """

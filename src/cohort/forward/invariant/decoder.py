@@ -1,4 +1,5 @@
-"""The one Llama-family decoder forward of exact parity, run by the engine and by the training forward.
+"""The one decoder forward of exact parity, run by the engine and by the training forward: the Llama family
+(Llama, Mistral, Qwen2, Qwen3) and Gemma 3 text models.
 
 Both sides call `InvariantDecoder.hidden` on their packed tokens; they differ only in the attention callback (the
 engine stores the step's K/V in its paged cache and attends through the block tables, the trainer attends over
@@ -9,9 +10,17 @@ the dtype from one table of cos/sin per position, the residual adds in the dtype
 product. The model's modules are reached by name (`q_proj`, `input_layernorm`, ...): the trained weights are
 read in place, nothing is copied after an optimizer step.
 
+Gemma 3 (`gemma3_text`) differs where transformers' modeling_gemma3 does: RMSNorm times (1 + weight) in float32
+with one rounding, four norms per layer (the attention's and the MLP's outputs are normed before their residual
+adds), a GELU-tanh gate, the embedding module's sqrt(hidden) scale, and one RoPE table per layer type (local
+layers with their own base and sliding window, global layers with theirs). Soft-capped logits and bidirectional
+attention are refused (Gemma 3 sets neither).
+
 RoPE tables: `rope_table` computes positions in blocks of ROPE_BLOCK with the model's own rotary module (every
 static RoPE variant), each block by a call of the same shape, so a position's cos/sin are the same bits whatever
-the table's length (a CPU's vectorised cos treats a table's tail elements apart).
+the table's length (a CPU's vectorised cos treats a table's tail elements apart). The tables are stacked
+[layer types, positions, head_dim] (one layer type for the Llama family); `InvariantDecoder.tables[i]` is layer
+i's.
 """
 
 from __future__ import annotations
@@ -24,7 +33,9 @@ from torch import nn
 
 from cohort.forward.invariant import ops
 
-EXACT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+EXACT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+GEMMA = "gemma3_text"
+_DYNAMIC_ROPE = ("dynamic", "longrope")
 ROPE_BLOCK = 256
 _MISSING = object()
 
@@ -45,11 +56,13 @@ def unsupported(model: nn.Module) -> str | None:
     kind = getattr(config, "model_type", None)
     if kind not in EXACT_MODEL_TYPES:
         return (f"model_type {kind!r} has no batch-invariant forward yet (exact parity runs "
-                f"{', '.join(EXACT_MODEL_TYPES)}; Gemma 3 and the mixture-of-experts families remain)")
-    if getattr(config, "hidden_act", "silu") != "silu":
+                f"{', '.join(EXACT_MODEL_TYPES)}; the mixture-of-experts families remain)")
+    reason = _gemma_unsupported(config) if kind == GEMMA else None
+    if reason is not None:
+        return reason
+    if kind != GEMMA and getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act={config.hidden_act!r}: the batch-invariant MLP is SiLU-gated"
-    rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
-    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
+    if any(rope_type in _DYNAMIC_ROPE for rope_type in _rope_types(config)):
         return "RoPE that changes with the sequence length (dynamic, longrope) has no fixed table"
     for layer in hf.model.layers:
         names = [getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
@@ -58,6 +71,35 @@ def unsupported(model: nn.Module) -> str | None:
             return ("a projection is not a plain nn.Linear (LoRA adapters or a quantised layer): the batch-invariant "
                     "forward multiplies the weights itself")
     return None
+
+
+def _gemma_unsupported(config: Any) -> str | None:
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return f"hidden_activation={act!r}: the batch-invariant Gemma MLP is GELU-tanh-gated"
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(config, name, None) is not None:
+            return f"{name}={getattr(config, name)}: soft-capped logits have no batch-invariant kernel"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "use_bidirectional_attention=True: the batch-invariant attention is causal"
+    return None
+
+
+def _rope_types(config: Any) -> list[str | None]:
+    """The RoPE types a config uses (Gemma 3: one per layer type, in rope_parameters keyed by layer type)."""
+    rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
+    if not isinstance(rope, dict):
+        return []
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        return [v.get("rope_type", v.get("type")) for v in rope.values()]
+    return [rope.get("rope_type", rope.get("type"))]
+
+
+def rope_layer_types(hf: Any) -> list[str | None]:
+    """The distinct RoPE tables a model needs: its config's layer types (Gemma 3), else one (None)."""
+    if getattr(hf.config, "model_type", None) == GEMMA:
+        return sorted(set(hf.config.layer_types))
+    return [None]
 
 
 def layer_windows(hf: Any) -> list[int | None]:
@@ -74,18 +116,24 @@ def layer_windows(hf: Any) -> list[int | None]:
 
 @torch.no_grad()
 def rope_table(model: nn.Module, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [>= length, head_dim] in the model's dtype, block by block (see the module)."""
-    inner = causal_lm(model).model
+    """(cos, sin) [layer types, >= length, head_dim] in the model's dtype, block by block (see the module)."""
+    hf = causal_lm(model)
+    inner = hf.model
     weight = inner.embed_tokens.weight
     probe = torch.zeros(1, device=weight.device, dtype=weight.dtype)
     blocks = max(1, -(-length // ROPE_BLOCK))
-    cos, sin = [], []
-    for b in range(blocks):
-        positions = torch.arange(b * ROPE_BLOCK, (b + 1) * ROPE_BLOCK, device=weight.device)[None, :]
-        c, s = inner.rotary_emb(probe, positions)
-        cos.append(c[0])
-        sin.append(s[0])
-    return torch.cat(cos).contiguous(), torch.cat(sin).contiguous()
+    tables_cos, tables_sin = [], []
+    for layer_type in rope_layer_types(hf):
+        extra = () if layer_type is None else (layer_type,)
+        cos, sin = [], []
+        for b in range(blocks):
+            positions = torch.arange(b * ROPE_BLOCK, (b + 1) * ROPE_BLOCK, device=weight.device)[None, :]
+            c, s = inner.rotary_emb(probe, positions, *extra)
+            cos.append(c[0])
+            sin.append(s[0])
+        tables_cos.append(torch.cat(cos))
+        tables_sin.append(torch.cat(sin))
+    return torch.stack(tables_cos).contiguous(), torch.stack(tables_sin).contiguous()
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -96,7 +144,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 class InvariantDecoder:
-    """The batch-invariant forward of one Llama-family *ForCausalLM (its modules read in place)."""
+    """The batch-invariant forward of one Llama-family or Gemma 3 *ForCausalLM (its modules read in place)."""
 
     def __init__(self, model: nn.Module) -> None:
         reason = unsupported(model)
@@ -112,17 +160,30 @@ class InvariantDecoder:
         self.scale = float(getattr(first, "scaling", self.head_dim**-0.5))
         self.qk_norm = hasattr(first, "q_norm")
         self.windows = layer_windows(hf)
+        self.gemma = getattr(config, "model_type", None) == GEMMA
+        types = rope_layer_types(hf)
+        self.tables = [types.index(t) for t in config.layer_types] if self.gemma else [0] * len(self.inner.layers)
+        self._gate = ops.gelu_tanh_mul if self.gemma else ops.silu_mul
 
     def hidden(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """input_ids [T]; cos/sin [T, D] (rope_table rows of the tokens' positions) -> final normed hidden [T, d]."""
-        x = self.inner.embed_tokens(input_ids)
+        """input_ids [T]; cos/sin [layer types, T, D] (rope_table rows of the tokens' positions) -> final normed
+        hidden [T, d]."""
+        x = self.inner.embed_tokens(input_ids)  # Gemma's module multiplies by sqrt(hidden) itself
         for i, layer in enumerate(self.inner.layers):
-            x = x + self._attention(i, layer, self._norm(x, layer.input_layernorm), cos, sin, attend)
-            h = self._norm(x, layer.post_attention_layernorm)
-            mlp = layer.mlp
-            gated = ops.silu_mul(self._linear(h, mlp.gate_proj), self._linear(h, mlp.up_proj))
-            x = x + self._linear(gated, mlp.down_proj)
+            t = self.tables[i]
+            delta = self._attention(i, layer, self._norm(x, layer.input_layernorm), cos[t], sin[t], attend)
+            if self.gemma:  # the output normed before the residual add, then the MLP's own input norm
+                x = x + self._norm(delta, layer.post_attention_layernorm)
+                h = self._norm(x, layer.pre_feedforward_layernorm)
+            else:
+                x = x + delta
+                h = self._norm(x, layer.post_attention_layernorm)
+            delta = self._mlp(layer.mlp, h)
+            x = x + (self._norm(delta, layer.post_feedforward_layernorm) if self.gemma else delta)
         return self._norm(x, self.inner.norm)
+
+    def _mlp(self, mlp: Any, h: torch.Tensor) -> torch.Tensor:
+        return self._linear(self._gate(self._linear(h, mlp.gate_proj), self._linear(h, mlp.up_proj)), mlp.down_proj)
 
     def _attention(self, i: int, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    attend: Attend) -> torch.Tensor:
@@ -131,7 +192,7 @@ class InvariantDecoder:
         q = self._linear(h, attn.q_proj).view(tokens, self.num_heads, self.head_dim)
         k = self._linear(h, attn.k_proj).view(tokens, self.num_kv_heads, self.head_dim)
         v = self._linear(h, attn.v_proj).view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:  # Qwen3: RMSNorm of each head's query and key
+        if self.qk_norm:  # Qwen3, Gemma 3: RMSNorm of each head's query and key
             q, k = self._norm(q, attn.q_norm), self._norm(k, attn.k_norm)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         o = attend(i, q, k, v, self.windows[i])
@@ -141,8 +202,9 @@ class InvariantDecoder:
     def _linear(x: torch.Tensor, module: Any) -> torch.Tensor:
         return ops.linear(x, module.weight, module.bias)
 
-    @staticmethod
-    def _norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, norm: Any) -> torch.Tensor:
+        if self.gemma:  # Gemma3RMSNorm: eps, times (1 + weight)
+            return ops.rms_norm(x, norm.weight, norm.eps, offset=True)
         return ops.rms_norm(x, norm.weight, norm.variance_epsilon)
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

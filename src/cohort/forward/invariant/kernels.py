@@ -1,4 +1,4 @@
-"""Batch-invariant Triton kernels: matmul, RMSNorm, SiLU-gate, and the chosen token's log-softmax.
+"""Batch-invariant Triton kernels: matmul, RMSNorm, the SiLU and GELU-tanh gates, the chosen token's log-softmax.
 
 Each output row is computed by code that never looks at the other rows, in an order fixed by constants:
 
@@ -10,8 +10,10 @@ Each output row is computed by code that never looks at the other rows, in an or
   any place in it. A column's value does not depend on the other columns either, so fused and separate
   projections give the same bits.
 - `rms_norm(x, w, eps)`: one program per row, the row's sum of squares in one block reduction (the block is the
-  hidden size rounded up to a power of two), HF's rounding points (normalise in float32, round, times weight).
-- `silu_mul(gate, up)`: elementwise, silu rounded to the dtype then times up (F.silu(gate) * up in the dtype).
+  hidden size rounded up to a power of two), HF's rounding points (normalise in float32, round, times weight);
+  with `offset=True` Gemma's (normalise and scale by 1 + weight in float32, round once).
+- `silu_mul(gate, up)`: elementwise, silu rounded to the dtype then times up (F.silu(gate) * up in the dtype);
+  `gelu_tanh_mul` the same with Gemma's tanh-approximated GELU.
 - `token_logprobs(logits, labels, inv_temp)`: per row, log_softmax(logits * inv_temp)[label] and the log-sum-exp,
   the vocabulary walked in blocks of LOGPROB_BLOCK from column 0 (a running maximum and a rescaled sum, as
   forward/triton_logprobs does); the engine's sampler slices the vocabulary by the batch's row count instead.
@@ -92,24 +94,33 @@ if triton is not None:
                  mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr,
+                         OFFSET: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < N
         x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
         var = tl.sum(x * x, 0) / N
-        h = (x * (1.0 / tl.sqrt(var + eps))).to(out_ptr.dtype.element_ty)
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-        y = w.to(tl.float32) * h.to(tl.float32)
+        h = x * (1.0 / tl.sqrt(var + eps))
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        if OFFSET:  # noqa: SIM108 (a constexpr if: Triton compiles one branch) Gemma: h * (1 + w) in float32, once rounded
+            y = h * (1.0 + w)
+        else:  # Llama: h rounded to the dtype, then times w
+            y = w * h.to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    def _gate_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr):
         idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = idx < n
         g = tl.load(g_ptr + idx, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + idx, mask=ok, other=0.0).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        if GELU_TANH:  # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh(y) = 1 - 2 / (exp(2y) + 1)
+            y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            a = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
+        else:  # SiLU
+            a = g / (1.0 + tl.exp(-g))
+        s = a.to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + idx, (s * u).to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
@@ -159,8 +170,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*shape[:-1], n)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF RMSNorm (float32 statistics, rounded, times weight) over the last dimension, one row per program."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+    """HF RMSNorm (float32 statistics, rounded, times weight) over the last dimension, one row per program;
+    offset: Gemma's (times 1 + weight in float32, then rounded)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -168,17 +180,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), x2.shape[1], float(eps),
-                                         BLOCK=triton.next_power_of_2(x2.shape[1]))
+                                         BLOCK=triton.next_power_of_2(x2.shape[1]), OFFSET=offset)
     return out.view(shape)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """F.silu(gate) * up in the inputs' dtype, elementwise."""
+    return _gate_mul(gate, up, gelu_tanh=False)
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """F.gelu(gate, approximate="tanh") * up in the inputs' dtype, elementwise (Gemma's MLP)."""
+    return _gate_mul(gate, up, gelu_tanh=True)
+
+
+def _gate_mul(gate: torch.Tensor, up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
     n = gate.numel()
     if n:
-        _silu_mul_kernel[(triton.cdiv(n, ELEMENT_BLOCK),)](gate, up, out, n, BLOCK=ELEMENT_BLOCK)
+        _gate_mul_kernel[(triton.cdiv(n, ELEMENT_BLOCK),)](gate, up, out, n, BLOCK=ELEMENT_BLOCK, GELU_TANH=gelu_tanh)
     return out
 
 

@@ -3,7 +3,7 @@
 Parity needs the forward values only (the engine's sampling log-probabilities against the trainer's forward of the
 same tokens); the gradients may come from any correct formula. So each op's forward is the kernel's and its
 backward is the plain one: the matmul's two products with the incoming gradient (cuBLAS), and for RMSNorm, the
-SiLU-gate and attention the gradient of a PyTorch reference recomputed in the backward (attention through flash
+SiLU and GELU-tanh gates and attention the gradient of a PyTorch reference recomputed in the backward (attention through flash
 varlen on a GPU in half precision, SDPA per segment elsewhere). Under no_grad or inference_mode (the engine, the
 old-logprob pass) they are the kernels and nothing else.
 """
@@ -19,14 +19,20 @@ from cohort.forward.invariant import attention, kernels
 from cohort.forward.packed_attention import _flash_eligible, _flash_varlen
 
 
-def _rms_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:  # Gemma
+        return (h * (1.0 + weight.float())).to(x.dtype)
     return weight * h.to(x.dtype)
 
 
 def _silu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+def _gelu_tanh_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") * up
 
 
 class _Linear(torch.autograd.Function):
@@ -77,17 +83,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return kernels.linear(x, weight, bias)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+    """offset: Gemma's RMSNorm (times 1 + weight)."""
     if _needs_graph(x, weight):
-        return _Recomputed.apply(lambda a, w: kernels.rms_norm(a, w, eps), lambda a, w: _rms_reference(a, w, eps),
-                                 x, weight)
-    return kernels.rms_norm(x, weight, eps)
+        return _Recomputed.apply(lambda a, w: kernels.rms_norm(a, w, eps, offset),
+                                 lambda a, w: _rms_reference(a, w, eps, offset), x, weight)
+    return kernels.rms_norm(x, weight, eps, offset)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if _needs_graph(gate, up):
         return _Recomputed.apply(kernels.silu_mul, _silu_reference, gate, up)
     return kernels.silu_mul(gate, up)
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if _needs_graph(gate, up):
+        return _Recomputed.apply(kernels.gelu_tanh_mul, _gelu_tanh_reference, gate, up)
+    return kernels.gelu_tanh_mul(gate, up)
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, positions: torch.Tensor,

@@ -118,7 +118,7 @@ def exact_packed_pass(model: nn.Module, input_ids: torch.Tensor, position_ids: t
     if max_len is None:
         max_len = int((cu[1:] - cu[:-1]).max())
     cos, sin = rope_table(model, max_len)
-    cos, sin = cos[pos], sin[pos]
+    cos, sin = cos[:, pos], sin[:, pos]
     starts = torch.arange(ids.shape[0], device=ids.device) - pos  # each token's segment start in the row
 
     def attend(i, q, k, v, window):
