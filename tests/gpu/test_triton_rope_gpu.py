@@ -9,7 +9,7 @@ import torch
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="needs Triton (GPU kernels, run by its CPU interpreter here): pip install triton")
 
 from tests.integration.engine_models import EOS, hf_greedy, random_prompts, recomputed_logprobs, tiny_model
 

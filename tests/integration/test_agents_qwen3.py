@@ -44,7 +44,7 @@ def test_parse_a_qwen3_completion(qwen3):
 
 def test_tokenizer_response_parser_path(qwen3):
     """With a response template set (TRL's for Qwen3), transformers' parse_response reads the calls."""
-    trl_templates = pytest.importorskip("trl.chat_template_utils")
+    trl_templates = pytest.importorskip("trl.chat_template_utils", reason="needs TRL's chat templates: pip install trl==1.16.0")
     if not hasattr(trl_templates, "qwen3_template") or not hasattr(qwen3, "parse_response"):
         pytest.skip("this trl/transformers has no Qwen3 response template")
     import copy

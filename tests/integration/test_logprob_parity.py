@@ -170,19 +170,19 @@ def _check_update() -> None:
 
 
 def test_exact_engine_logprobs_equal_the_trainer_recompute_bitwise(monkeypatch):
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="needs Triton (GPU kernels, run by its CPU interpreter here): pip install triton")
     monkeypatch.setenv("COHORT_PARITY_PART", "engine")
     run_interpreted(__file__, "engine ok", timeout_s=600)
 
 
 def test_exact_parity_holds_for_continued_turns_over_a_cached_prefix(monkeypatch):
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="needs Triton (GPU kernels, run by its CPU interpreter here): pip install triton")
     monkeypatch.setenv("COHORT_PARITY_PART", "turns")
     run_interpreted(__file__, "turns ok", timeout_s=600)
 
 
 def test_exact_update_without_the_recompute_has_the_same_loss(monkeypatch):
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="needs Triton (GPU kernels, run by its CPU interpreter here): pip install triton")
     monkeypatch.setenv("COHORT_PARITY_PART", "update")
     run_interpreted(__file__, "update ok", timeout_s=600)
 

@@ -107,7 +107,7 @@ def _check_engine() -> None:
 
 @pytest.mark.parametrize("part", ["forward", "engine"])
 def test_gemma3_exact_parity(monkeypatch, part):
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="needs Triton (GPU kernels, run by its CPU interpreter here): pip install triton")
     monkeypatch.setenv("COHORT_PARITY_PART", part)
     run_interpreted(__file__, f"{part} ok", timeout_s=600)
 

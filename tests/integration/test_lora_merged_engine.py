@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("peft")
+pytest.importorskip("peft", reason="needs peft (LoRA): pip install peft")
 
 from peft import LoraConfig, get_peft_model
 from tests.helpers.engine_checks import assert_sampling_logprobs_match_trainer

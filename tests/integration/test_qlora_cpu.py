@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("bitsandbytes")
-pytest.importorskip("peft")
+pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (4-bit QLoRA): pip install bitsandbytes")
+pytest.importorskip("peft", reason="needs peft (LoRA): pip install peft")
 
 from peft import LoraConfig, get_peft_model
 from tests.helpers.engine_checks import assert_sampling_logprobs_match_trainer

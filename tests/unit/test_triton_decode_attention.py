@@ -41,12 +41,12 @@ def _check() -> None:
 
 
 def test_split_kv_decode_attention_equals_the_gather_path():
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="needs Triton (GPU kernels, run by its CPU interpreter here): pip install triton")
     run_interpreted(__file__, "attention ok")
 
 
 def test_default_splits_grow_as_the_batch_shrinks():
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="needs Triton (GPU kernels, run by its CPU interpreter here): pip install triton")
     from cohort.engine.triton_ops import decode_splits
 
     assert decode_splits(256, 2, 128) == 1

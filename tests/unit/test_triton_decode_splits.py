@@ -45,7 +45,7 @@ def _check() -> None:
 
 
 def test_splits_share_the_live_context():
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="needs Triton (GPU kernels, run by its CPU interpreter here): pip install triton")
     run_interpreted(__file__, "splits ok")
 
 

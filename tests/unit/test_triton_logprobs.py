@@ -70,7 +70,7 @@ def _check_grad(logits, labels, inv_t: float, g: torch.Generator) -> None:
 
 
 def test_one_pass_statistics_equal_the_eager_ones():
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="needs Triton (GPU kernels, run by its CPU interpreter here): pip install triton")
     run_interpreted(__file__, "stats ok")
 
 

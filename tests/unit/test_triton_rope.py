@@ -18,7 +18,7 @@ from cohort.engine import triton_rope
 from cohort.engine.attention import store_kv
 from cohort.engine.models.layers import rope
 
-triton = pytest.importorskip("triton")
+triton = pytest.importorskip("triton", reason="needs Triton (GPU kernels, run by its CPU interpreter here): pip install triton")
 
 
 @pytest.fixture

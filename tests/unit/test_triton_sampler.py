@@ -97,12 +97,12 @@ def _check_cdf(triton_ops) -> None:
 
 
 def test_sliced_sampler_draws_what_the_torch_sampler_draws_and_breaks_ties_low():
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="needs Triton (GPU kernels, run by its CPU interpreter here): pip install triton")
     run_interpreted(__file__, "sampler ok")
 
 
 def test_cdf_needs_the_logits_as_choice_and_methods_are_named():
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="needs Triton (GPU kernels, run by its CPU interpreter here): pip install triton")
     from cohort.engine.triton_ops import fused_sample
 
     logits = torch.zeros(1, 8)
@@ -114,7 +114,7 @@ def test_cdf_needs_the_logits_as_choice_and_methods_are_named():
 
 
 def test_default_slicing_fills_the_gpu_and_keeps_whole_blocks():
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="needs Triton (GPU kernels, run by its CPU interpreter here): pip install triton")
     from cohort.engine.triton_ops import sample_splits
 
     assert sample_splits(256, 151936) == 8

@@ -76,7 +76,7 @@ def _check_kernel() -> None:
 
 @pytest.mark.parametrize("advance, prepare", [(False, True), (True, True), (True, False)])
 def test_kernel_builds_for_the_h100(advance, prepare):
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="needs Triton (GPU kernels, run by its CPU interpreter here): pip install triton")
     from tests.helpers.triton_compile import compile_for_h100
 
     from cohort.engine.triton_step import _decode_step_kernel
@@ -91,7 +91,7 @@ def test_kernel_builds_for_the_h100(advance, prepare):
 
 
 def test_kernel_equals_the_twin():
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="needs Triton (GPU kernels, run by its CPU interpreter here): pip install triton")
     run_interpreted(__file__, "step ok")
 
 
