@@ -62,6 +62,15 @@ def test_alias_resolves_locally(no_hub):
     assert calls == []
 
 
+def test_gemma_alias_resolves_locally(no_hub, monkeypatch, tmp_path):
+    calls, model_dir = no_hub
+    monkeypatch.setattr(policy_model, "gemma3_270m_gguf_path", lambda cache_dir=None: tmp_path / "gemma.gguf")
+    assert resolve_model_path("gemma-3-270m") == str(model_dir)
+    # the hub id also resolves to the package's copy when the HF cache lacks it, without asking the Hub
+    assert resolve_model_path("google/gemma-3-270m") == str(model_dir)
+    assert calls == []
+
+
 def test_facade_resolves_the_alias_before_any_hub_call(no_hub, tmp_path):
     # the facade needs these today even with a list as train_dataset (trl_compat/rows.py reads datasets; its
     # config keeps cohort's default data.source, reasoning-gym's chain_sum, which the checks import)

@@ -181,6 +181,13 @@ def test_loss_fields_reach_the_loss_that_reads_them():
         "sampler_is_clip_max": 2.0}
 
 
+def test_scale_rewards_takes_trls_booleans_and_names():
+    # TRL accepts True/False (older releases) as well as "group" / "batch" / "none"; False means no scaling
+    for value, expected in ((False, "none"), (True, "group"), ("none", "none"), ("group", "group"),
+                            ("batch", "batch")):
+        assert GRPOConfig(scale_rewards=value).to_cohort(num_rows=64).advantage.scale_rewards == expected, value
+
+
 def test_step_counts_follow_trl():
     # TRL: generation batch 8 x 4 = 32 completions = 8 prompts; 2 optimiser steps per generation
     args = GRPOConfig(per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=4,

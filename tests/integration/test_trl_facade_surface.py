@@ -14,8 +14,6 @@ from unittest.mock import Mock
 import huggingface_hub
 import pytest
 import torch
-from datasets import Dataset
-from peft import LoraConfig, PromptTuningConfig
 from tests.helpers.tiny_tokenizer import make_tiny_tokenizer
 from tests.helpers.toy_task import toy_rows, write_toy_workspace
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, MixtralConfig, MixtralForCausalLM
@@ -23,6 +21,10 @@ from transformers.trainer_pt_utils import AcceleratorConfig
 
 from cohort import GRPOConfig, GRPOTrainer
 from cohort.trl_compat.rows import prompt_rows
+
+Dataset = pytest.importorskip("datasets", reason="the TRL facade's dataset paths: pip install datasets").Dataset
+_peft = pytest.importorskip("peft", reason="needs peft (LoRA, prompt tuning): pip install peft")
+LoraConfig, PromptTuningConfig = _peft.LoraConfig, _peft.PromptTuningConfig
 
 
 @pytest.fixture(scope="module")

