@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 bnb = pytest.importorskip("bitsandbytes", reason="needs bitsandbytes: pip install 'cohort-rl[qlora]'")
 pytest.importorskip("peft", reason="needs peft (LoRA): pip install peft")
 
+from tests.helpers.engine_checks import nudge_adapters  # noqa: E402
 from tests.helpers.tiny_tokenizer import make_tiny_tokenizer  # noqa: E402
 from tests.helpers.toy_task import tiny_model, toy_rows  # noqa: E402
 
@@ -43,15 +44,6 @@ def _config(tmp_path, folder, mode: str, beta: float, release: bool) -> CohortCo
     cfg.train.prompts_per_step, cfg.train.max_steps, cfg.train.learning_rate = 4, 2, 1e-2
     cfg.run.output_dir, cfg.run.report_to = str(tmp_path / "run"), ["jsonl"]
     return cfg
-
-
-@torch.no_grad()
-def _nudge(policy) -> None:
-    """Move every adapter well away from its start, so a sampler without the adapters would be far off."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for name, p in policy.named_parameters():
-        if "lora_" in name:
-            p.add_(torch.randn(p.shape, generator=gen, device="cuda", dtype=p.dtype) * 0.05)
 
 
 def _mismatch(policy, engine, tok) -> tuple[float, float, float]:
@@ -97,7 +89,7 @@ def test_two_qlora_steps(tmp_path, mode, beta, release):
     assert all(not torch.equal(adapters[n], p) for n, p in policy.named_parameters() if p.requires_grad)
     assert all(isinstance(m.weight, bnb.nn.Params4bit) for m in four_bit)  # the base stayed 4-bit
 
-    _nudge(policy)
+    nudge_adapters(policy)
     comp.engine.sync_weights()  # what the trainer calls after each optimizer step
     mean, worst, base = _mismatch(policy, comp.engine, tok)
     print(f"{mode}: engine vs trainer logprobs mean {mean:.4f} max {worst:.4f}; base model vs trainer {base:.4f}")

@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from tests.helpers.engine_checks import recompute_in_rows
 from tests.helpers.triton_interpreter import patch_interpreter_index, run_interpreted
 
 PROMPTS = ("Say the digit 3", "What is 2 + 3? The answer", "hi", "Count 1 2 3 4 5 6 7 8 9 then")
@@ -35,19 +36,6 @@ def _sample(mode: str, dtype: torch.dtype, n: int = 3, max_tokens: int = 6, prom
     return model, [(p, c.token_ids) for p, g in zip(ids, groups) for c in g], [c.logprobs for g in groups for c in g]
 
 
-def _recompute(model, seqs, rows: list[list[int]]) -> list[torch.Tensor]:
-    """Each sequence's logprobs from packed rows holding the sequences `rows[i]` (indices), in that order."""
-    from cohort.forward.packing import packed_forward_logprobs
-
-    out: list[torch.Tensor | None] = [None] * len(seqs)
-    with torch.no_grad():
-        for row in rows:
-            packed = packed_forward_logprobs(model, [seqs[i] for i in row], temperature=0.7, compute_entropy=False)
-            for i, (lp, _) in zip(row, packed.split(), strict=True):
-                out[i] = lp
-    return out  # type: ignore[return-value]
-
-
 def _check_engine() -> None:
     from cohort.forward.invariant import attention
 
@@ -58,12 +46,12 @@ def _check_engine() -> None:
     model, seqs, sampled = _sample("exact", torch.float32, n=2)
     engine_lp = torch.cat([torch.tensor(s) for s in sampled])
     rows = [[6, 1, 4], [0, 7, 2, 5, 3]]  # two rows, neither the engine's order nor its batches
-    trainer_lp = torch.cat(_recompute(model, seqs, rows))
+    trainer_lp = recompute_in_rows(model, seqs, rows, 0.7)
     assert trainer_lp.numel() == engine_lp.numel() > 40
     diff = (trainer_lp - engine_lp).abs().max().item()
     assert diff == 0, f"exact parity: max |engine - trainer| = {diff} with rows {rows}"
     model, seqs, sampled = _sample("fast", torch.bfloat16)
-    fast = (torch.cat(_recompute(model, seqs, [list(range(len(seqs)))])) - torch.cat([torch.tensor(s) for s in sampled]))
+    fast = (recompute_in_rows(model, seqs, [list(range(len(seqs)))], 0.7) - torch.cat([torch.tensor(s) for s in sampled]))
     print(f"fast mode: max |engine - trainer| = {fast.abs().max().item():.3g}, mean {fast.abs().mean().item():.3g}")
 
 
@@ -89,7 +77,7 @@ def _check_turns() -> None:
     completions = [c for g in engine.generate_turns(prompts, params, lambda turn: context.get(turn.turn)) for c in g]
     assert all(c.turns == 3 for c in completions)
     seqs = [(p, c.token_ids) for p, c in zip([p for p in prompts for _ in range(2)], completions, strict=True)]
-    trainer_lp = torch.cat(_recompute(model, seqs, [[3, 0], [2, 1]]))
+    trainer_lp = recompute_in_rows(model, seqs, [[3, 0], [2, 1]], 0.7)
     mask = torch.cat([torch.tensor(c.mask, dtype=torch.bool) for c in completions])
     engine_lp = torch.cat([torch.tensor(c.logprobs) for c in completions])
     assert int(mask.sum()) >= 8

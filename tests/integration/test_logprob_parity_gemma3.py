@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+from tests.helpers.engine_checks import recompute_in_rows
 from tests.helpers.triton_interpreter import patch_interpreter_index, run_interpreted
 
 WINDOW = 6  # shorter than the prompts and completions: the local layers' window matters
@@ -75,19 +76,6 @@ def _sample(mode: str, dtype: torch.dtype):
         torch.cat([torch.tensor(c.logprobs) for g in groups for c in g])
 
 
-def _recompute(model, seqs, rows: list[list[int]]) -> torch.Tensor:
-    from cohort.forward.packing import packed_forward_logprobs
-
-    out: list[torch.Tensor | None] = [None] * len(seqs)
-    with torch.no_grad():
-        for row in rows:
-            packed = packed_forward_logprobs(model, [seqs[i] for i in row], temperature=0.7, compute_entropy=False,
-                                             share_prompts=False)
-            for i, (lp, _) in zip(row, packed.split(), strict=True):
-                out[i] = lp
-    return torch.cat(out)  # type: ignore[arg-type]
-
-
 def _check_engine() -> None:
     from cohort.forward.invariant import attention
 
@@ -95,12 +83,12 @@ def _check_engine() -> None:
     model, seqs, engine_lp = _sample("exact", torch.float32)
     assert model.model.layers[0].self_attn.sliding_window == WINDOW
     rows = [[6, 1, 4], [0, 7, 2, 5, 3]]  # neither the engine's order nor its batches
-    trainer_lp = _recompute(model, seqs, rows)
+    trainer_lp = recompute_in_rows(model, seqs, rows, 0.7)
     assert trainer_lp.numel() == engine_lp.numel() == 80
     diff = (trainer_lp - engine_lp).abs().max().item()
     assert diff == 0, f"exact parity (Gemma 3): max |engine - trainer| = {diff}"
     model, seqs, engine_lp = _sample("fast", torch.bfloat16)
-    fast = (_recompute(model, seqs, [list(range(len(seqs)))]) - engine_lp).abs()
+    fast = (recompute_in_rows(model, seqs, [list(range(len(seqs)))], 0.7) - engine_lp).abs()
     print(f"Gemma 3 fast mode: max |engine - trainer| = {fast.max().item():.3g}, mean {fast.mean().item():.3g}")
     print("engine ok")
 

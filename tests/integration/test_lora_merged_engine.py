@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("peft", reason="needs peft (LoRA): pip install peft")
 
 from peft import LoraConfig, get_peft_model
-from tests.helpers.engine_checks import assert_sampling_logprobs_match_trainer
+from tests.helpers.engine_checks import assert_sampling_logprobs_match_trainer, nudge_adapters
 from tests.helpers.tiny_tokenizer import make_tiny_tokenizer
 from tests.helpers.toy_task import tiny_model, toy_rows
 
@@ -27,19 +27,10 @@ from cohort.trainer import train
 TARGETS = ["q_proj", "v_proj", "gate_proj", "down_proj"]
 
 
-@torch.no_grad()
-def _nudge(policy, seed: int = 0) -> None:
-    """What an optimizer step does to the adapters (B starts at zero, which would hide a missed merge)."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in policy.named_parameters():
-        if "lora_" in name:
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-
-
 def _lora_policy(tok):
     policy = get_peft_model(tiny_model(tok, seed=3), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
                                                                  task_type="CAUSAL_LM"))
-    _nudge(policy)
+    nudge_adapters(policy)
     return policy
 
 
@@ -68,7 +59,7 @@ def test_the_copy_holds_the_adapted_layers_merged_and_follows_the_adapters():
     assert merged.model.model.layers[0].self_attn.k_proj.weight is base.model.layers[0].self_attn.k_proj.weight
     ids = torch.randint(3, len(tok), (2, 12))
     torch.testing.assert_close(_logits(merged.model, ids), _logits(policy, ids), atol=1e-5, rtol=0)
-    _nudge(policy, seed=1)
+    nudge_adapters(policy, seed=1)
     assert (_logits(merged.model, ids) - _logits(policy, ids)).abs().max() > 1e-3  # stale until refreshed
     merged.refresh()
     torch.testing.assert_close(_logits(merged.model, ids), _logits(policy, ids), atol=1e-5, rtol=0)

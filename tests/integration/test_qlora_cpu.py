@@ -15,7 +15,7 @@ pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (4-bit QLoRA): pi
 pytest.importorskip("peft", reason="needs peft (LoRA): pip install peft")
 
 from peft import LoraConfig, get_peft_model
-from tests.helpers.engine_checks import assert_sampling_logprobs_match_trainer
+from tests.helpers.engine_checks import assert_sampling_logprobs_match_trainer, nudge_adapters
 from tests.helpers.tiny_tokenizer import make_tiny_tokenizer
 from tests.helpers.toy_task import tiny_model, toy_rows
 from transformers import AutoModelForCausalLM
@@ -43,17 +43,8 @@ def _four_bit(tmp_path, tok):
 
 def _with_adapters(model, targets=("q_proj", "v_proj", "gate_proj", "down_proj")):
     policy = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), task_type="CAUSAL_LM"))
-    _nudge(policy)
+    nudge_adapters(policy)
     return policy
-
-
-@torch.no_grad()
-def _nudge(policy, seed: int = 0) -> None:
-    """What an optimizer step does to the adapters: change them (B starts at zero, which would hide a missed merge)."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in policy.named_parameters():
-        if "lora_" in name:
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
 
 
 def _small_cfg() -> CohortConfig:
@@ -84,7 +75,7 @@ def test_merged_copy_is_the_policy_and_follows_its_adapters(tmp_path):
     packed = [p.detach().clone() for p in base.parameters() if type(p).__name__ == "Params4bit"]
     addresses = [s.param.data_ptr() for s in merged.slots]
 
-    _nudge(policy, seed=1)
+    nudge_adapters(policy, seed=1)
     assert (_logits(merged.model, ids) - _logits(policy, ids)).abs().max() > 1e-3  # stale until refreshed
     merged.refresh()
     torch.testing.assert_close(_logits(merged.model, ids), _logits(policy, ids), atol=1e-5, rtol=0)
@@ -94,7 +85,7 @@ def test_merged_copy_is_the_policy_and_follows_its_adapters(tmp_path):
 
     merged.release()
     assert merged.released and all(s.param.numel() == 0 for s in merged.slots)
-    _nudge(policy, seed=2)
+    nudge_adapters(policy, seed=2)
     merged.restore()
     torch.testing.assert_close(_logits(merged.model, ids), _logits(policy, ids), atol=1e-5, rtol=0)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import NamedTuple
 
 TESTS = Path(__file__).resolve().parents[1]
 CLOCKS = {"monotonic", "perf_counter", "time", "monotonic_ns", "perf_counter_ns", "time_ns"}
@@ -18,21 +19,24 @@ CLOCK_MODULES = {"time": CLOCKS, "timeit": {"default_timer"}}  # module -> its c
 PENDING: set[str] = set()
 
 
-# Set per file by wall_clock_asserts: the local names of the clock modules (`import time as tm`: tm -> time)
-_MODULE_NAMES: dict[str, str] = {}
+class ClockNames(NamedTuple):
+    """A file's names for the clocks: functions imported by name, and the clock modules' local names."""
+
+    functions: set[str]  # from time import monotonic (as m)
+    modules: dict[str, str]  # import time as tm: tm -> time
 
 
-def _is_clock_call(node: ast.AST, clock_names: set[str]) -> bool:
+def _is_clock_call(node: ast.AST, clock_names: ClockNames) -> bool:
     if not isinstance(node, ast.Call):
         return False
     func = node.func
     if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):  # time.monotonic(), tm.perf_counter()
-        module = _MODULE_NAMES.get(func.value.id, func.value.id)
+        module = clock_names.modules.get(func.value.id, func.value.id)
         return func.attr in CLOCK_MODULES.get(module, set())
-    return isinstance(func, ast.Name) and func.id in clock_names  # from time import monotonic
+    return isinstance(func, ast.Name) and func.id in clock_names.functions  # from time import monotonic
 
 
-def _reads_clock(expr: ast.AST, clock_names: set[str], bound: set[str]) -> bool:
+def _reads_clock(expr: ast.AST, clock_names: ClockNames, bound: set[str]) -> bool:
     return any(_is_clock_call(n, clock_names) or (isinstance(n, ast.Name) and n.id in bound)
                for n in ast.walk(expr))
 
@@ -46,7 +50,7 @@ def _target_names(target: ast.AST) -> list[str]:
     return [target.id] if isinstance(target, ast.Name) else []
 
 
-def _scope_findings(scope: ast.AST, clock_names: set[str]) -> list[tuple[int, str]]:
+def _scope_findings(scope: ast.AST, clock_names: ClockNames) -> list[tuple[int, str]]:
     """(line, function) of the wall-clock assertions directly in `scope` (nested functions are their own)."""
     nodes, stack = [], list(ast.iter_child_nodes(scope))
     while stack:
@@ -76,12 +80,12 @@ def _scope_findings(scope: ast.AST, clock_names: set[str]) -> list[tuple[int, st
 def wall_clock_asserts(path: Path) -> list[tuple[int, str]]:
     """(line, enclosing function) of each assert in `path` that reads the wall clock."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    clock_names = {alias.asname or alias.name for node in ast.walk(tree)
-                   if isinstance(node, ast.ImportFrom) and node.module in CLOCK_MODULES
-                   for alias in node.names if alias.name in CLOCK_MODULES[node.module]}
-    _MODULE_NAMES.clear()
-    _MODULE_NAMES.update({alias.asname: alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
-                          for alias in node.names if alias.name in CLOCK_MODULES and alias.asname})
+    clock_names = ClockNames(
+        {alias.asname or alias.name for node in ast.walk(tree)
+         if isinstance(node, ast.ImportFrom) and node.module in CLOCK_MODULES
+         for alias in node.names if alias.name in CLOCK_MODULES[node.module]},
+        {alias.asname: alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+         for alias in node.names if alias.name in CLOCK_MODULES and alias.asname})
     scopes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))]
     return sorted(f for scope in scopes for f in _scope_findings(scope, clock_names))
 
