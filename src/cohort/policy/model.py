@@ -19,6 +19,8 @@ Every tokenizer returned has a pad token (EOS when the model has none) and keeps
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib
 import importlib.util
@@ -103,6 +105,30 @@ def convert_gguf(gguf_path: str | Path, cache_dir: str | Path | None = None) -> 
     if _is_converted(target):
         return target
     _require_gguf_support()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Ranks of one host (torchrun) resolve the same GGUF at once: one converts under the lock, the others wait
+    # and find its copy.
+    with _conversion_lock(target):
+        if not _is_converted(target):
+            _convert_into(gguf_path, target)
+    return target
+
+
+@contextlib.contextmanager
+def _conversion_lock(target: Path):
+    """An exclusive lock file beside the cache folder (flock: released when the process dies)."""
+    with open(target.parent / f".{target.name}.lock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _convert_into(gguf_path: Path, target: Path) -> None:
+    """Dequantize into a temporary sibling, check the tokenizer, then rename: a conversion that is cut off never
+    looks complete. A folder left at `target` without its config or weights (cut off by hand, a full disk) is
+    replaced."""
     folder, name = str(gguf_path.parent), gguf_path.name
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tokenizer = _with_pad_token(AutoTokenizer.from_pretrained(folder, gguf_file=name))
@@ -110,22 +136,16 @@ def convert_gguf(gguf_path: str | Path, cache_dir: str | Path | None = None) -> 
     fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     fresh.load_state_dict(loaded.state_dict())
     fresh.generation_config = loaded.generation_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Write into a temporary sibling and rename: an interrupted conversion never looks complete.
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         fresh.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         _check_tokenizer(tmp, gguf_path)
+        if target.exists():
+            shutil.rmtree(target)
         os.replace(tmp, target)
-    except ConfigError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not _is_converted(target):  # another process may have won the race; that copy is as good
-            raise
-    return target
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
 
 
 def transformers_version() -> str:
