@@ -333,6 +333,8 @@ def _train_cohort(args, lowmem: bool, model, tok, device) -> dict:
     comp = cohort.trainer.build_components(cfg, policy=model, tokenizer=tok, reward_runner=rewards,
                                            train_data=data, echo=lambda *a: None)
     info["engine"] = comp.engine.engine_name() if hasattr(comp.engine, "engine_name") else type(comp.engine).__name__
+    if comp.memory_estimate is not None:  # the plan printed before step 1, to set beside the measured peak
+        info["plan_estimate_gib"] = comp.memory_estimate.total / 2**30
     info.update(optimizer=type(comp.optimizer).__name__, token_budget=cfg.train.token_budget,
                 share_prompts=cfg.train.share_prompts,
                 logprob_chunk_tokens=cfg.train.logprob_chunk_tokens, keep_logits=cfg.train.keep_logits,
@@ -623,7 +625,7 @@ def run_child(args, runner: str, size: str, mem_cap: int | None, timeout: float,
     result["wall_s"] = wall
     result["summary"] = summarise(args, result, size)
     notes = {k: result[k] for k in ("token_budget", "logprob_chunk_tokens", "keep_logits", "kv_planned_gib",
-                                    "update_estimate_gib", "phase_peak_alloc_gib", "graph_recaptures",
+                                    "plan_estimate_gib", "update_estimate_gib", "phase_peak_alloc_gib", "graph_recaptures",
                                     "compiled_layers", "micro_batch", "gradient_accumulation_steps",
                                     "gradient_checkpointing", "model_gradient_checkpointing", "cache_implementation",
                                     "continuous_batching") if k in result}

@@ -299,7 +299,8 @@ def run_child(args, size: str, row: str, runner: str, timeout: float) -> dict:
         res = json.load(fh)
     res["wall_s"] = wall
     res["summary"] = summarise(args, res, size, row, args.trl_warmup if runner.startswith("trl") else args.warmup)
-    keys = ("micro_batch", "gradient_accumulation_steps", "gradient_checkpointing", "token_budget", "kv_planned_gib")
+    keys = ("micro_batch", "gradient_accumulation_steps", "gradient_checkpointing", "token_budget", "kv_planned_gib",
+            "plan_estimate_gib")
     print(f"[{size} {row} {runner}] {wall:.0f} s wall: {json.dumps(res['summary'])} "
           f"{json.dumps({k: res[k] for k in keys if k in res})}", flush=True)
     return res
@@ -313,7 +314,8 @@ def _device_bytes(device: str) -> float | None:
 
 def settings_cell(runner: str, res: dict) -> str:
     if runner == "cohort":
-        return f"budget {res.get('token_budget')}, KV {res.get('kv_planned_gib', 0):.1f} GiB"
+        plan = f", plan {res['plan_estimate_gib']:.1f} GiB" if "plan_estimate_gib" in res else ""
+        return f"budget {res.get('token_budget')}, KV {res.get('kv_planned_gib', 0):.1f} GiB{plan}"
     return f"micro {res.get('micro_batch')} x {res.get('gradient_accumulation_steps')}, " \
            f"GC {'on' if res.get('gradient_checkpointing') else 'off'}"
 
