@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Learning is not hurt by bounded staleness: recipes/chain_sum_gpu.yaml trained against `cohort serve` (GPU 1
+# Learning is not hurt by bounded staleness: RECIPE (default recipes/chain_sum_gpu.yaml) trained against `cohort serve` (GPU 1
 # serves, GPU 0 trains) for the same number of steps with train.max_staleness=K; compare the held-out accuracy
 # it prints with the K=0 run's (docs/serving.md). One device call per K on 2 GPUs, about 6-8 minutes each:
 #
@@ -21,13 +21,14 @@ set -euo pipefail
 export COHORT_API_KEY=${COHORT_API_KEY:-$(python3 -c "import secrets; print(secrets.token_hex(16))")}
 K=${1:?max_staleness}; STEPS=${2:-600}; OUTDIR=${3:-runs/serve_learning_k$K}; PORT=${PORT:-8011}
 MODEL=${MODEL:-smollm2-135m-instruct}
+RECIPE=${RECIPE:-recipes/chain_sum_gpu.yaml}  # recipes/calculator_agent.yaml: multi-turn through the server
 mkdir -p "$OUTDIR"
 CUDA_VISIBLE_DEVICES=${ENGINE_GPU:-1} python3 -m cohort.cli serve "$MODEL" --port "$PORT" ${SERVE_ARGS:-} \
     > "$OUTDIR/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT
 start=$(date +%s)
-CUDA_VISIBLE_DEVICES=${TRAINER_GPU:-0} python3 -m cohort.cli train recipes/chain_sum_gpu.yaml "model.name_or_path=$MODEL" \
+CUDA_VISIBLE_DEVICES=${TRAINER_GPU:-0} python3 -m cohort.cli train "$RECIPE" "model.name_or_path=$MODEL" \
     generation.placement=server "generation.server_address=127.0.0.1:$PORT" generation.server_connect_timeout_s=300 \
     "train.max_staleness=$K" "train.max_steps=$STEPS" train.max_train_time_s=null "run.output_dir=$OUTDIR/run" ${TRAIN_ARGS:-} \
     2>&1 | grep -v "^step " | tail -n 12
