@@ -3,6 +3,9 @@
     python bench/turns.py                      # GPU: SmolLM2-135M architecture, random weights, bf16
     python bench/turns.py --tiny --prompts 4   # CPU harness: 2 layers of width 256, same vocab and workload
     python bench/turns.py --model PATH         # another Llama-family config + tokenizer (weights still scripted)
+    python bench/turns.py --served --server-device cuda:1          # + the rows through `cohort serve` on GPU 1
+    python bench/turns.py --served --only "new default,served"     # issue 34: served vs colocated multi-turn
+    python bench/turns.py --tiny --cpu --prompts 2 --n 2 --steps 1 --served   # CPU smoke of the served rows
 
 Workload (recipes/calculator_agent.yaml): 32 prompts x 8 completions, prompts of ~520 tokens rendered by the
 chatml_tools template with the calculator tool and the recipe's two few-shot conversations, at most 160
@@ -19,7 +22,38 @@ drawn per turn like a real model's choice.
 
 Prints one table: generate seconds per step, process CPU seconds (all threads: the host-side cost), prefill / decode steps, sampled and context tokens, tokens/s
 (sampled tokens / generate seconds), turns per completion, for single-turn (`engine.generate`) and multi-turn
-(`TurnLoop.generate`) after one warm-up call of each.
+(`TurnLoop.generate`) after one warm-up call of each. --only keeps the rows whose name contains one of its
+comma-separated substrings.
+
+--served (bench/turns_served.py) adds three rows through a `cohort serve` subprocess on the same model: the
+scripted weights and the tokenizer are saved (save_pretrained) to a temporary folder that the server loads,
+the server gets an API key in its environment (COHORT_API_KEY), and it is killed at the end, also on an error.
+The client is `RemoteEngine` (no weight push: the server already holds the weights), the workload, seeds,
+parser and `TurnLoop` settings are the colocated "= new default" row's:
+    served single-turn                                        RemoteEngine.generate
+    served multi-turn: sessions (KV kept between turns)       TurnLoop.generate; each round one /generate with
+                                                              session_id / keep / continue (remote/session_turns.py)
+    served multi-turn: no sessions (re-prefill every turn)    TurnLoop.generate; each round re-sends every
+                                                              conversation (engine/turns_by_regeneration.py)
+--server-device: cuda:1 (default when two GPUs are visible; the server then sees only that GPU), cuda (the
+in-process GPU, shared) or cpu (the default with --cpu). --server-timeout: seconds to wait for it to start.
+Served engine settings: as the in-process engine (max_model_len 1024, kv_cache_fraction 0.3 on a GPU / 0.05 on
+the CPU, max_num_seqs max(256, prompts x n), bf16 on a GPU / float32 on the CPU, CUDA graphs, the engine's
+defaults for block size, decode steps, batched tokens and continuation_delay_steps=8; one torch thread on
+the CPU), plus --max-sessions max(64, prompts x n) so that no conversation's session is evicted. Differences:
+- the KV fraction is of the server device's own free memory (a shared GPU: what the in-process engine left);
+- EOS: the server stops on the tokenizer's EOS and the generation config's (cohort.setup.engine.eos_ids), the
+  in-process engine on <|im_end|> only; the same token for SmolLM2 (check both with another --model);
+- on a GPU the server's RoPE table stays float32 where the in-process model's `.to(bfloat16)` rounded it;
+  the scripted weights zero every attention output, so the tokens do not depend on it;
+- sessions: a round's continuations are one request after every conversation of the round has ended its
+  turn, where in process they join the running batch (continuation_delay_steps), so served multi-turn runs
+  its rounds one after another;
+- no sessions: every later turn is seeded seed + row + 7919 x turn (the re-send path's rule), so its draws, turns
+  per completion and token counts differ from the colocated rows (they equal the in-process re-send path);
+  with sessions and single-turn, tokens and logprobs equal the colocated rows' (checked on the CPU).
+Served rows: process CPU s is the client's plus the server process's (/proc/PID/stat: user + system, all
+threads); prefill / decode steps are '-' (the server does not report its engine's counters).
 """
 
 from __future__ import annotations
@@ -27,6 +61,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
+import sys
 import time
 
 import torch
@@ -136,10 +172,11 @@ def build(args):
     return model.eval(), tokenizer, device
 
 
-def measure(name, fn, engine, args, device, profile_path):
-    """One table row: `args.steps` timed calls of `fn` after a warm-up call."""
+def measure(name, fn, args, device, *, stats=None, other_cpu=None, profile_path=None):
+    """One table row: `args.steps` timed calls of `fn` after a warm-up call. `stats`: the engine's counters
+    (prefill / decode steps; None: '-'); `other_cpu()`: CPU seconds of another process counted in (the server)."""
     fn()  # warm-up (kernels, allocator, tokenizer caches)
-    stats0 = dict(vars(engine.stats))
+    stats0 = dict(vars(stats)) if stats is not None else None
     times, cpu, sampled, context, turns = [], [], 0, 0, 0
     profiler = None
     if profile_path and name.startswith("multi-turn"):
@@ -150,12 +187,12 @@ def measure(name, fn, engine, args, device, profile_path):
     for _ in range(args.steps):
         if device == "cuda":
             torch.cuda.synchronize()
-        start, cpu_start = time.perf_counter(), time.process_time()
+        start, cpu_start = time.perf_counter(), time.process_time() + (other_cpu() if other_cpu else 0.0)
         groups = fn()
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - cpu_start)
+        cpu.append(time.process_time() + (other_cpu() if other_cpu else 0.0) - cpu_start)
         for c in (c for g in groups for c in g):
             mask = c.mask or [1] * len(c.token_ids)
             sampled += sum(mask)
@@ -165,52 +202,20 @@ def measure(name, fn, engine, args, device, profile_path):
         profiler.disable()
         profiler.dump_stats(profile_path)
     k = args.steps
-    stats = {key: (value - stats0[key]) / k for key, value in vars(engine.stats).items() if key != "peak_used_blocks"}
+    steps = {"prefill_steps": None, "decode_steps": None}
+    if stats0 is not None:
+        steps = {key: (getattr(stats, key) - stats0[key]) / k for key in steps}
     mean = sum(times) / k
-    return (name, mean, min(times), min(cpu), stats["prefill_steps"], stats["decode_steps"], sampled / k, context / k,
-            sampled / k / mean, turns / k / (args.prompts * args.n))
+    return (name, mean, min(times), min(cpu), steps["prefill_steps"], steps["decode_steps"], sampled / k,
+            context / k, sampled / k / mean, turns / k / (args.prompts * args.n))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="a folder with a Llama-family config.json and tokenizer (default: SmolLM2-135M)")
-    ap.add_argument("--tiny", action="store_true", help="2 layers of width 256 (the CPU harness)")
-    ap.add_argument("--cpu", action="store_true")
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--p-call", type=float, default=0.5, help="probability that a turn calls the tool")
-    ap.add_argument("--steps", type=int, default=3, help="timed calls of each mode (after one warm-up)")
-    ap.add_argument("--profile", help="write a cProfile of each multi-turn row's timed calls to PROFILE.<row>")
-    ap.add_argument("--only", help="comma-separated substrings of the row names to run (e.g. 'single,before')")
-    args = ap.parse_args()
-
-    from cohort.agents.builtins import calculator
-    from cohort.agents.rollout_loop import TurnLoop
-    from cohort.agents.tools import ToolCall
-    from cohort.engine import CohortEngine
-    from cohort.types import SamplingParams
-
-    model, tok, device = build(args)
-    markers = [tok.decode([m]) for m in script_model(model, tok, args.p_call)]
-    convs, ids = build_prompts(tok, [calculator], args.prompts)
-
-    def parser(text, tokenizer=None):
-        return [ToolCall("calculator", {"expression": "34 + 56 - 12 + 78"})] if any(m in text for m in markers) else []
-
-    t0 = time.perf_counter()
-    engine = CohortEngine(model, tok, eos_token_ids=[tok.convert_tokens_to_ids("<|im_end|>")],
-                          max_num_seqs=max(256, args.prompts * args.n), max_model_len=1024,
-                          kv_cache_fraction=0.3 if device == "cuda" else 0.05)
-    setup_s = time.perf_counter() - t0
-    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=1.0, seed=1234)
-
-    def single():
-        return engine.generate(ids, params)
-
+def colocated_modes(engine, tok, tools, parser, ids, convs, params):
+    """(name, fn) of the in-process rows: single-turn, and multi-turn with the host-side paths before / after."""
     import cohort.agents.messages as messages
     import cohort.agents.tools as tools_mod
     import cohort.engine.attention as attention
+    from cohort.agents.rollout_loop import TurnLoop
 
     batched, render, run_tools = attention.prefix_sdpa_batched, messages._render, tools_mod.ToolRunner.run
 
@@ -236,33 +241,103 @@ def main() -> None:
             attention.prefix_sdpa_batched = batched if batched_prefix else per_turn_prefix
             messages._render = render if fast_host else render_uncached
             tools_mod.ToolRunner.run = run_tools if fast_host else run_with_event_loop
-            loop = TurnLoop(tok, [calculator], max_iterations=3, parser=parser, inline_tools=inline)
+            loop = TurnLoop(tok, tools, max_iterations=3, parser=parser, inline_tools=inline)
             try:
                 return loop.generate(engine, ids, params, prompts=convs)
             finally:
                 attention.prefix_sdpa_batched, messages._render, tools_mod.ToolRunner.run = batched, render, run_tools
         return run
 
-    modes = [("single-turn", single),
-             ("multi-turn before: per-turn prefix attn, no delay, uncached renders, event loop per turn",
-              multi_with(0, False, False, False)),
-             ("multi-turn + batched prefix attn", multi_with(0, True, False, False)),
-             ("multi-turn + continuation_delay_steps=8", multi_with(8, True, False, False)),
-             ("multi-turn + render cache, tool workers (= new default)", multi_with(8, True, True, False)),
-             ("multi-turn + agent.inline_tools", multi_with(8, True, True, True))]
-    if args.only:
-        modes = [m for m in modes if any(key in m[0] for key in args.only.split(","))]
-    rows = [measure(name, fn, engine, args, device, f"{args.profile}.{i}" if args.profile else None)
-            for i, (name, fn) in enumerate(modes)]
-    print(f"device={device} model={'tiny ' if args.tiny else ''}{model.config.num_hidden_layers}L/"
-          f"{model.config.hidden_size} {engine.engine_name()} setup={setup_s:.1f}s "
-          f"prompt_tokens~{sum(map(len, ids)) // len(ids)} p_call={args.p_call}")
+    return [("single-turn", lambda: engine.generate(ids, params)),
+            ("multi-turn before: per-turn prefix attn, no delay, uncached renders, event loop per turn",
+             multi_with(0, False, False, False)),
+            ("multi-turn + batched prefix attn", multi_with(0, True, False, False)),
+            ("multi-turn + continuation_delay_steps=8", multi_with(8, True, False, False)),
+            ("multi-turn + render cache, tool workers (= new default)", multi_with(8, True, True, False)),
+            ("multi-turn + agent.inline_tools", multi_with(8, True, True, True))]
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="a folder with a Llama-family config.json and tokenizer (default: SmolLM2-135M)")
+    ap.add_argument("--tiny", action="store_true", help="2 layers of width 256 (the CPU harness)")
+    ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--p-call", type=float, default=0.5, help="probability that a turn calls the tool")
+    ap.add_argument("--steps", type=int, default=3, help="timed calls of each mode (after one warm-up)")
+    ap.add_argument("--profile", help="write a cProfile of each multi-turn row's timed calls to PROFILE.<row>")
+    ap.add_argument("--only", help="comma-separated substrings of the row names to run (e.g. 'single,before')")
+    ap.add_argument("--served", action="store_true", help="add the rows served by a `cohort serve` subprocess")
+    ap.add_argument("--server-device", help="the server's device (cuda:1, cuda, cpu; default: cuda:1 when two "
+                    "GPUs are visible, else the in-process device)")
+    ap.add_argument("--server-timeout", type=float, default=300.0, help="seconds to wait for the server to start")
+    return ap.parse_args()
+
+
+def print_table(rows) -> None:
     print("| mode | generate s/step (mean) | min | process CPU s (min) | prefill steps | decode steps | sampled tok | context tok "
           "| sampled tok/s | turns/completion |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r[0]} | {r[1]:.3f} | {r[2]:.3f} | {r[3]:.3f} | {r[4]:.0f} | {r[5]:.0f} | {r[6]:.0f} | {r[7]:.0f} "
+        steps = " | ".join("-" if v is None else f"{v:.0f}" for v in r[4:6])
+        print(f"| {r[0]} | {r[1]:.3f} | {r[2]:.3f} | {r[3]:.3f} | {steps} | {r[6]:.0f} | {r[7]:.0f} "
               f"| {r[8]:.0f} | {r[9]:.2f} |")
+
+
+def main() -> None:
+    args = parse_args()
+    from cohort.agents.builtins import calculator
+    from cohort.agents.tools import ToolCall
+    from cohort.engine import CohortEngine
+    from cohort.types import SamplingParams
+
+    model, tok, device = build(args)
+    markers = [tok.decode([m]) for m in script_model(model, tok, args.p_call)]
+    convs, ids = build_prompts(tok, [calculator], args.prompts)
+
+    def parser(text, tokenizer=None):
+        return [ToolCall("calculator", {"expression": "34 + 56 - 12 + 78"})] if any(m in text for m in markers) else []
+
+    t0 = time.perf_counter()
+    engine = CohortEngine(model, tok, eos_token_ids=[tok.convert_tokens_to_ids("<|im_end|>")],
+                          max_num_seqs=max(256, args.prompts * args.n), max_model_len=1024,
+                          kv_cache_fraction=0.3 if device == "cuda" else 0.05)
+    setup_s = time.perf_counter() - t0
+    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=1.0, seed=1234)
+    keys = args.only.split(",") if args.only else None
+    chosen = [m for m in colocated_modes(engine, tok, [calculator], parser, ids, convs, params)
+              if keys is None or any(key in m[0] for key in keys)]
+    rows = [measure(name, fn, args, device, stats=engine.stats,
+                    profile_path=f"{args.profile}.{i}" if args.profile else None)
+            for i, (name, fn) in enumerate(chosen)]
+    notes = []
+    if args.served:
+        rows += served_rows(args, model, tok, device, (parser, ids, convs, params), keys, notes)
+    print(f"device={device} model={'tiny ' if args.tiny else ''}{model.config.num_hidden_layers}L/"
+          f"{model.config.hidden_size} {engine.engine_name()} setup={setup_s:.1f}s "
+          f"prompt_tokens~{sum(map(len, ids)) // len(ids)} p_call={args.p_call}")
+    print(*notes, sep="\n")
+    print_table(rows)
+
+
+def served_rows(args, model, tok, device, workload, keys, notes):
+    """The --served rows (bench/turns_served.py); `notes` gets the server's description."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import turns_served
+
+    from cohort.agents.builtins import calculator
+
+    if keys is not None and not any(key in name for name in turns_served.ROW_NAMES for key in keys):
+        return []
+    with turns_served.served(model, tok, args, device) as (server, where):
+        modes = turns_served.served_modes(server, tok, [calculator], *workload)
+        rows = [measure(name, fn, args, device, other_cpu=server.cpu_seconds)
+                for name, fn, _ in modes if keys is None or any(key in name for key in keys)]
+        notes.append(f"served: {modes[0][2].engine_name()} on {where}, {server.context}; served rows: process CPU "
+                     "= client + server processes, prefill / decode steps '-' (the server does not report them)")
+    return rows
 
 
 if __name__ == "__main__":
