@@ -31,8 +31,9 @@ the server gets an API key in its environment (COHORT_API_KEY), and it is killed
 The client is `RemoteEngine` (no weight push: the server already holds the weights), the workload, seeds,
 parser and `TurnLoop` settings are the colocated "= new default" row's:
     served single-turn                                        RemoteEngine.generate
-    served multi-turn: sessions (KV kept between turns)       TurnLoop.generate; each round one /generate with
-                                                              session_id / keep / continue (remote/session_turns.py)
+    served multi-turn: sessions (KV kept between turns)       TurnLoop.generate; each turn sent detached (session_id /
+                                                              keep / continue / detach) as soon as it is ready, answers
+                                                              long-polled from /sessions/wait (remote/session_turns.py)
     served multi-turn: no sessions (re-prefill every turn)    TurnLoop.generate; each round re-sends every
                                                               conversation (engine/turns_by_regeneration.py)
 --server-device: cuda:1 (default when two GPUs are visible; the server then sees only that GPU), cuda (the
@@ -46,9 +47,10 @@ the CPU), plus --max-sessions max(64, prompts x n) so that no conversation's ses
   in-process engine on <|im_end|> only; the same token for SmolLM2 (check both with another --model);
 - on a GPU the server's RoPE table stays float32 where the in-process model's `.to(bfloat16)` rounded it;
   the scripted weights zero every attention output, so the tokens do not depend on it;
-- sessions: a round's continuations are one request after every conversation of the round has ended its
-  turn, where in process they join the running batch (continuation_delay_steps), so served multi-turn runs
-  its rounds one after another;
+- sessions: a conversation's next turn goes out as soon as its tool result is ready and joins the server's
+  running batch (serving/session_driver.py; continuation_delay_steps as in process), but each turn end and
+  each continuation crosses HTTP (a /sessions/wait answer, a /generate request), where in process they are
+  function calls between two engine steps;
 - no sessions: every later turn is seeded seed + row + 7919 x turn (the re-send path's rule), so its draws, turns
   per completion and token counts differ from the colocated rows (they equal the in-process re-send path);
   with sessions and single-turn, tokens and logprobs equal the colocated rows' (checked on the CPU).

@@ -123,7 +123,7 @@ def test_every_route_answers_401_without_the_right_key_with_one_log_line_each(se
     routes = [("GET", "/health"), ("GET", "/version"), ("GET", "/v1/models"), ("GET", "/no/such/route"),
               ("POST", "/generate"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
               ("POST", "/weights/init"), ("POST", "/weights/begin"), ("POST", "/weights/commit"),
-              ("POST", "/sessions/close"), ("POST", "/sessions/keepalive")]
+              ("POST", "/sessions/close"), ("POST", "/sessions/keepalive"), ("POST", "/sessions/wait")]
     probe = uuid.uuid4().hex
     for method, path in routes:
         for key in ("", wrong):

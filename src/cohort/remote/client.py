@@ -183,7 +183,8 @@ class RemoteEngine:
         """Multi-turn (tool-calling) rollouts on the server: each later turn is generated on the conversation so
         far, every conversation of a round in one request (cohort.engine.turns_by_regeneration); a completion
         records its oldest turn's version. The tools run here, in the trainer process, as colocated. A server
-        that keeps sessions continues each conversation on its kept KV instead (remote/session_turns.py)."""
+        that keeps sessions continues each conversation on its kept KV instead, its next turn sent as soon as its
+        own tool result is ready (remote/session_turns.py)."""
         if self.use_sessions:
             return generate_turns_in_sessions(self, prompts, params, on_turn_end)
         return generate_turns_by_regeneration(self.generate, prompts, params, on_turn_end, batched=True)

@@ -1,19 +1,37 @@
-"""Multi-turn rollouts through `cohort serve` on kept sessions: each later turn sends only its new tokens.
+"""Multi-turn rollouts through `cohort serve` on kept sessions, continuous: each conversation's next turn is
+sent the moment its own tool result is ready, and only its new tokens are sent.
 
 `RemoteEngine.generate_turns` uses this when the server's /health says `"sessions": true` (cohort's engine),
 else it re-sends the conversation at every turn (cohort.engine.turns_by_regeneration). Every conversation
 (prompt i, sample j) is one server session, seeded seed + i * n + j as the in-process engine's
-`generate_turns` seeds it, so the tokens equal the in-process engine's; every round of turns is one request.
+`generate_turns` seeds it, so the tokens equal the in-process engine's.
+
+Why this shape: sending a round of turns as one request and waiting for its answer makes every conversation
+wait for the slowest turn of the round (and the round's tools), where in process a conversation continues on
+its kept KV as soon as its own tool returns. One blocking request per conversation would fix that but hold one
+of the server's HTTP workers (--http-workers, 64) per conversation in flight, capping the engine batch and
+starving other clients (/health, other ranks). So the turns are sent `detach`ed (the request answers once
+they are queued) and the server decodes every session turn in flight as one continuous batch
+(serving/session_driver.py); one poller thread per rollout long-polls POST /sessions/wait, which answers
+each turn as soon as it ends. The calling thread runs `on_turn_end` on each ended turn (as the in-process
+engine does, between engine steps); a reply that is ready, or a Future once done, is sent at once, together
+with whatever else is ready at that moment (one request). Every wait is bounded: each request has the
+client's timeout, the poll waits at most POLL_S on the server, and a poll that fails reaches the caller.
+
 A conversation whose callback returns None is closed at once (its KV freed); all of this rollout's sessions
-are closed at the end, also on an error. A session the server no longer holds (410 `session_evicted`: its
-timeout, --max-sessions, a restart) is re-opened with the whole conversation so far as its prompt (one
-re-prefill, seeded as the re-send path seeds that turn).
+are closed at the end, also on an error (the server waits for turns in flight of closed sessions, then frees
+them). A session the server no longer holds (410 `session_evicted`: its timeout, --max-sessions, a restart)
+is re-opened, under a new session id, with the whole conversation so far as its prompt (one re-prefill,
+seeded as the re-send path seeds that turn); after a server restart (a new server_id) the turns that were in
+flight on the old server are re-sent the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import queue
+import threading
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -21,16 +39,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cohort.errors import CohortError
-from cohort.remote.errors import ServerUnavailable, SessionGone, StaleServer
+from cohort.remote.errors import ServerError, ServerUnavailable, SessionGone, StaleServer
 from cohort.types import Completion, FinishReason, SamplingParams, TurnCallback, TurnEnd
+
+POLL_S = 5.0  # the longest one /sessions/wait waits on the server for a turn to end (at most the timeout / 2)
+_PHASE = "generate (session turn)"
 
 
 @dataclass
 class _Conv:
     index: int
     sample: int
-    sid: str
     prompt: list[int]
+    sid: str = ""
+    opens: int = 0  # sessions opened for it (a re-open takes a new id)
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
@@ -40,8 +62,10 @@ class _Conv:
     offset: int = 0  # completion tokens inside the server session's prompt (non-zero after a re-open)
     base_turns: int = 0  # the turns among them
     new: list[int] = field(default_factory=list)  # context tokens sent with the next turn
+    server: str | None = None  # the server its turn in flight was sent to
+    sent: tuple | None = None  # that turn: ("open", prompt, params) or ("continue",)
 
-    def take(self, answer: dict, version: int) -> None:
+    def take(self, answer: dict) -> None:
         """The server's completion of this session so far, after the `offset` tokens of its prompt."""
         cut = self.offset
         self.ids = self.ids[:cut] + answer["token_ids"]
@@ -49,6 +73,7 @@ class _Conv:
         self.mask = self.mask[:cut] + answer["mask"]
         self.turns = self.base_turns + answer["turns"]
         self.finish_reason = answer["finish_reason"]
+        version = answer["version"]
         self.version = version if self.version is None else min(self.version, version)
 
     def turn_end(self) -> TurnEnd:
@@ -61,32 +86,12 @@ class _Conv:
 def generate_turns_in_sessions(remote: Any, prompts: Sequence[Sequence[int]], params: SamplingParams,
                                on_turn_end: TurnCallback) -> list[list[Completion]]:
     """CohortEngine.generate_turns' contract over a session-keeping server (see the module docstring)."""
-    owner = uuid.uuid4().hex
-    convs = [_Conv(i, j, f"{owner}-{i}-{j}", list(p)) for i, p in enumerate(prompts) for j in range(params.n)]
-    each = [_one(params, c.index * params.n + c.sample) for c in convs]
+    rollout = _Rollout(remote, params, on_turn_end)
+    convs = [_Conv(i, j, list(p)) for i, p in enumerate(prompts) for j in range(params.n)]
     try:
-        _round(remote, owner, convs, [c.prompt for c in convs], each, cont=False)
-        live = [c for c in convs if c.finish_reason == "stop"]
-        while live:
-            pending = [on_turn_end(c.turn_end()) for c in live]
-            replies = [r.result() if isinstance(r, Future) else r for r in pending]
-            ended = [c.sid for c, r in zip(live, replies, strict=True) if not r]
-            if ended:
-                remote.client.request("POST", "/sessions/close", {"session_ids": ended}, phase="close sessions")
-            live = [c for c, r in zip(live, replies, strict=True) if r]
-            for conv, tokens in zip(live, [r for r in replies if r], strict=True):
-                if len(tokens) >= params.max_tokens - len(conv.ids):
-                    raise ValueError(f"a continuation of {len(tokens)} tokens leaves no room to generate: the "
-                                     f"completion has {len(conv.ids)} of max_tokens={params.max_tokens}; end the "
-                                     "conversation (return None) when the context does not fit.")
-                conv.new = list(tokens)
-            if live:
-                _continue_round(remote, owner, live, params)
-            live = [c for c in live if c.finish_reason == "stop"]
+        rollout.run(convs)
     finally:
-        # a server that is gone holds no sessions; the rollout's own error (if any) is the one to see
-        with contextlib.suppress(CohortError):
-            remote.client.request("POST", "/sessions/close", {"owner": owner}, phase="close sessions")
+        rollout.finish()
     return [[Completion(c.ids, c.logprobs, c.finish_reason, mask=c.mask, turns=c.turns, version=c.version)
              for c in convs[i * params.n:(i + 1) * params.n]] for i in range(len(prompts))]
 
@@ -99,41 +104,198 @@ def _wire(params: SamplingParams) -> dict:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(params).items()}
 
 
-def _round(remote: Any, owner: str, convs: list[_Conv], prompts: list[list[int]], params: list[SamplingParams],
-           *, cont: bool) -> None:
-    body = {"prompts": prompts, "params": [_wire(p) for p in params], "session_id": [c.sid for c in convs],
-            "keep": True, "continue": cont, "owner": owner, **remote.version_fields()}
-    phase = "generate (session turn)"
-    for attempt in (0, 1):  # a restarted server: re-push (RemoteEngine._recover), then this round once more
+class _Rollout:
+    """One generate_turns call: its owner id, the conversations in flight (by session id), the events the
+    poller and the tools' Futures report (a queue the calling thread reads)."""
+
+    def __init__(self, remote: Any, params: SamplingParams, on_turn_end: TurnCallback) -> None:
+        self.remote, self.params, self.on_turn_end = remote, params, on_turn_end
+        self.owner = uuid.uuid4().hex
+        self.events: queue.Queue[tuple] = queue.Queue()
+        self.flying: dict[str, _Conv] = {}  # sent, not answered yet
+        self.tools: dict[Future, _Conv] = {}  # replies not ready yet
+        self.stop = threading.Event()
+        self.poller: threading.Thread | None = None
+        self.poll_s = max(0.05, min(POLL_S, remote.client.timeout_s / 2))
+
+    # ---- the loop ---------------------------------------------------------------------------------------
+    def run(self, convs: list[_Conv]) -> None:
+        self._open(convs, [c.prompt for c in convs],
+                   [_one(self.params, c.index * self.params.n + c.sample) for c in convs])
+        self._start_poller()
+        while self.flying or self.tools:
+            ready: list[_Conv] = []
+            ended: list[str] = []
+            for event in self._next_events():
+                kind = event[0]
+                if kind == "turns":
+                    self._on_turns(event[1], ready, ended)
+                elif kind == "reply":
+                    self.tools.pop(event[2], None)
+                    self._route(event[1], event[2].result(), ready, ended)
+                else:
+                    self._on_poll_error(event[1], event[2])
+            if ended:
+                self._request("/sessions/close", {"session_ids": ended}, "close sessions")
+            if ready:
+                self._continue(ready)
+            lost = [c for c in self.flying.values() if c.server != self.remote.server_id]
+            if lost:  # sent to a server that is gone (a restart): their turns are sent again
+                self._reopen(lost)
+
+    def _next_events(self) -> list[tuple]:
+        """The next event (waiting for one) and every other one already there."""
+        while True:
+            try:
+                events = [self.events.get(timeout=1.0)]
+                break
+            except queue.Empty:
+                if self.flying and (self.poller is None or not self.poller.is_alive()) and self.events.empty():
+                    raise CohortError("the session poller stopped without a word") from None
+        while True:
+            try:
+                events.append(self.events.get_nowait())
+            except queue.Empty:
+                return events
+
+    def _on_turns(self, answer: dict, ready: list[_Conv], ended: list[str]) -> None:
+        evicted = []
+        for entry in answer["turns"]:
+            conv = self.flying.get(entry["session_id"])
+            if conv is None or conv.server != answer["server_id"]:
+                continue  # a turn this rollout no longer waits for (re-sent meanwhile)
+            del self.flying[conv.sid]
+            error = entry.get("error")
+            if error is not None:
+                if error.get("type") != "session_evicted":
+                    raise ServerError(f"{self.remote.client.where} failed a session turn: {error.get('message')}")
+                evicted.append(conv)
+                continue
+            conv.take(entry)
+            if conv.finish_reason == "stop":
+                self._route(conv, self.on_turn_end(conv.turn_end()), ready, ended)
+        if evicted:
+            self._reopen(evicted)
+
+    def _route(self, conv: _Conv, reply: Any, ready: list[_Conv], ended: list[str]) -> None:
+        """The callback's reply: a Future is waited for by the queue; tokens continue the conversation; None
+        ends it."""
+        if isinstance(reply, Future):
+            self.tools[reply] = conv
+            reply.add_done_callback(lambda f: self.events.put(("reply", conv, f)))
+            return
+        if not reply:
+            ended.append(conv.sid)
+            return
+        if len(reply) >= self.params.max_tokens - len(conv.ids):
+            raise ValueError(f"a continuation of {len(reply)} tokens leaves no room to generate: the completion "
+                             f"has {len(conv.ids)} of max_tokens={self.params.max_tokens}; end the "
+                             "conversation (return None) when the context does not fit.")
+        conv.new = list(reply)
+        ready.append(conv)
+
+    # ---- sending turns ------------------------------------------------------------------------------------
+    def _open(self, convs: list[_Conv], prompts: list[list[int]], params: list[SamplingParams]) -> None:
+        """Open a new session for each conversation (its first turn, or a re-open)."""
+        for conv, prompt, p in zip(convs, prompts, params, strict=True):
+            conv.opens += 1
+            conv.sid = f"{self.owner}-{conv.index}-{conv.sample}" + (f"-{conv.opens}" if conv.opens > 1 else "")
+            conv.sent = ("open", prompt, p)
+        self._send(convs, prompts, params, cont=False)
+
+    def _continue(self, convs: list[_Conv]) -> None:
+        for conv in convs:
+            conv.sent = ("continue",)
         try:
-            out = remote.client.request("POST", "/generate", body, phase=phase)
-        except (ServerUnavailable, StaleServer) as exc:
-            if attempt:
-                raise
-            remote._recover(phase, exc)
-            continue
-        if out.get("server_id") == remote.server_id or not remote.pusher or attempt:
-            break
-        # sampled with weights we never pushed (a continued round there is refused first: 410, re-opened)
-        remote._recover(phase, StaleServer("restarted", out.get("server_id")))
-    for conv, group in zip(convs, out["completions"], strict=True):
-        conv.take(group[0], out["version"])
+            self._send(convs, [c.new for c in convs], [_one(self.params, 0)] * len(convs), cont=True)
+        except SessionGone:  # the request is refused as a whole: each conversation re-opened
+            self._reopen(convs)
 
+    def _reopen(self, convs: list[_Conv]) -> None:
+        """Send again the turn of each conversation that the server lost: an open as it was; a continued turn as
+        an open of the whole conversation so far (seeded as turns_by_regeneration seeds a turn)."""
+        for conv in convs:
+            self.flying.pop(conv.sid, None)
+        old = [c.sid for c in convs]
+        prompts, params = [], []
+        for conv in convs:
+            if conv.sent is not None and conv.sent[0] == "open":
+                prompts.append(conv.sent[1])
+                params.append(conv.sent[2])
+                continue
+            conv.base_turns = conv.turns
+            conv.ids, conv.logprobs = conv.ids + conv.new, conv.logprobs + [0.0] * len(conv.new)
+            conv.mask, conv.offset = conv.mask + [0] * len(conv.new), len(conv.ids)
+            seed = self.params.seed
+            seed = None if seed is None else seed + conv.index * self.params.n + conv.sample + 7919 * conv.turns
+            prompts.append(conv.prompt + conv.ids)
+            params.append(dataclasses.replace(self.params, n=1, max_tokens=self.params.max_tokens - len(conv.ids),
+                                              seed=seed))
+        # the old sessions, where the server still holds them (a refused continue), are freed now
+        with contextlib.suppress(CohortError):
+            self._request("/sessions/close", {"session_ids": old}, "close sessions")
+        self._open(convs, prompts, params)
 
-def _continue_round(remote: Any, owner: str, live: list[_Conv], params: SamplingParams) -> None:
-    """Send each conversation's new tokens on its session; if the server lost one, re-open every session of
-    the round with its whole conversation as the prompt (seeded as turns_by_regeneration seeds a turn)."""
-    try:
-        _round(remote, owner, live, [c.new for c in live], [_one(params, 0)] * len(live), cont=True)
-        return
-    except SessionGone:
-        pass
-    for conv in live:
-        conv.base_turns = conv.turns
-        conv.ids, conv.logprobs = conv.ids + conv.new, conv.logprobs + [0.0] * len(conv.new)
-        conv.mask, conv.offset = conv.mask + [0] * len(conv.new), len(conv.ids)
-    seeds = [None if params.seed is None else params.seed + c.index * params.n + c.sample + 7919 * c.turns
-             for c in live]
-    _round(remote, owner, live, [c.prompt + c.ids for c in live],
-           [dataclasses.replace(params, n=1, max_tokens=params.max_tokens - len(c.ids), seed=seed)
-            for c, seed in zip(live, seeds, strict=True)], cont=False)
+    def _send(self, convs: list[_Conv], prompts: list[list[int]], params: list[SamplingParams], *,
+              cont: bool) -> None:
+        """One detached /generate of these turns (queued on the server, answered by /sessions/wait)."""
+        body = {"prompts": prompts, "params": [_wire(p) for p in params], "session_id": [c.sid for c in convs],
+                "keep": True, "continue": cont, "detach": True, "owner": self.owner,
+                **self.remote.version_fields()}
+        for attempt in (0, 1):  # a restarted server: re-push (RemoteEngine._recover), then this request once more
+            try:
+                out = self.remote.client.request("POST", "/generate", body, phase=_PHASE)
+                break
+            except (ServerUnavailable, StaleServer) as exc:
+                if attempt:
+                    raise
+                self.remote._recover(_PHASE, exc)
+        server = out["server_id"]
+        if server != self.remote.server_id and self.remote.pusher:
+            # queued on a server with weights we never pushed: re-push; the turns are sent again (run's `lost`)
+            self.remote._recover(_PHASE, StaleServer("restarted", server))
+            server = None
+        for conv in convs:
+            conv.server = server
+            self.flying[conv.sid] = conv
+
+    def _request(self, path: str, body: dict, phase: str) -> dict:
+        return self.remote.client.request("POST", path, body, phase=phase)
+
+    # ---- the poller -------------------------------------------------------------------------------------
+    def _start_poller(self) -> None:
+        self.poller = threading.Thread(target=self._poll, name="cohort-session-wait", daemon=True)
+        self.poller.start()
+
+    def _poll(self) -> None:
+        """Long-poll /sessions/wait until stopped; an error ends this poller (the calling thread decides)."""
+        while not self.stop.is_set():
+            server = self.remote.server_id
+            try:
+                out = self._request("/sessions/wait", {"owner": self.owner, "timeout_s": self.poll_s},
+                                    "wait for session turns")
+            except CohortError as exc:
+                self.events.put(("error", exc, server))
+                return
+            if out["turns"]:
+                self.events.put(("turns", out))
+
+    def _on_poll_error(self, error: CohortError, server: str) -> None:
+        """A failed poll: a server that restarted is recovered from (the trainer re-pushes; run's `lost`
+        re-sends the turns that were in flight there); any other error is the rollout's."""
+        if server == self.remote.server_id:  # else the server changed since: that poll's error is stale
+            if not isinstance(error, (ServerUnavailable, StaleServer)):
+                raise error
+            self.remote._recover("wait for session turns", error)  # raises unless the server restarted
+        self._start_poller()
+
+    def finish(self) -> None:
+        """Stop the poller, cancel the tools not started, and close every session of this rollout (a server that
+        is gone holds none: the rollout's own error, if any, is the one to see)."""
+        self.stop.set()
+        for future in self.tools:
+            future.cancel()
+        with contextlib.suppress(CohortError):
+            self._request("/sessions/close", {"owner": self.owner}, "close sessions")
+        if self.poller is not None:  # its wait returns at the close; a server that is gone fails it (a daemon)
+            self.poller.join(1.0)

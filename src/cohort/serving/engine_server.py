@@ -71,6 +71,10 @@ class RWLock:
             self._writer = False
             self._cond.notify_all()
 
+    def writer_waiting(self) -> bool:
+        with self._cond:
+            return self._writer or self._writers_waiting > 0
+
 
 @dataclass
 class Replica:
@@ -122,31 +126,46 @@ class EngineServer:
 
     # ---- generation --------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams], *,
-                 min_version: int | None = None,
-                 wait_s: float = 0.0, session: str | None = None, turn=None) -> tuple[Any, int]:
-        """Completions of every prompt, all sampled with one version (returned). With `min_version`, wait up to
-        `wait_s` for a push of at least that version (by the run `session`, when given), else raise
-        StaleVersion. `turn(version)`: run that instead of the batch (a session turn, serving/sessions.py)."""
-        if not (math.isfinite(wait_s) and wait_s >= 0):  # a NaN wait spins for ever, an infinite one holds for ever
-            raise ValueError(f"wait_s={wait_s!r} must be a finite number of seconds >= 0")
-        if min_version is not None:
-            def ready() -> bool:
-                return self.pushed and session in (None, self.session) and self.version >= min_version
-
-            with self._version_cond:
-                if not self._version_cond.wait_for(ready, wait_s):
-                    state = (f"pushed by run {self.session}" if self.pushed else "as loaded, no push yet")
-                    raise StaleVersion(f"the server holds version {self.version} ({state}), the request needs "
-                                       f"{min_version} from run {session}; no such push arrived within "
-                                       f"{wait_s:.0f} s")
+                 min_version: int | None = None, wait_s: float = 0.0,
+                 session: str | None = None) -> tuple[list[list[Completion]], int]:
+        """Completions of every prompt, all sampled with one version (returned), after `wait_version`."""
+        self.wait_version(min_version, wait_s, session)
         self._lock.acquire_read()
         try:
             version = self.version  # fixed while this request holds the read lock (its batch runs meanwhile)
-            if turn is not None:
-                return turn(version), version
             return self._coalescer.run(list(prompts), params), version
         finally:
             self._lock.release_read()
+
+    def wait_version(self, min_version: int | None = None, wait_s: float = 0.0, session: str | None = None) -> None:
+        """With `min_version`, wait up to `wait_s` for a push of at least that version (by the run `session`,
+        when given), else raise StaleVersion."""
+        if not (math.isfinite(wait_s) and wait_s >= 0):  # a NaN wait spins for ever, an infinite one holds for ever
+            raise ValueError(f"wait_s={wait_s!r} must be a finite number of seconds >= 0")
+        if min_version is None:
+            return
+
+        def ready() -> bool:
+            return self.pushed and session in (None, self.session) and self.version >= min_version
+
+        with self._version_cond:
+            if not self._version_cond.wait_for(ready, wait_s):
+                state = (f"pushed by run {self.session}" if self.pushed else "as loaded, no push yet")
+                raise StaleVersion(f"the server holds version {self.version} ({state}), the request needs "
+                                   f"{min_version} from run {session}; no such push arrived within {wait_s:.0f} s")
+
+    # the session turns' driver (serving/session_driver.py) holds the version while turns are in flight
+    def hold_version(self) -> int:
+        """Take the read lock (no commit until `release_version`) and return the version it holds."""
+        self._lock.acquire_read()
+        return self.version
+
+    def release_version(self) -> None:
+        self._lock.release_read()
+
+    def commit_waiting(self) -> bool:
+        """Whether a weight commit waits for the read lock (the driver then admits no new turn)."""
+        return self._lock.writer_waiting()
 
     def _generate(self, prompts: list, params: list[SamplingParams]) -> list[list[Completion]]:
         """One batch (the coalescer's, one SamplingParams per prompt), its prompts split in contiguous chunks over

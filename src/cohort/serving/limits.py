@@ -48,6 +48,7 @@ class Limits:
     max_messages: int = 1024
     max_session_chars: int = 256
     max_wait_s: float = 3600.0  # a longer wait_s waits this long
+    max_poll_s: float = 60.0  # a longer /sessions/wait timeout_s waits this long
 
 
 def shown(value: Any) -> str:

@@ -8,6 +8,7 @@ Routes (docs/serving.md has the full protocol); every one needs `Authorization: 
     POST /weights/begin           announce version, manifest (name, shape, dtype) and bucket plan; checked
     POST /weights/commit          wait for the buckets, switch the version atomically
     POST /sessions/close, /sessions/keepalive   end or keep alive the conversations kept between turns
+    POST /sessions/wait           the turns of an owner's detached session requests, as each ends
     GET  /v1/models, POST /v1/completions, POST /v1/chat/completions   (OpenAI-compatible)
 
 Errors are JSON `{"error": {"message", "type", "param", "code"}}` with status 400 (bad request: every field is
@@ -88,6 +89,7 @@ class _Handler(BaseHTTPRequestHandler):
                   "/weights/commit": lambda b: self.engine.weights_commit(L.version(b.get("version"))),
                   "/sessions/close": lambda b: sessions.close_answer(self.engine, b, _session_id),
                   "/sessions/keepalive": lambda b: sessions.keepalive_answer(self.engine, b, _session_id),
+                  "/sessions/wait": lambda b: sessions.wait_answer(self.engine, b, _session_id, self.limits),
                   "/v1/completions": self._completions, "/v1/chat/completions": self._chat}
         self._route({path: (lambda route=route: route(self._body())) for path, route in routes.items()})
 
