@@ -4,7 +4,7 @@
     python bench/turns.py --tiny --prompts 4   # CPU harness: 2 layers of width 256, same vocab and workload
     python bench/turns.py --model PATH         # another Llama-family config + tokenizer (weights still scripted)
     python bench/turns.py --served --server-device cuda:1          # + the rows through `cohort serve` on GPU 1
-    python bench/turns.py --served --only "new default,served"     # issue 34: served vs colocated multi-turn
+    python bench/turns.py --served --only "= default,served"     # issue 34: served vs colocated multi-turn
     python bench/turns.py --tiny --cpu --prompts 2 --n 2 --steps 1 --served   # CPU smoke of the served rows
 
 Workload (recipes/calculator_agent.yaml): 32 prompts x 8 completions, prompts of ~520 tokens rendered by the
@@ -29,7 +29,7 @@ comma-separated substrings.
 scripted weights and the tokenizer are saved (save_pretrained) to a temporary folder that the server loads,
 the server gets an API key in its environment (COHORT_API_KEY), and it is killed at the end, also on an error.
 The client is `RemoteEngine` (no weight push: the server already holds the weights), the workload, seeds,
-parser and `TurnLoop` settings are the colocated "= new default" row's:
+parser and `TurnLoop` settings are the colocated "(= default)" row's:
     served single-turn                                        RemoteEngine.generate
     served multi-turn: sessions (KV kept between turns)       TurnLoop.generate; each turn sent detached (session_id /
                                                               keep / continue / detach) as soon as it is ready, answers
@@ -237,7 +237,7 @@ def colocated_modes(engine, tok, tools, parser, ids, convs, params):
     def run_with_event_loop(self, calls):  # as before: an event loop per turn, a new thread per sync call
         return tools_mod._run_sync(self.arun(calls)) if calls else []
 
-    def multi_with(delay: int, batched_prefix: bool, fast_host: bool, inline: bool):
+    def multi_with(delay: int, batched_prefix: bool, fast_host: bool, inline: bool | str):
         def run():
             engine.scheduler.config.continuation_delay_steps = delay
             attention.prefix_sdpa_batched = batched if batched_prefix else per_turn_prefix
@@ -255,8 +255,9 @@ def colocated_modes(engine, tok, tools, parser, ids, convs, params):
              multi_with(0, False, False, False)),
             ("multi-turn + batched prefix attn", multi_with(0, True, False, False)),
             ("multi-turn + continuation_delay_steps=8", multi_with(8, True, False, False)),
-            ("multi-turn + render cache, tool workers (= new default)", multi_with(8, True, True, False)),
-            ("multi-turn + agent.inline_tools", multi_with(8, True, True, True))]
+            ("multi-turn + render cache, tool workers", multi_with(8, True, True, False)),
+            ("multi-turn + agent.inline_tools", multi_with(8, True, True, True)),
+            ("multi-turn + agent.inline_tools=auto (= default)", multi_with(8, True, True, "auto"))]
 
 
 def parse_args():

@@ -241,17 +241,20 @@ def test_each_completion_can_have_its_own_tool_runner():
 
 def test_inline_tools_give_the_same_rollouts_as_the_thread_pool():
     """inline_tools=True runs the tools and renders their results on the engine's thread: same tokens, masks,
-    tool counts and messages as the pool, timeouts included."""
+    tool counts and messages as the pool, timeouts included; so does "auto" (tests/integration/
+    test_turn_loop_placement.py checks a run that moves from inline to the pool midway)."""
     tok = chat_tokenizer()
     model = tiny_model(tok, seed=2).eval()
     convs, ids = prompts_for(tok, n=2)
     params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=200, stop_token_ids=tuple(range(3, 390)))
     out = []
-    for inline in (False, True):
+    for inline in (False, True, "auto"):
         engine = CohortEngine(model, tok, eos_token_ids=[tok.eos_token_id], block_size=8, max_model_len=512)
         loop = TurnLoop(tok, [add, hang], max_iterations=2, tool_timeout_s=0.3, parser=scripted_parser,
                         inline_tools=inline)
         out.append([c for g in loop.generate(engine, ids, params, prompts=convs) for c in g])
-    for a, b in zip(*out):
-        assert a.token_ids == b.token_ids and a.mask == b.mask and a.turns == b.turns == 3
+    for a, b, c in zip(*out):
+        assert a.token_ids == b.token_ids == c.token_ids and a.mask == b.mask == c.mask
+        assert a.turns == b.turns == c.turns == 3
         assert (a.tool_calls, a.tool_failures, a.messages) == (b.tool_calls, b.tool_failures, b.messages)
+        assert (a.tool_calls, a.tool_failures, a.messages) == (c.tool_calls, c.tool_failures, c.messages)

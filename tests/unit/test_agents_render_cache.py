@@ -39,3 +39,41 @@ def test_values_json_cannot_hold_are_keyed_by_their_repr():
     assert tok.calls == 1  # repr() keys it; still one render
     conv2 = [{"role": "user", "content": "a", "extra": float("nan")}]
     assert messages._render(tok, conv2, None, generation_prompt=True) == "v1|a|>"
+
+
+def test_one_encoding_of_each_message_keys_the_three_renders_of_a_round():
+    """`_suffix` encodes each message once for its three renders; the keys are those of plain lists."""
+    tok = CountingTokenizer()
+    conv = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "tool", "content": "c"}]
+    plain = [messages._render(tok, conv[:end], None, generation_prompt=False) for end in (1, 2, 3)]
+    encoded = messages._encoded_prefixes(conv, 1, 2, 3)
+    assert [type(e) for e in encoded] == [messages._Encoded] * 3 and encoded == [conv[:1], conv[:2], conv]
+    assert [messages._render(tok, e, None, generation_prompt=False) for e in encoded] == plain
+    assert tok.calls == 3  # every keyed render was a cache hit of the plain one
+    odd = [{"role": "user", "content": object()}]  # repr-keyed, as above
+    assert messages._encoded_prefixes(odd, 1) == [odd]
+
+
+class CountingEncoder:
+    """A tokenizer stand-in whose __call__ (tokenising a continuation) is counted."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, text, add_special_tokens=True):
+        self.calls += 1
+        return {"input_ids": [ord(ch) for ch in text]}
+
+    def get_vocab(self):
+        self.calls += 1
+        return {"<|im_end|>": 7, "x": 8}
+
+
+def test_continuation_ids_and_end_of_turn_ids_are_computed_once_per_tokenizer():
+    tok = CountingEncoder()
+    first = messages._encode(tok, "ab")
+    first.append(0)  # the caller owns its list
+    assert messages._encode(tok, "ab") == [97, 98] and tok.calls == 1
+    assert messages._encode(tok, "abc") == [97, 98, 99] and tok.calls == 2
+    assert messages.end_of_turn_ids(tok) == messages.end_of_turn_ids(tok) == {7}
+    assert tok.calls == 3  # one get_vocab() (it builds a dict of the whole vocabulary)

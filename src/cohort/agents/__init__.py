@@ -8,6 +8,7 @@ turn the results into the tokens that continue the sequence. See docs/agents.md.
 from cohort.agents.environments import Environments, EnvironmentSession, append_observation
 from cohort.agents.messages import assistant_message, continuation_ids, tool_result_messages
 from cohort.agents.parsing import parse_tool_calls
+from cohort.agents.placement import slow_tool
 from cohort.agents.templates import CHATML_TOOLS, apply_chat_template_override, check_renders_tools
 from cohort.agents.tools import (
     Tool,
@@ -23,6 +24,6 @@ from cohort.agents.tools import (
 __all__ = [
     "CHATML_TOOLS", "EnvironmentSession", "Environments", "Tool", "ToolCall", "ToolResult", "ToolRunner",
     "append_observation", "apply_chat_template_override", "assistant_message", "build_tools",
-    "check_renders_tools", "continuation_ids", "parse_tool_calls", "run_turns", "tool_metrics", "tool_result_messages",
-    "tool_schemas",
+    "check_renders_tools", "continuation_ids", "parse_tool_calls", "run_turns", "slow_tool", "tool_metrics",
+    "tool_result_messages", "tool_schemas",
 ]

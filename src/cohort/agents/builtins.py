@@ -21,6 +21,7 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
+from cohort.agents.placement import slow_tool
 from cohort.agents.sandbox import PythonSandbox, SandboxLimits, SandboxResult
 from cohort.agents.tools import tool_time_left
 
@@ -133,6 +134,7 @@ def _run_python(sandbox: PythonSandbox, code: str) -> str:
     return sandbox.run(code, wall_s=None if left is None else max(0.05, left - min(0.5, 0.25 * left))).text()
 
 
+@slow_tool  # a process per call: agent.inline_tools=auto runs it on the thread pool from the start
 def python(code: str) -> str:
     """Run a Python program and return what it prints (standard output, then any error).
 
@@ -147,6 +149,7 @@ def make_python_tool(limits: SandboxLimits, mode: str | None = None):
     `mode` ("auto", "bwrap", "process") overrides $COHORT_SANDBOX."""
     sandbox = PythonSandbox(limits, mode=mode)
 
+    @slow_tool
     def python(code: str) -> str:
         """Run a Python program and return what it prints (standard output, then any error).
 

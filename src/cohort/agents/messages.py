@@ -74,9 +74,10 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], schemas, *, generati
     """The chat template's text, memoised: every tool round renders the history three times (about 0.4 ms each
     for a 500-token prompt with a tool schema, under the GIL), and the samples of a prompt share that history
     (often the calls and results too). The key is the JSON of everything the template reads."""
-    try:
-        key = json.dumps([messages, schemas, generation_prompt, kwargs, getattr(tokenizer, "chat_template", None)],
-                         sort_keys=True, default=repr)
+    key: tuple[Any, str] | None
+    try:  # the template is compared as itself (its hash is cached), not JSON-encoded into every key
+        key = (getattr(tokenizer, "chat_template", None), _messages_key(messages) + "\x1f"
+               + _KEY_ENCODER.encode([schemas, generation_prompt, kwargs]))
     except (TypeError, ValueError):  # not JSON-able: render it every time
         key = None
     cache = _RENDERS.get(tokenizer) if key is not None else None
@@ -93,17 +94,51 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], schemas, *, generati
     return text
 
 
-# tokenizer -> {JSON of a render's inputs: its text}; cleared when it reaches _MAX_RENDERS entries
-_RENDERS: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
+class _Encoded(list):
+    """Messages that carry each one's JSON: `_suffix` renders three prefixes of one conversation per tool round,
+    and each message is encoded once for their three keys instead of three times."""
+
+    def __init__(self, messages: list[dict[str, Any]], parts: list[str]) -> None:
+        super().__init__(messages)
+        self.parts = parts
+
+
+def _message_json(message: dict[str, Any]) -> str:
+    return _KEY_ENCODER.encode(message)
+
+
+# json.dumps(sort_keys=True, default=repr) builds an encoder per call: a third of a small message's encoding
+_KEY_ENCODER = json.JSONEncoder(sort_keys=True, default=repr)
+
+
+def _messages_key(messages: list[dict[str, Any]]) -> str:
+    """The messages' part of a render's key: each message's JSON, joined by a character JSON always escapes."""
+    parts = getattr(messages, "parts", None)
+    return "\x1e".join(parts if parts is not None else map(_message_json, messages))
+
+
+def _encoded_prefixes(messages: list[dict[str, Any]], *ends: int) -> list[list[dict[str, Any]]]:
+    """messages[:end] for each end, as `_Encoded` lists sharing one encoding (plain lists if one is not JSON)."""
+    try:
+        parts = [_message_json(m) for m in messages]
+    except (TypeError, ValueError):
+        return [messages[:end] for end in ends]
+    return [_Encoded(messages[:end], parts[:end]) for end in ends]
+
+
+# tokenizer -> {(template, JSON of a render's other inputs): its text}; cleared at _MAX_RENDERS entries
+_RENDERS: weakref.WeakKeyDictionary[Any, dict[tuple[Any, str], str]] = weakref.WeakKeyDictionary()
 _MAX_RENDERS = 4096
+# tokenizer -> {continuation text: its ids}: the samples of a prompt often get the same tool results
+_ENCODED: weakref.WeakKeyDictionary[Any, dict[str, tuple[int, ...]]] = weakref.WeakKeyDictionary()
 
 
-def end_of_turn_markers(tokenizer: Any) -> list[str]:
+def end_of_turn_markers(tokenizer: Any, vocab: dict[str, int] | None = None) -> list[str]:
     """Strings that end an assistant turn for this tokenizer: its EOS token and the common chat markers it has.
 
     Computed once per tokenizer: `get_vocab()` builds a dict of the whole vocabulary (about 60 ms for
     SmolLM2's 49k tokens), and every tool round of every rollout asks (256 rounds a step took 15 s of host
-    time, under the GIL, before this cache)."""
+    time, under the GIL, before this cache). vocab: the tokenizer's `get_vocab()`, when the caller has it."""
     try:
         return list(_MARKERS[tokenizer])
     except (KeyError, TypeError):  # TypeError: an object that takes no weak reference (a test double)
@@ -112,7 +147,8 @@ def end_of_turn_markers(tokenizer: Any) -> list[str]:
     eos = getattr(tokenizer, "eos_token", None)
     if isinstance(eos, str) and eos:
         markers.append(eos)
-    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    if vocab is None:
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     markers += [m for m in _END_OF_TURN if m in vocab and m not in markers]
     with contextlib.suppress(TypeError):
         _MARKERS[tokenizer] = tuple(markers)
@@ -121,6 +157,21 @@ def end_of_turn_markers(tokenizer: Any) -> list[str]:
 
 # tokenizer -> its end-of-turn markers; weak keys, so a tokenizer is never kept alive by the cache
 _MARKERS: weakref.WeakKeyDictionary[Any, tuple[str, ...]] = weakref.WeakKeyDictionary()
+_MARKER_IDS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def end_of_turn_ids(tokenizer: Any) -> frozenset[int]:
+    """The token ids of `end_of_turn_markers` that are single tokens of the vocabulary; computed once per
+    tokenizer (a TurnLoop is often built per generate call, and `get_vocab()` takes ~20 ms)."""
+    try:
+        return _MARKER_IDS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    ids = frozenset(vocab[m] for m in end_of_turn_markers(tokenizer, vocab) if m in vocab)
+    with contextlib.suppress(TypeError):
+        _MARKER_IDS[tokenizer] = ids
+    return ids
 
 
 def continuation_text(tokenizer: Any, conversation_so_far: Sequence[dict[str, Any]],
@@ -147,13 +198,14 @@ def continuation_text(tokenizer: Any, conversation_so_far: Sequence[dict[str, An
 
 
 def _suffix(tokenizer, conv, new, schemas, markers, close_turn, kwargs) -> str | None:
-    full = _render(tokenizer, conv + new, schemas, generation_prompt=True, **kwargs)
+    everything, before, history = _encoded_prefixes(conv + new, len(conv) + len(new), len(conv) - 1, len(conv))
+    full = _render(tokenizer, everything, schemas, generation_prompt=True, **kwargs)
     # where the assistant's last message starts: after the conversation before it (no generation prompt: some
     # templates' prompt differs from how they render the assistant's header in history, e.g. Qwen3 with
     # enable_thinking=False adds an empty think block to the prompt only)
-    head = _render(tokenizer, conv[:-1], schemas, generation_prompt=False, **kwargs) if len(conv) > 1 else ""
+    head = _render(tokenizer, before, schemas, generation_prompt=False, **kwargs) if len(conv) > 1 else ""
     start = len(head) if full.startswith(head) else None
-    base = _render(tokenizer, conv, schemas, generation_prompt=False, **kwargs)
+    base = _render(tokenizer, history, schemas, generation_prompt=False, **kwargs)
     if full.startswith(base[:_end_of_turn(base, start or 0, markers, close_turn)]):
         cut = _end_of_turn(base, start or 0, markers, close_turn)  # the plain case: `base` is a prefix of `full`
     elif start is not None:
@@ -193,4 +245,20 @@ def continuation_ids(tokenizer: Any, conversation_so_far: Sequence[dict[str, Any
     """
     text = continuation_text(tokenizer, conversation_so_far, new_messages, tools, close_turn=close_turn,
                              **template_kwargs)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return _encode(tokenizer, text)
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    """`tokenizer(text, add_special_tokens=False)["input_ids"]`, memoised per tokenizer (the tool results of a
+    prompt's samples, and the turn-closing text around them, repeat; a call costs ~40 us under the GIL)."""
+    try:
+        cache = _ENCODED.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer that takes no weak reference: no cache
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids = cache.get(text)
+    if ids is None:
+        ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if len(cache) >= _MAX_RENDERS:
+            cache.clear()
+        cache[text] = ids
+    return list(ids)

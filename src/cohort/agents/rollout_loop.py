@@ -13,11 +13,12 @@ completion ends a turn, the loop:
    (`continuation_ids`: the chat template's tool-result block and the next assistant header);
 4. hands those ids back to the engine, which prefills only them on the sequence's kept KV blocks.
 
-Steps 2-3 run on a thread pool while the engine keeps generating the other sequences, or (inline_tools=True)
-at once on the engine's own thread, between two engine steps. Inline is faster for quick tools (a calculator):
-the pool's workers hold the GIL while rendering the chat template, and every PyTorch call of the engine's loop
-releases the GIL and may then wait a whole switch interval (5 ms) to get it back; but a slow tool stalls the
-engine for as long as it runs. A conversation also
+Steps 2-3 run at once on the engine's own thread, between two engine steps (inline), or on a thread pool while
+the engine keeps generating the other sequences. Inline is faster for quick tools (a calculator): the pool's
+workers hold the GIL while rendering the chat template, and every PyTorch call of the engine's loop releases
+the GIL and may then wait a whole switch interval (5 ms) to get it back; but a slow tool stalls the engine for
+as long as it runs. `inline_tools` chooses: True, False, or "auto" (the default), inline while the tools are
+quick and on the pool for a tool once a call of it was slow (`cohort.agents.placement`). A conversation also
 ends after `max_iterations` rounds of tool calls, or when the tool results would not leave room for another
 token within the completion budget (`params.max_tokens`, over the whole conversation): then they are dropped
 and the completion ends as the model left it, as TRL does.
@@ -26,7 +27,9 @@ and the completion ends as the model left it, as TRL does.
 from __future__ import annotations
 
 import functools
+import re
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -36,10 +39,11 @@ from cohort.agents.messages import (
     assistant_message,
     continuation_ids,
     continuation_text,
-    end_of_turn_markers,
+    end_of_turn_ids,
     tool_result_messages,
 )
 from cohort.agents.parsing import parse_tool_calls
+from cohort.agents.placement import AUTO, GcClock, ToolPlacement
 from cohort.agents.tools import INVALID_TOOL_NAME, ToolRunner, build_tools
 from cohort.types import Completion, SamplingParams, TurnEnd
 
@@ -51,7 +55,8 @@ class _Conversation:
     messages: list[dict[str, Any]]
     calls: int = 0
     failures: int = 0
-    rounds: list[tuple[list, list]] = field(default_factory=list)  # (calls, results) per turn that made calls
+    # (calls, results, the turn's text) per turn that made calls; the text is decoded once, for the messages too
+    rounds: list[tuple[list, list, str]] = field(default_factory=list)
     contexts: list[list[int]] = field(default_factory=list)  # the continuations handed back, in order
 
 
@@ -66,8 +71,10 @@ class TurnLoop:
     runner: anything with `run(calls) -> list[ToolResult]`; default `ToolRunner(tools, tool_timeout_s)`.
     template_kwargs: extra chat template variables (e.g. enable_thinking=False), as for the prompts.
     environments: an `Environments` (environment_factory); `cohort.rollout.generate_in_environments` uses it.
-    inline_tools: run the tools and build the continuation on the engine's thread as each turn ends (no
-        thread pool; see the module docstring): for tools that return in about a millisecond.
+    inline_tools: True: run the tools and build the continuation on the engine's thread as each turn ends (no
+        thread pool; see the module docstring), for tools that return in about a millisecond; False: on the
+        pool; "auto": inline while each call takes under 2 ms, on the pool for a tool that proved slow
+        (`cohort.agents.placement`; `placement.modes` says where each tool runs and why).
     """
 
     tokenizer: Any
@@ -81,7 +88,7 @@ class TurnLoop:
     # environment_factory (cohort.agents.environments.Environments): each rollout gets its own instance, reset
     # with its row; the rollout (cohort.rollout) hands each completion its instance's runner. None: plain tools.
     environments: Any = None
-    inline_tools: bool = False
+    inline_tools: bool | str = AUTO
     # agent.malformed_tool_calls: "feedback" hands the model an error for a call the parser could not read;
     # "end" drops such calls (TRL), so a turn with no readable call ends the completion
     malformed_tool_calls: str = "feedback"
@@ -97,9 +104,9 @@ class TurnLoop:
             self.runner = ToolRunner(self.tools, timeout_s=self.tool_timeout_s)
         if self.parser is None:
             self.parser = functools.partial(parse_tool_calls, tools=self.tools)
-        vocab = self.tokenizer.get_vocab()
         # a turn that ends on one of these closed itself; any other ending (a stop string) did not
-        self._end_of_turn_ids = {vocab[m] for m in end_of_turn_markers(self.tokenizer) if m in vocab}
+        self._end_of_turn_ids = end_of_turn_ids(self.tokenizer)
+        self.placement = ToolPlacement(self.inline_tools, self.tools)
 
     def generate(self, engine, prompt_ids: Sequence[Sequence[int]], params: SamplingParams,
                  prompts: Sequence[Any] | None = None, runners: Sequence[Any] | None = None) -> list[list[Completion]]:
@@ -128,8 +135,8 @@ class TurnLoop:
                     return None
                 conv = convs[(turn.prompt_index, turn.sample_index)]
                 runner = self.runner if runners is None else runners[turn.prompt_index * params.n + turn.sample_index]
-                if self.inline_tools:
-                    return self._run_tools(conv, turn, calls, params.max_tokens, lock, runner)
+                if self.placement.inline(calls):
+                    return self._run_tools(conv, turn, calls, params.max_tokens, lock, runner, timed=True)
                 return pool.submit(self._run_tools, conv, turn, calls, params.max_tokens, lock, runner)
 
             groups = engine.generate_turns(prompt_ids, params, on_turn_end)
@@ -146,30 +153,35 @@ class TurnLoop:
     def _messages(self, completion: Completion, conv: _Conversation) -> list[dict[str, Any]]:
         """The completion as chat messages: each model turn (with the calls it made), then its tool results.
         Turn k made the k-th round of calls, if any; the last turn's results are absent when they did not fit."""
-        turns: list[list[int]] = []
-        mask = completion.mask or []
-        for k, (token, sampled) in enumerate(zip(completion.token_ids, mask)):
-            if sampled and (k == 0 or not mask[k - 1]):
-                turns.append([])
-            if sampled:
-                turns[-1].append(token)
+        # each turn: a run of sampled tokens (mask 1); found by the regex engine, not a Python loop per token
+        spans = [m.span() for m in _SAMPLED_RUN.finditer(bytes(completion.mask or []))]
         out: list[dict[str, Any]] = []
-        for k, ids in enumerate(turns):
-            calls, results = conv.rounds[k] if k < len(conv.rounds) else ([], [])
-            out.append(assistant_message(self.tokenizer.decode(ids, skip_special_tokens=True), calls))
-            if k + 1 < len(turns):
+        for k, (a, b) in enumerate(spans):
+            if k < len(conv.rounds):
+                calls, results, text = conv.rounds[k]
+            else:
+                calls, results, text = [], [], self.tokenizer.decode(completion.token_ids[a:b], skip_special_tokens=True)
+            out.append(assistant_message(text, calls))
+            if k + 1 < len(spans):
                 out += tool_result_messages(results, with_images=self.vision is not None)
         return out
 
     def _run_tools(self, conv: _Conversation, turn: TurnEnd, calls: list, max_tokens: int,
-                   lock: threading.Lock, runner) -> list[int] | None:
-        """Runs on the pool: execute the calls, return the continuation ids (None when they do not fit)."""
-        results = runner.run(calls)
+                   lock: threading.Lock, runner, timed: bool = False) -> list[int] | None:
+        """Runs on the pool or inline: execute the calls, return the continuation ids (None when they do not
+        fit). timed (inline): the calls' duration goes to the placement (agent.inline_tools=auto)."""
+        if timed:
+            start = time.perf_counter()
+            with GcClock() as collector:
+                results = runner.run(calls)
+            self.placement.record(calls, results, time.perf_counter() - start, collector.seconds)
+        else:
+            results = runner.run(calls)
+        text = self.tokenizer.decode(turn.turn_ids, skip_special_tokens=True)
         with lock:  # counts are per conversation, but keep the increments plainly atomic
             conv.calls += len(results)
             conv.failures += sum(1 for r in results if r.failed)
-            conv.rounds.append((list(calls), list(results)))
-        text = self.tokenizer.decode(turn.turn_ids, skip_special_tokens=True)
+            conv.rounds.append((list(calls), list(results), text))
         conv.messages.append(assistant_message(text, calls))
         new = tool_result_messages(results, with_images=self.vision is not None)
         close_turn = not turn.turn_ids or turn.turn_ids[-1] not in self._end_of_turn_ids
@@ -187,6 +199,9 @@ class TurnLoop:
         if ids:  # an empty continuation ends the conversation (no span in the completion)
             conv.contexts.append(ids)
         return ids
+
+
+_SAMPLED_RUN = re.compile(b"\x01+")
 
 
 def _prompt_messages(prompt: Any) -> list[dict[str, Any]]:

@@ -56,13 +56,16 @@ class ToolResult:
 
     images: the images a tool returned as content blocks (TRL's `[{"type": "image", "image": ...}, {"type":
     "text", ...}]`), and parts: those blocks in order, each ("image", index into images) or ("text", str); a
-    vision-language model reads them (`cohort.agents.messages.tool_result_messages`), `content` holds the text."""
+    vision-language model reads them (`cohort.agents.messages.tool_result_messages`), `content` holds the text.
+    seconds: how long the call itself ran (at least the timeout for one that timed out); None when it never ran
+    (an unknown tool, bad arguments). Not part of equality: results compare by what the model reads."""
 
     name: str
     content: str
     failed: bool = False
     images: tuple = ()
     parts: tuple = ()
+    seconds: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -149,17 +152,28 @@ def _coerce_arguments(tool: Tool, arguments: Any) -> Any:
     return out
 
 
-def _check_arguments(tool: Tool, arguments: Any) -> str | None:
-    """None when `arguments` fits the tool's signature, else an error message for the model."""
+def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
+    """`inspect.signature(fn)`, None for builtins without one (the call itself then decides)."""
+    try:
+        return inspect.signature(fn)
+    except ValueError:
+        return None
+
+
+def _check_arguments(tool: Tool, arguments: Any, signature: inspect.Signature | None = None) -> str | None:
+    """None when `arguments` fits the tool's signature (given, or read from the function), else an error message
+    for the model."""
     if not isinstance(arguments, dict):
         return f"the arguments of {tool.name!r} must be a JSON object, got {type(arguments).__name__}"
+    if signature is None:
+        signature = _signature(tool.function)
+    if signature is None:
+        return None
     try:
-        inspect.signature(tool.function).bind(**arguments)
+        signature.bind(**arguments)
     except TypeError as exc:
         props = tool.schema["function"].get("parameters", {}).get("properties", {})
         return f"bad arguments for {tool.name!r}: {exc}; it takes {sorted(props)}"
-    except ValueError:  # builtins without a signature: let the call itself decide
-        return None
     return None
 
 
@@ -174,6 +188,8 @@ class ToolRunner:
         self.timeout_s = float(timeout_s)
         self.max_result_chars = max_result_chars
         self.serial = serial
+        # each tool's signature, read on its first call (inspect.signature costs ~20 us a call otherwise)
+        self._signatures: dict[str, inspect.Signature | None] = {}
 
     def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """Results in the order of `calls`. Safe to call from inside a running event loop (uses a helper thread).
@@ -206,10 +222,12 @@ class ToolRunner:
         try:
             value = future.result(timeout=max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
-            return ToolResult(name, f"Error: tool {name!r} timed out after {self.timeout_s:g} s.", failed=True)
+            return ToolResult(name, f"Error: tool {name!r} timed out after {self.timeout_s:g} s.", failed=True,
+                              seconds=self.timeout_s)
         except Exception as exc:
-            return ToolResult(name, f"Error: tool {name!r} raised {type(exc).__name__}: {exc}", failed=True)
-        return self._result(name, value)
+            return ToolResult(name, f"Error: tool {name!r} raised {type(exc).__name__}: {exc}", failed=True,
+                              seconds=getattr(future, "seconds", None))
+        return self._result(name, value, getattr(future, "seconds", None))
 
     async def arun(self, calls: Sequence[ToolCall], _gate: asyncio.Semaphore | None = None) -> list[ToolResult]:
         """The coroutine behind `run`, for callers that already have an event loop."""
@@ -230,6 +248,7 @@ class ToolRunner:
         tool, arguments = prepared
         name = call.name
         deadline = time.monotonic() + self.timeout_s
+        start = time.perf_counter()
         try:
             with tool_deadline(deadline):  # this task's own context: its async tool sees it, other calls do not
                 if tool.is_async:
@@ -238,10 +257,12 @@ class ToolRunner:
                     value = await asyncio.wait_for(in_daemon_thread(tool.function, arguments, deadline),
                                                    self.timeout_s)
         except TimeoutError:
-            return ToolResult(name, f"Error: tool {name!r} timed out after {self.timeout_s:g} s.", failed=True)
+            return ToolResult(name, f"Error: tool {name!r} timed out after {self.timeout_s:g} s.", failed=True,
+                              seconds=self.timeout_s)
         except (Exception, SystemExit) as exc:
-            return ToolResult(name, f"Error: tool {name!r} raised {type(exc).__name__}: {exc}", failed=True)
-        return self._result(name, value)
+            return ToolResult(name, f"Error: tool {name!r} raised {type(exc).__name__}: {exc}", failed=True,
+                              seconds=time.perf_counter() - start)
+        return self._result(name, value, time.perf_counter() - start)
 
     def _prepare(self, call: ToolCall) -> ToolResult | tuple[Tool, dict[str, Any]]:
         """(tool, arguments cast to its schema) for a call that can run, else the error result for the model."""
@@ -257,16 +278,18 @@ class ToolRunner:
             return ToolResult(name, f"Error: unknown tool {name!r}; the available tools are {sorted(self.tools)}.",
                               failed=True)
         arguments = _coerce_arguments(tool, call.arguments)
-        bad = _check_arguments(tool, arguments)
+        if name not in self._signatures:
+            self._signatures[name] = _signature(tool.function)
+        bad = _check_arguments(tool, arguments, self._signatures[name])
         if bad is not None:
             return ToolResult(name, f"Error: {bad}.", failed=True)
         return tool, arguments
 
-    def _result(self, name: str, value: Any) -> ToolResult:
-        """The result of a call that returned `value`: content blocks with images keep them (`ToolResult`)."""
+    def _result(self, name: str, value: Any, seconds: float | None = None) -> ToolResult:
+        """The result of a call that returned `value` after `seconds`: content blocks with images keep them."""
         blocks = _content_blocks(value)
         if blocks is None:
-            return ToolResult(name, self._text(value), failed=False)
+            return ToolResult(name, self._text(value), failed=False, seconds=seconds)
         images = tuple(b["image"] for b in blocks if b["type"] == "image")
         parts: list[tuple[str, Any]] = []
         k = 0
@@ -277,7 +300,7 @@ class ToolRunner:
             else:
                 parts.append(("text", self._text(b.get("text", ""))))
         text = "\n".join(str(t) for kind, t in parts if kind == "text")
-        return ToolResult(name, text, failed=False, images=images, parts=tuple(parts))
+        return ToolResult(name, text, failed=False, images=images, parts=tuple(parts), seconds=seconds)
 
     def _text(self, value: Any) -> str:
         if isinstance(value, str):

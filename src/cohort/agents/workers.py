@@ -65,6 +65,13 @@ def run_sync(coro):
     return box["out"]
 
 
+class TimedFuture(concurrent.futures.Future):
+    """A worker's future that also tells how long the call itself ran (`seconds`, once it is done): the tool's
+    own duration, without the wait for a worker to pick it up (agent.inline_tools=auto reads it)."""
+
+    seconds: float | None = None
+
+
 class _DaemonWorkers:
     """Reused daemon threads for sync tool calls: a call goes to an idle worker, else to a new one. A worker
     whose call timed out stays busy until the call returns (a thread cannot be stopped) and never blocks the
@@ -76,9 +83,9 @@ class _DaemonWorkers:
         self._idle = 0
         self._idle_s = idle_s
 
-    def submit(self, fn: Callable[..., Any], kwargs: dict[str, Any], deadline: float) -> concurrent.futures.Future:
+    def submit(self, fn: Callable[..., Any], kwargs: dict[str, Any], deadline: float) -> TimedFuture:
         """Run `fn(**kwargs)` on a worker; `tool_time_left()` inside it counts down to `deadline`."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        future = TimedFuture()
         with self._lock:
             start = self._idle == 0
             if not start:
@@ -100,13 +107,17 @@ class _DaemonWorkers:
                         return
                 continue
             if future.set_running_or_notify_cancel():
+                start = time.perf_counter()
                 try:
                     value = _call_until(fn, deadline, kwargs)
                 except Exception as exc:
+                    future.seconds = time.perf_counter() - start
                     future.set_exception(exc)
                 except BaseException as exc:  # SystemExit & co. from a tool: an error for the model, not for us
+                    future.seconds = time.perf_counter() - start
                     future.set_exception(RuntimeError(f"{type(exc).__name__}: {exc}"))
                 else:
+                    future.seconds = time.perf_counter() - start
                     future.set_result(value)
             with self._lock:
                 self._idle += 1

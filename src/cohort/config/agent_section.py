@@ -27,10 +27,14 @@ class AgentConfig:
                    "that} routed by the dataset's `environment` column. Each rollout gets its own instance: "
                    "reset(**row) before it, its methods as the rollout's tools, get_reward() (if defined) as one "
                    "more reward column (weight 1). None: no environments")
-    inline_tools: bool = setting(
-        False, help="run the tools and render their results on the engine's thread as each turn ends, instead of "
-                    "on a thread pool: faster for tools that answer in about a millisecond (a calculator), wrong "
-                    "for slow ones (it stalls generation while they run); see cohort.agents.rollout_loop")
+    inline_tools: bool | Literal["auto"] = setting(
+        "auto", help="where a turn's tool calls run and their results are rendered. true: on the engine's thread "
+                     "as each turn ends, faster for tools that answer in about a millisecond (a calculator), "
+                     "but a slow tool stalls generation while it runs; false: on a thread pool while the engine "
+                     "generates the other completions; auto: on the engine's thread while each call takes under "
+                     "2 ms, and on the pool for a tool once 2 calls in a row took longer or one took over 50 ms "
+                     "(async tools and tools marked cohort.agents.slow_tool start there), logged once per tool; "
+                     "see cohort.agents.placement")
     malformed_tool_calls: Literal["feedback", "end"] = setting(
         "feedback", help="a tool call the parser cannot read (bad JSON, no name): feedback: the model gets an error "
                          "message as that call's result (a failed call) and continues; end: it is no call, and a "

@@ -172,8 +172,10 @@ def _check_agent(cfg: CohortConfig) -> None:
              "use 0 or more rounds of tool calls, or leave it unset (null) for no cap")
     _require(cfg.agent.tool_timeout_s > 0, "agent.tool_timeout_s", cfg.agent.tool_timeout_s,
              "use a positive number of seconds")
-    _require(isinstance(cfg.agent.inline_tools, bool), "agent.inline_tools", cfg.agent.inline_tools,
-             "use true (tools run on the engine's thread) or false (on a thread pool)")
+    inline = cfg.agent.inline_tools
+    _require(isinstance(inline, bool) or inline == "auto", "agent.inline_tools", inline,
+             "use true (tools run on the engine's thread), false (on a thread pool) or auto (on the engine's "
+             "thread while each call takes under 2 ms)")
     factory = cfg.agent.environment_factory
     _require(factory is None or isinstance(factory, str) or callable(factory)
              or (isinstance(factory, dict) and bool(factory) and all(isinstance(v, str) or callable(v)

@@ -279,11 +279,11 @@ class CohortEngine:
                              f"1 .. max_tokens={params.max_tokens}.")
         base = params.seed if params.seed is not None else self._rng.getrandbits(62)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        inputs = prompt if isinstance(prompt, PromptWithInputs) else None  # a runtime Protocol check: ~20 us
         seqs = [
             Sequence(seq_id=next(self._ids), token_ids=list(prompt), num_prompt_tokens=len(prompt), params=params,
                      seed=base + index * params.n + j, request_index=(index, j), stop_ids=stop_ids,
-                     multi_turn=multi_turn, inputs=prompt if isinstance(prompt, PromptWithInputs) else None,
-                     max_tokens=caps[j] if caps is not None else 0)
+                     multi_turn=multi_turn, inputs=inputs, max_tokens=caps[j] if caps is not None else 0)
             for j in range(params.n)
         ]
         # A group must fit one step's sequence limit and the cache; split it (losing some sharing) if not.

@@ -64,6 +64,6 @@ def build_turn_loop(cfg: CohortConfig, tokenizer, environments=None, processor=N
     tools = environments.all_tools if environments is not None else list(a.tools)
     return TurnLoop(tokenizer, tools, max_iterations=cfg.generation.max_tool_calling_iterations,
                     tool_timeout_s=a.tool_timeout_s, parser=import_object(a.tool_parser) if a.tool_parser else None,
-                    environments=environments, inline_tools=bool(a.inline_tools),
+                    environments=environments, inline_tools=a.inline_tools,
                     malformed_tool_calls=a.malformed_tool_calls,
                     vision=VisionTurns(processor) if processor is not None else None)
