@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import pytest
 from tests.helpers.tiny_tokenizer import make_tiny_tokenizer
+from tests.helpers.tools import add, hang
 from tests.helpers.toy_task import tiny_model, toy_rows
 from tests.integration.test_trainer_learns import toy_config
 
@@ -23,26 +23,6 @@ from cohort.agents.tools import ToolCall
 from cohort.engine import CohortEngine
 from cohort.engine.hf_backend import HFGenerateEngine
 from cohort.types import SamplingParams
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first number.
-        b: The second number.
-    """
-    return a + b
-
-
-def hang(seconds: float) -> str:
-    """Sleep, then answer.
-
-    Args:
-        seconds: How long to sleep.
-    """
-    time.sleep(seconds)
-    return "late"
 
 
 def scripted_parser(text, tokenizer=None):

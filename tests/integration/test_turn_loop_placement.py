@@ -12,8 +12,9 @@ import threading
 import time
 
 import pytest
+from tests.helpers.tools import add
 from tests.helpers.toy_task import tiny_model
-from tests.integration.test_agent_rollouts import add, chat_tokenizer, prompts_for
+from tests.integration.test_agent_rollouts import chat_tokenizer, prompts_for
 
 from cohort.agents.rollout_loop import TurnLoop
 from cohort.agents.tools import ToolCall, ToolResult, ToolRunner

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import gc
 import logging
-import time
 
 import pytest
+from tests.helpers.tools import add, hang
 
 from cohort.agents import slow_tool
 from cohort.agents.builtins import calculator, python
@@ -25,26 +25,6 @@ async def fetch(url: str) -> str:
         url: The address.
     """
     return url
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first number.
-        b: The second number.
-    """
-    return a + b
-
-
-def hang(seconds: float) -> str:
-    """Sleep, then answer.
-
-    Args:
-        seconds: How long to sleep.
-    """
-    time.sleep(seconds)
-    return "late"
 
 
 @slow_tool
