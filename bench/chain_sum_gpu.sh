@@ -29,15 +29,17 @@ case "${1:-}" in
     $COHORT train $recipe model.name_or_path="$MODEL" run.output_dir="$RUN" run.overwrite=false run.resume=true \
       2>&1 | tee "$OUT/train_part2.log"
     last=$(ls -d "$RUN"/checkpoints/step-* | sort | tail -1)
-    for who in base final; do
+    # EVAL8=0 skips the sampled evaluations (the greedy ones before and after are in the training log)
+    [ "${EVAL8:-1}" = 0 ] || for who in base final; do
       model=$MODEL; [ "$who" = final ] && model=$last
       $COHORT eval $recipe model.name_or_path="$model" run.eval_num_samples=8 2>&1 | tee "$OUT/eval8_$who.log"
     done
     cp "$RUN"/metrics.jsonl "$RUN"/config.yaml "$OUT"/
     cp "$RUN"/curves.png "$OUT"/ 2>/dev/null || true
+    sampled=", base and final with 8 samples (pass@k, maj@8)"; [ "${EVAL8:-1}" = 0 ] && sampled=""
     python3 bench/manifest.py "$OUT" --what "$recipe: 600 s of training in two parts (resumed), \
-held-out greedy before/after with its interval, base and final with 8 samples (pass@k, maj@8)" \
-      --command "RECIPE=$recipe MODEL=$MODEL bash bench/chain_sum_gpu.sh part1 && RECIPE=$recipe MODEL=$MODEL bash bench/chain_sum_gpu.sh part2"
+held-out greedy before/after with its interval$sampled" \
+      --command "RECIPE=$recipe MODEL=$MODEL bash bench/chain_sum_gpu.sh part1 && RECIPE=$recipe MODEL=$MODEL EVAL8=${EVAL8:-1} bash bench/chain_sum_gpu.sh part2"
     ;;
   *)
     echo "usage: bash bench/chain_sum_gpu.sh part1|part2" >&2

@@ -242,8 +242,10 @@ def _cohort_config(args, lowmem: bool, kv_fraction: float, token_budget: int):
         t.master_weights, t.logprob_chunk_tokens = False, args.lowmem_chunk_tokens
         t.optimizer_offload = args.lowmem_offload
         g.fuse_projections, g.release_kv_during_update = False, args.lowmem_release_kv
-    elif args.chunk_tokens or args.size in FAST_CHUNK_TOKENS:
-        t.logprob_chunk_tokens = args.chunk_tokens or FAST_CHUNK_TOKENS[args.size]
+    else:
+        g.release_kv_during_update = getattr(args, "release_kv", False)  # bench/long.py --release-kv
+        if args.chunk_tokens or args.size in FAST_CHUNK_TOKENS:
+            t.logprob_chunk_tokens = args.chunk_tokens or FAST_CHUNK_TOKENS[args.size]
     cfg.loss.beta = 0.0
     cfg.run.output_dir = tempfile.mkdtemp(prefix="grpo_step_")
     cfg.run.overwrite, cfg.run.report_to = True, ["jsonl"]

@@ -42,6 +42,12 @@ Each row's figures: seconds per step and its generate / update split (means over
 tokens over the generate phase), peak allocated GiB, update MFU (bench/flops.py's FLOPs of the drawn lengths over
 the update seconds, at 989 TFLOP/s), and cohort's speed-up against the faster TRL row. --out writes the JSON
 (every step of every run, the draw) and a manifest (bench/manifest.py).
+
+A smaller GPU on a bigger one (--emulate-total-mib, e.g. 81559 for an H100 80GB HBM3 on an H200): each child
+first allocates a ballast of (this GPU's total - the given total) MiB, so the driver's free memory, the memory
+plan's fit check, the KV share and any allocation past the smaller card's size behave as on the smaller card;
+the reported peaks have the ballast taken off. --release-kv: cohort's generation.release_kv_during_update=true
+(the KV pool is freed while the policy updates).
 """
 
 from __future__ import annotations
@@ -201,13 +207,12 @@ def workload(args, row: str, size: str, warmup: int) -> SimpleNamespace:
         chunk_tokens=None, compile_layers=args.compile_layers, profile_update=False, profile_generate=False,
         lowmem_token_budget=None, lowmem_chunk_tokens=256, lowmem_offload=True, lowmem_release_kv=True, mem_cap=None,
         trl_tuned_micro=args.trl_micro, trl_tuned_gc=args.trl_gc, packed_attention="torch", share_prompts=True,
-        kv_tokens=kv_tokens, flash_attention_impl=None)
+        kv_tokens=kv_tokens, flash_attention_impl=None, release_kv=getattr(args, "release_kv", False))
 
 
 def run_one(args) -> dict:
     """The child: one (size, row, runner) with its per-sequence stops; returns grpo_step's result dict."""
     import grpo_step
-    import grpo_step_trl
 
     size, row = args.size, args.row
     spec = dict(grpo_step.SIZES[size])
@@ -215,7 +220,42 @@ def run_one(args) -> dict:
     grpo_step.SIZES[size] = spec
     warmup = args.warmup if args.child == "cohort" else args.trl_warmup
     ns = workload(args, row, size, warmup)
-    lengths = step_lengths(args, row, warmup)
+    ballast = emulate_smaller_gpu(args.emulate_total_mib) if args.emulate_total_mib else None
+    try:
+        res = _run_runner(args, ns, lengths_of=step_lengths(args, row, warmup))
+    finally:
+        ballast_gib = ballast.numel() / 2**30 if ballast is not None else 0.0
+        del ballast
+    res["release_kv"] = bool(args.release_kv)
+    if ballast_gib:
+        for key in ("peak_alloc_gib", "peak_reserved_gib"):
+            if key in res:
+                res[key] -= ballast_gib
+        if isinstance(res.get("phase_peak_alloc_gib"), dict):
+            res["phase_peak_alloc_gib"] = {k: v - ballast_gib for k, v in res["phase_peak_alloc_gib"].items()}
+        res.update(emulated_total_mib=args.emulate_total_mib, ballast_gib=ballast_gib)
+    return res
+
+
+def emulate_smaller_gpu(total_mib: int):
+    """Allocate (this GPU's total - total_mib) MiB and keep it: what is left behaves as a card of total_mib."""
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    ballast = total - total_mib * 2**20
+    if ballast <= 0:
+        raise SystemExit(f"--emulate-total-mib={total_mib}: this GPU has only {total / 2**20:.0f} MiB")
+    print(f"emulating a {total_mib} MiB GPU: {ballast / 2**30:.2f} GiB ballast on a {total / 2**20:.0f} MiB one",
+          flush=True)
+    return torch.empty(ballast, dtype=torch.uint8, device="cuda")
+
+
+def _run_runner(args, ns, lengths_of) -> dict:
+    """The child's runner with each sequence stopped at its drawn length."""
+    import grpo_step
+    import grpo_step_trl
+
+    lengths = lengths_of
     if args.child == "cohort":
         import cohort.trainer
 
@@ -268,10 +308,11 @@ def run_child(args, size: str, row: str, runner: str, timeout: float) -> dict:
     out = tempfile.mktemp(suffix=".json")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", runner, "--size", size, "--row", row, "--json", out]
     for name in ("device", "warmup", "trl_warmup", "steps", "prompts", "generations", "prompt_len", "median",
-                 "tail_frac", "tail_at", "cap", "seed", "token_budget"):
+                 "tail_frac", "tail_at", "cap", "seed", "token_budget", "emulate_total_mib"):
         if getattr(args, name) is not None:
             cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     cmd += ["--compile-layers" if args.compile_layers else "--no-compile-layers"]
+    cmd += ["--release-kv"] if args.release_kv else []
     if runner == "trl-fit":
         micro, gc = args.trl_micro, args.trl_gc
         if micro is None:
@@ -315,6 +356,8 @@ def _device_bytes(device: str) -> float | None:
 def settings_cell(runner: str, res: dict) -> str:
     if runner == "cohort":
         plan = f", plan {res['plan_estimate_gib']:.1f} GiB" if "plan_estimate_gib" in res else ""
+        plan += ", KV released in update" if res.get("release_kv") else ""
+        plan += f", as a {res['emulated_total_mib']} MiB GPU" if res.get("emulated_total_mib") else ""
         return f"budget {res.get('token_budget')}, KV {res.get('kv_planned_gib', 0):.1f} GiB{plan}"
     return f"micro {res.get('micro_batch')} x {res.get('gradient_accumulation_steps')}, " \
            f"GC {'on' if res.get('gradient_checkpointing') else 'off'}"
@@ -403,6 +446,9 @@ def main(argv=None) -> None:
     p.add_argument("--trl-gc", action=argparse.BooleanOptionalAction, default=False,
                    help="trl-fit with --trl-micro: gradient checkpointing")
     p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available())
+    p.add_argument("--emulate-total-mib", type=int, default=None, help="behave as a GPU of this many MiB (a "
+                   "ballast fills the rest; 81559: an H100 80GB HBM3); the peaks exclude the ballast")
+    p.add_argument("--release-kv", action="store_true", help="cohort: generation.release_kv_during_update=true")
     p.add_argument("--budget-s", type=float, default=86400.0, help="start no run after this long")
     p.add_argument("--child-timeout-s", type=float, default=600.0)
     p.add_argument("--out", default=None)
