@@ -111,3 +111,25 @@ def test_the_summary_counts_the_drawn_tokens(long, monkeypatch):
     assert s["tokens_per_step"] == pytest.approx(sum(map(sum, drawn)) / 2) and s["measured_steps"] == 2
     assert s["gen_tok_s"] == pytest.approx(s["tokens_per_step"] / 1.0) and s["mfu"] > 0
     assert torch.isfinite(torch.tensor(s["mfu"]))
+
+
+def test_release_kv_and_the_emulated_card_reach_the_child_and_the_config(long, monkeypatch):
+    import grpo_step  # on sys.path once bench/long.py is loaded
+
+    args = long.argparse.Namespace(device="cpu", warmup=1, trl_warmup=1, steps=1, prompts=1, generations=2,
+                                   prompt_len=4, median=10, tail_frac=0.05, tail_at=40, cap=64, seed=0,
+                                   token_budget=None, compile_layers=False, trl_micro=None, trl_gc=False,
+                                   release_kv=True, emulate_total_mib=81559, log=None)
+    seen = {}
+
+    def fake_run(cmd, **kwargs):
+        seen["cmd"] = cmd
+        raise long.subprocess.TimeoutExpired(cmd, 1)
+    monkeypatch.setattr(long.subprocess, "run", fake_run)
+    long.run_child(args, "tiny", "32", "cohort", 1.0)
+    cmd = seen["cmd"]
+    assert "--release-kv" in cmd and cmd[cmd.index("--emulate-total-mib") + 1] == "81559"
+    for release in (True, False):
+        args.release_kv = release
+        cfg = grpo_step._cohort_config(long.workload(args, "32", "tiny", 1), False, 0.3, 1024)
+        assert cfg.generation.release_kv_during_update is release
