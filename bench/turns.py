@@ -22,7 +22,10 @@ drawn per turn like a real model's choice.
 
 Prints one table: generate seconds per step, process CPU seconds (all threads: the host-side cost), prefill / decode steps, sampled and context tokens, tokens/s
 (sampled tokens / generate seconds), turns per completion, for single-turn (`engine.generate`) and multi-turn
-(`TurnLoop.generate`) after one warm-up call of each. --only keeps the rows whose name contains one of its
+(`TurnLoop.generate`) after one warm-up call of each. The row "single-turn, the multi-turn row's sampled tokens per
+completion" samples, with EOS ignored, exactly as many tokens per completion as the default multi-turn row (its
+draw is fixed by the seed): the same token work in one turn, so that row against the multi-turn one is the cost
+of the turns alone (the decode depth of a conversation's sampled tokens is in both). --only keeps the rows whose name contains one of its
 comma-separated substrings.
 
 --served (bench/turns_served.py) adds three rows through a `cohort serve` subprocess on the same model: the
@@ -61,6 +64,7 @@ threads); prefill / decode steps are '-' (the server does not report its engine'
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 import os
@@ -250,14 +254,25 @@ def colocated_modes(engine, tok, tools, parser, ids, convs, params):
                 attention.prefix_sdpa_batched, messages._render, tools_mod.ToolRunner.run = batched, render, run_tools
         return run
 
+    default_multi = multi_with(8, True, True, "auto")
+    caps: list = []
+
+    def single_same_tokens():
+        """Single-turn sampling, per completion, as many tokens as the default multi-turn row samples (its draw is
+        fixed by the seed): the same token work without turns, so the two rows differ by the turns alone."""
+        if not caps:
+            caps.extend([max(1, sum(c.mask or [1] * len(c.token_ids))) for c in g] for g in default_multi())
+        return engine.generate(ids, dataclasses.replace(params, ignore_eos=True), max_tokens_each=caps)
+
     return [("single-turn", lambda: engine.generate(ids, params)),
+            ("single-turn, the multi-turn row's sampled tokens per completion (EOS ignored)", single_same_tokens),
             ("multi-turn before: per-turn prefix attn, no delay, uncached renders, event loop per turn",
              multi_with(0, False, False, False)),
             ("multi-turn + batched prefix attn", multi_with(0, True, False, False)),
             ("multi-turn + continuation_delay_steps=8", multi_with(8, True, False, False)),
             ("multi-turn + render cache, tool workers", multi_with(8, True, True, False)),
             ("multi-turn + agent.inline_tools", multi_with(8, True, True, True)),
-            ("multi-turn + agent.inline_tools=auto (= default)", multi_with(8, True, True, "auto"))]
+            ("multi-turn + agent.inline_tools=auto (= default)", default_multi)]
 
 
 def parse_args():

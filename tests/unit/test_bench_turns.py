@@ -22,8 +22,8 @@ def test_bench_turns_runs_on_the_cpu():
                           "--max-tokens", "80", "--served"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "mode" not in line]
-    assert len(rows) == 10
-    single, *multi, served_single, served_sessions, served_resend = (line.split("|")[1:-1] for line in rows)
+    assert len(rows) == 11
+    single, same, *multi, served_single, served_sessions, served_resend = (line.split("|")[1:-1] for line in rows)
     assert "served" in served_single[0] and "no sessions" in served_resend[0]
     assert float(single[-1]) == float(served_single[-1]) == 1.0  # single-turn: one turn each
     assert single[6] == served_single[6]  # the same sampled tokens
@@ -33,3 +33,6 @@ def test_bench_turns_runs_on_the_cpu():
     # the same conversations whatever the host-side path (each sequence's noise is its seed and position)
     assert len({(r[6], r[7], r[9]) for r in multi}) == 1
     assert float(multi[0][9]) > 1.0 and float(multi[0][7]) > 0  # turns were continued with tool results
+    # the single-turn baseline at the multi-turn rows' sampled tokens, in one turn and without tool results
+    assert "sampled tokens per completion" in same[0] and same[6] == multi[0][6]
+    assert float(same[7]) == 0 and float(same[9]) == 1.0
