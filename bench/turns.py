@@ -50,15 +50,18 @@ the CPU), plus --max-sessions max(64, prompts x n) so that no conversation's ses
   in-process engine on <|im_end|> only; the same token for SmolLM2 (check both with another --model);
 - on a GPU the server's RoPE table stays float32 where the in-process model's `.to(bfloat16)` rounded it;
   the scripted weights zero every attention output, so the tokens do not depend on it;
-- sessions: a conversation's next turn goes out as soon as its tool result is ready and joins the server's
-  running batch (serving/session_driver.py; continuation_delay_steps as in process), but each turn end and
-  each continuation crosses HTTP (a /sessions/wait answer, a /generate request), where in process they are
-  function calls between two engine steps;
+- sessions: a prompt's n conversations open on one prefill of it, sharing its KV blocks, as in process; a
+  conversation's next turn goes out as soon as its tool result is ready and joins the server's running batch
+  (serving/session_driver.py; continuation_delay_steps as in process), and an ended one is closed from a
+  client thread of its own (its blocks released by the driver between two steps), but each turn end and each
+  continuation crosses HTTP (a /sessions/wait answer, a /generate request), where in process they are function
+  calls between two engine steps: a continuation joins one engine step later than in process;
 - no sessions: every later turn is seeded seed + row + 7919 x turn (the re-send path's rule), so its draws, turns
   per completion and token counts differ from the colocated rows (they equal the in-process re-send path);
   with sessions and single-turn, tokens and logprobs equal the colocated rows' (checked on the CPU).
 Served rows: process CPU s is the client's plus the server process's (/proc/PID/stat: user + system, all
-threads); prefill / decode steps are '-' (the server does not report its engine's counters).
+threads); prefill / decode steps are the server engine's counters (its /health "engine_stats", read before and
+after the timed calls).
 """
 
 from __future__ import annotations
@@ -180,9 +183,11 @@ def build(args):
 
 def measure(name, fn, args, device, *, stats=None, other_cpu=None, profile_path=None):
     """One table row: `args.steps` timed calls of `fn` after a warm-up call. `stats`: the engine's counters
-    (prefill / decode steps; None: '-'); `other_cpu()`: CPU seconds of another process counted in (the server)."""
+    (prefill / decode steps; None: '-'), or a function that reads them (the server's, from its /health);
+    `other_cpu()`: CPU seconds of another process counted in (the server)."""
+    read = stats if callable(stats) else lambda: dict(vars(stats))
     fn()  # warm-up (kernels, allocator, tokenizer caches)
-    stats0 = dict(vars(stats)) if stats is not None else None
+    stats0 = read() if stats is not None else None
     times, cpu, sampled, context, turns = [], [], 0, 0, 0
     profiler = None
     if profile_path and name.startswith("multi-turn"):
@@ -210,7 +215,8 @@ def measure(name, fn, args, device, *, stats=None, other_cpu=None, profile_path=
     k = args.steps
     steps = {"prefill_steps": None, "decode_steps": None}
     if stats0 is not None:
-        steps = {key: (getattr(stats, key) - stats0[key]) / k for key in steps}
+        now = read()
+        steps = {key: (now[key] - stats0[key]) / k for key in steps}
     mean = sum(times) / k
     return (name, mean, min(times), min(cpu), steps["prefill_steps"], steps["decode_steps"], sampled / k,
             context / k, sampled / k / mean, turns / k / (args.prompts * args.n))
@@ -351,10 +357,10 @@ def served_rows(args, model, tok, device, workload, keys, notes):
         return []
     with turns_served.served(model, tok, args, device) as (server, where):
         modes = turns_served.served_modes(server, tok, [calculator], *workload)
-        rows = [measure(name, fn, args, device, other_cpu=server.cpu_seconds)
-                for name, fn, _ in modes if keys is None or any(key in name for key in keys)]
+        rows = [measure(name, fn, args, device, other_cpu=server.cpu_seconds, stats=turns_served.engine_stats(remote))
+                for name, fn, remote in modes if keys is None or any(key in name for key in keys)]
         notes.append(f"served: {modes[0][2].engine_name()} on {where}, {server.context}; served rows: process CPU "
-                     "= client + server processes, prefill / decode steps '-' (the server does not report them)")
+                     "= client + server processes, prefill / decode steps the server's engine's (its /health)")
     return rows
 
 

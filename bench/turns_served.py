@@ -150,6 +150,13 @@ def served(model, tokenizer, args, device: str):
         signal.signal(signal.SIGTERM, previous)
 
 
+def engine_stats(remote):
+    """A reader of the server engine's counters (its /health "engine_stats"), for bench/turns.py's `measure`."""
+    def read() -> dict:
+        return remote.client.request("GET", "/health", phase="engine counters")["engine_stats"]
+    return read
+
+
 def served_modes(server: Server, tok, tools, parser, ids, convs, params):
     """(name, fn, engine) of each served row: RemoteEngine clients with and without sessions."""
     from cohort.agents.rollout_loop import TurnLoop

@@ -87,9 +87,10 @@ def test_session_turns_equal_the_in_process_engine_and_prefill_only_new_tokens()
     model = tiny_model("llama")
     prompts = random_prompts([7, 12, 5])
     sampled = SamplingParams(n=2, temperature=1.0, max_tokens=80, stop_token_ids=STOPS, seed=4)
-    local = make_engine(model).generate_turns(prompts, sampled, scripted)
+    in_process = make_engine(model)
+    local = in_process.generate_turns(prompts, sampled, scripted)
     with served(model) as (engine, table, _, remote):
-        assert remote.use_sessions  # the server announced sessions in /health
+        assert remote.use_sessions and remote.session_groups  # the server announced both in /health
         before = engine.stats.prefill_tokens
         got = remote.generate_turns(prompts, sampled, scripted)
         prefilled = engine.stats.prefill_tokens - before
@@ -100,10 +101,18 @@ def test_session_turns_equal_the_in_process_engine_and_prefill_only_new_tokens()
         for c, r in zip(flat, ref):
             assert c.logprobs == pytest.approx(r.logprobs, abs=1e-5)
         assert any(c.turns == 3 for c in flat)  # the continued turns ran
-        # each conversation's prompt once, then per continued turn its context and the turn's last sampled token
+        # each prompt once for its n conversations (they share its blocks, as in process), then per continued
+        # turn its context and the turn's last sampled token: the in-process engine's prefill, token for token
         continued = sum(len(CONTEXT[t]) + 1 for c in flat for t in range(1, c.turns))
-        assert prefilled == sampled.n * sum(map(len, prompts)) + continued
+        assert prefilled == sum(map(len, prompts)) + continued == in_process.stats.prefill_tokens
         assert len(table) == 0 and _free(engine)  # the client closed its sessions at the end
+
+        remote.session_groups = False  # a server without groups: a session per conversation, the same tokens
+        before = engine.stats.prefill_tokens
+        alone = remote.generate_turns(prompts, sampled, scripted)
+        assert [c.token_ids for g in alone for c in g] == [c.token_ids for c in ref]
+        assert engine.stats.prefill_tokens - before == sampled.n * sum(map(len, prompts)) + continued
+        remote.session_groups = True
 
         greedy = SamplingParams(n=1, temperature=0.0, max_tokens=80, stop_token_ids=STOPS)
         before = engine.stats.prefill_tokens
@@ -156,6 +165,29 @@ def test_sessions_are_freed_on_close_keep_false_timeout_dead_client_and_the_cap(
         with pytest.raises(RuntimeError, match="the tool crashed"):  # a client that fails closes its sessions
             remote.generate_turns([p], SamplingParams(n=2, temperature=0.0, max_tokens=60, stop_token_ids=STOPS),
                                   failing)
+        assert len(table) == 0 and _free(engine)
+
+
+def test_a_prompt_with_n_samples_opens_n_sessions_on_one_prefill_each_continued_alone():
+    model = tiny_model("llama")
+    p = random_prompts([9])[0]
+    params = {"n": 2, "max_tokens": 60, "temperature": 1.0, "seed": 3, "stop_token_ids": list(STOPS)}
+    group = {"prompts": [p], "params": params, "session_id": ["g0", "g1"], "keep": True, "owner": "a"}
+    with served(model) as (engine, table, _, remote):
+        for bad, named in (({"session_id": ["g0"]}, "one session_id per completion"),
+                           ({"continue": True}, "`continue` request gives one session_id per prompt")):
+            with pytest.raises(ServerError, match=named):
+                _post(remote, "/generate", {**group, **bad})
+        before = engine.stats.prefill_tokens
+        out = _post(remote, "/generate", group)
+        assert engine.stats.prefill_tokens - before == len(p) and out["kept"] == [True, True] and len(table) == 2
+        local = make_engine(model).generate(  # a group's samples: seeds 3 and 4, as one prompt in process
+            [p], SamplingParams(n=2, max_tokens=60, temperature=1.0, seed=3, stop_token_ids=STOPS))
+        assert [c["token_ids"] for c in out["completions"][0]] == [c.token_ids for c in local[0]]
+        for sid in ("g1", "g0"):  # each session goes on alone, on its own kept sequence
+            more = _post(remote, "/generate", {"prompts": [[50, 51]], "params": {**params, "n": 1},
+                                               "session_id": sid, "keep": False, "continue": True})
+            assert more["completions"][0][0]["mask"].count(0) == 2
         assert len(table) == 0 and _free(engine)
 
 

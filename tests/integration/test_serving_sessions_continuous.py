@@ -90,6 +90,42 @@ def test_a_slow_tool_does_not_delay_another_conversations_next_turns():
         assert len(table) == 0
 
 
+def test_a_close_does_not_hold_back_the_other_conversations_turns():
+    """Conversation 0 ends at its first turn, conversation 1 runs three. The server holds the close of
+    conversation 0 until conversation 1's last turn has ended (or, for a client whose next turns wait for
+    that close, FALLBACK_S): the client closes from its own thread, and the server's driver releases the
+    closed sessions' blocks between its steps (a close never queues for the replica's lock)."""
+    model = tiny_model("llama")
+    prompt = random_prompts([9])[0]
+    with serving(model) as (_, table, _, remote):
+        close, release_kv = table.close, table.release_kv
+        released, released_by, freed_on = threading.Event(), [], []
+
+        def held_close(ids=None, owner=None):
+            if ids is not None and not released.wait(FALLBACK_S):
+                released_by.append("the fallback timer")
+            return close(ids, owner)
+
+        def recorded_release(seq):
+            freed_on.append(threading.current_thread().name)
+            release_kv(seq)
+
+        def tool(turn: TurnEnd):
+            if turn.sample_index == 0:
+                return None  # ends: its session is closed
+            if turn.turn >= 3:
+                released_by.append("conversation 1's last turn")
+                released.set()
+                return None
+            return CONTEXT[turn.turn]
+
+        table.close, table.release_kv = held_close, recorded_release
+        got = remote.generate_turns([prompt], ONE_TOKEN_TURNS, tool)
+        assert released_by == ["conversation 1's last turn"]
+        assert [c.turns for c in got[0]] == [1, 3] and len(table) == 0
+        assert freed_on and set(freed_on) == {"cohort-session-turns"}  # the driver's thread, between steps
+
+
 def _post(remote: RemoteEngine, path: str, body: dict) -> dict:
     return remote.client.request("POST", path, body, phase="test")
 

@@ -147,6 +147,8 @@ class RemoteEngine:
         self.server_id, self._server_engine = info["server_id"], info.get("engine", "?")
         # multi-turn on kept KV when the server keeps sessions (cohort's engine), else today's re-send
         self.use_sessions = use_sessions and bool(info.get("sessions"))
+        # a prompt's n conversations opened on one prefill of it (else n sessions, each prefilling it)
+        self.session_groups = bool(info.get("session_groups"))
         if self.pusher:
             self._push(phase="the initial weight push")
 
@@ -204,6 +206,7 @@ class RemoteEngine:
                     if info["server_id"] == self.server_id:
                         raise exc from None
                     self.server_id, self._group = info["server_id"], None
+                    self.session_groups = bool(info.get("session_groups"))
                     self._push(version=version, phase=f"pushing version {version} to the restarted server")
         with self._version_cond:
             self.version = version
@@ -326,5 +329,6 @@ class RemoteEngine:
                     return  # rank 0's push is late: the retry waits on the server again
                 raise error
             self.server_id, self._group = info["server_id"], None
+            self.session_groups = bool(info.get("session_groups"))
             if self.pusher:
                 self._push(phase=f"re-pushing version {self.version} to the restarted server")

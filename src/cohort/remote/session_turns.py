@@ -4,7 +4,9 @@ sent the moment its own tool result is ready, and only its new tokens are sent.
 `RemoteEngine.generate_turns` uses this when the server's /health says `"sessions": true` (cohort's engine),
 else it re-sends the conversation at every turn (cohort.engine.turns_by_regeneration). Every conversation
 (prompt i, sample j) is one server session, seeded seed + i * n + j as the in-process engine's
-`generate_turns` seeds it, so the tokens equal the in-process engine's.
+`generate_turns` seeds it, so the tokens equal the in-process engine's. Where the server opens groups (/health
+"session_groups"), a prompt's n conversations are opened together, on one prefill of the prompt whose KV
+blocks they share, as in process (else each conversation prefills its own copy: n times the prompt tokens).
 
 Why this shape: sending a round of turns as one request and waiting for its answer makes every conversation
 wait for the slowest turn of the round (and the round's tools), where in process a conversation continues on
@@ -18,7 +20,9 @@ engine does, between engine steps); a reply that is ready, or a Future once done
 with whatever else is ready at that moment (one request). Every wait is bounded: each request has the
 client's timeout, the poll waits at most POLL_S on the server, and a poll that fails reaches the caller.
 
-A conversation whose callback returns None is closed at once (its KV freed); all of this rollout's sessions
+A conversation whose callback returns None is closed at once (its KV freed), by a thread of its own (_Closer),
+after the next turns that were ready with it were sent: a close returns once the engine has released the
+blocks, and the turns of the other conversations must not wait for that; all of this rollout's sessions
 are closed at the end, also on an error (the server waits for turns in flight of closed sessions, then frees
 them). A session the server no longer holds (410 `session_evicted`: its timeout, --max-sessions, a restart)
 is re-opened, under a new session id, with the whole conversation so far as its prompt (one re-prefill,
@@ -96,8 +100,12 @@ def generate_turns_in_sessions(remote: Any, prompts: Sequence[Sequence[int]], pa
              for c in convs[i * params.n:(i + 1) * params.n]] for i in range(len(prompts))]
 
 
+def _seed(params: SamplingParams, row: int) -> int | None:
+    return None if params.seed is None else params.seed + row
+
+
 def _one(params: SamplingParams, row: int) -> SamplingParams:
-    return dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + row)
+    return dataclasses.replace(params, n=1, seed=_seed(params, row))
 
 
 def _wire(params: SamplingParams) -> dict:
@@ -117,11 +125,20 @@ class _Rollout:
         self.stop = threading.Event()
         self.poller: threading.Thread | None = None
         self.poll_s = max(0.05, min(POLL_S, remote.client.timeout_s / 2))
+        self.closer = _Closer(self)
 
     # ---- the loop ---------------------------------------------------------------------------------------
     def run(self, convs: list[_Conv]) -> None:
-        self._open(convs, [c.prompt for c in convs],
-                   [_one(self.params, c.index * self.params.n + c.sample) for c in convs])
+        n = self.params.n
+        singles = [_one(self.params, c.index * n + c.sample) for c in convs]
+        for c, p in zip(convs, singles):  # how a re-open sends its first turn again: alone, seeded as in its group
+            c.sent = ("open", c.prompt, p)
+        if self.remote.session_groups:  # each prompt once, its n sessions on one prefill (as in process)
+            firsts = convs[::n]
+            self._open(convs, [c.prompt for c in firsts],
+                       [dataclasses.replace(self.params, seed=_seed(self.params, c.index * n)) for c in firsts])
+        else:
+            self._open(convs, [c.prompt for c in convs], singles)
         self._start_poller()
         while self.flying or self.tools:
             ready: list[_Conv] = []
@@ -133,12 +150,14 @@ class _Rollout:
                 elif kind == "reply":
                     self.tools.pop(event[2], None)
                     self._route(event[1], event[2].result(), ready, ended)
+                elif kind == "close error":
+                    raise event[1]
                 else:
                     self._on_poll_error(event[1], event[2])
-            if ended:
-                self._request("/sessions/close", {"session_ids": ended}, "close sessions")
-            if ready:
+            if ready:  # first: the engine waits for them, nothing waits for a close
                 self._continue(ready)
+            if ended:
+                self.closer.close(ended)
             lost = [c for c in self.flying.values() if c.server != self.remote.server_id]
             if lost:  # sent to a server that is gone (a restart): their turns are sent again
                 self._reopen(lost)
@@ -196,11 +215,11 @@ class _Rollout:
 
     # ---- sending turns ------------------------------------------------------------------------------------
     def _open(self, convs: list[_Conv], prompts: list[list[int]], params: list[SamplingParams]) -> None:
-        """Open a new session for each conversation (its first turn, or a re-open)."""
-        for conv, prompt, p in zip(convs, prompts, params, strict=True):
+        """Open a new session for each conversation (its first turn, or a re-open): prompt k with params[k].n
+        opens the next n conversations' sessions."""
+        for conv in convs:
             conv.opens += 1
             conv.sid = f"{self.owner}-{conv.index}-{conv.sample}" + (f"-{conv.opens}" if conv.opens > 1 else "")
-            conv.sent = ("open", prompt, p)
         self._send(convs, prompts, params, cont=False)
 
     def _continue(self, convs: list[_Conv]) -> None:
@@ -231,6 +250,7 @@ class _Rollout:
             prompts.append(conv.prompt + conv.ids)
             params.append(dataclasses.replace(self.params, n=1, max_tokens=self.params.max_tokens - len(conv.ids),
                                               seed=seed))
+            conv.sent = ("open", prompts[-1], params[-1])
         # the old sessions, where the server still holds them (a refused continue), are freed now
         with contextlib.suppress(CohortError):
             self._request("/sessions/close", {"session_ids": old}, "close sessions")
@@ -295,7 +315,53 @@ class _Rollout:
         self.stop.set()
         for future in self.tools:
             future.cancel()
+        self.closer.stop()  # the owner's close below ends whatever it had not closed yet
         with contextlib.suppress(CohortError):
             self._request("/sessions/close", {"owner": self.owner}, "close sessions")
         if self.poller is not None:  # its wait returns at the close; a server that is gone fails it (a daemon)
             self.poller.join(1.0)
+
+
+class _Closer:
+    """Closes ended conversations' sessions from its own thread: a close waits on the server until the blocks
+    are back in the pool (up to an engine step), and the rollout's thread has the other conversations' next
+    turns to send meanwhile. Ids that end while a close is under way go out together in the next one. A
+    server that is gone or restarted holds none of them (the poller reports it); any other refusal is the
+    rollout's error."""
+
+    def __init__(self, rollout: _Rollout) -> None:
+        self.rollout = rollout
+        self.ids: list[str] = []
+        self.cond = threading.Condition()
+        self.stopped = False
+        self.thread: threading.Thread | None = None
+
+    def close(self, ids: list[str]) -> None:
+        with self.cond:
+            self.ids += ids
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="cohort-session-close", daemon=True)
+                self.thread.start()
+            self.cond.notify()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify()
+        if self.thread is not None:  # a close under way ends within its request's timeout (a daemon)
+            self.thread.join(1.0)
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.ids or self.stopped)
+                if self.stopped:
+                    return
+                ids, self.ids = self.ids, []
+            try:
+                self.rollout._request("/sessions/close", {"session_ids": ids}, "close sessions")
+            except (ServerUnavailable, StaleServer):
+                continue
+            except CohortError as exc:
+                self.rollout.events.put(("close error", exc))
+                return

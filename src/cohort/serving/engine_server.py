@@ -301,7 +301,16 @@ class EngineServer:
                 "model": self.model_name, "replicas": len(self.replicas),
                 "devices": [str(r.device) for r in self.replicas], "backend": self.backend,
                 **(self.sessions.info() if self.sessions is not None else {"sessions": False}),
-                "engine": getattr(self.replicas[0].engine, "engine_name", lambda: "hf generate")()}
+                "engine": getattr(self.replicas[0].engine, "engine_name", lambda: "hf generate")(),
+                **self._engine_stats()}
+
+    def _engine_stats(self) -> dict:
+        """The first replica's counters (cohort's engine: prefill / decode steps and tokens, cumulative), so a
+        benchmark compares the served engine's steps with an in-process one's; read without its lock (ints)."""
+        stats = getattr(self.replicas[0].engine, "stats", None)
+        if not dataclasses.is_dataclass(stats) or isinstance(stats, type):
+            return {}  # Hugging Face generate counts nothing
+        return {"engine_stats": dataclasses.asdict(stats)}
 
 
 def _fault_hook(version: int):

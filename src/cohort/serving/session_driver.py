@@ -16,9 +16,11 @@ weight commit waits, no new batch is admitted: the turns in flight end, the driv
 commit runs, and the waiting batches start under the new version.
 
 Locks: the replica's lock (`table.lock`: the engine is not thread-safe) is taken per driver iteration (admit,
-one step, collect), so other users of the engine (a plain /generate on the first replica, a close, the
-sweep) wait at most one step; the table's state (sessions, turns in flight, mailboxes) is under `table.cond`,
-always taken after the replica's lock when both are needed.
+one step, collect), so other users of the engine (a plain /generate on the first replica, the sweep) get it
+between two steps; the driver takes it back at once after each step and Python's lock is not fair, so such a
+user may wait several steps. A close therefore never takes it: it hands the idle sessions' sequences to the
+driver, which releases them before its next step (`frees`). The table's state (sessions, turns in flight,
+mailboxes, frees) is under `table.cond`, always taken after the replica's lock when both are needed.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class Turn:
     params: SamplingParams
     seq: Sequence | None
     batch: Batch
+    group: int = 1  # a new session: the sessions its prompt opens (itself and the next group - 1), 0 for those
     closing: bool = False  # its session was closed during the turn: freed when the turn ends, no answer kept
     answer: dict | None = None
 
@@ -77,12 +80,28 @@ class Driver:
         self.flying: list[Turn] = []
         self.mail: dict[str, deque[tuple[float, dict]]] = {}  # owner -> (time, answer) of detached turns
         self.closed_owners: dict[str, None] = {}  # their waits return at once (the last _CLOSED_KEPT)
+        # closed idle sessions' sequences, released by this thread before its next step: a close queued for the
+        # replica's lock could wait several steps (this thread takes it back at once after each one)
+        self.frees: list[Sequence] = []
+        self.handed = self.freed = 0  # sequences ever handed over / released (a close waits for its ticket)
         self._thread: threading.Thread | None = None
 
     # ---- called under table.cond ----------------------------------------------------------------------
     def queue(self, batch: Batch) -> None:
         batch.left = len(batch.turns)
         self.pending.append(batch)
+        self._start()
+
+    def hand_frees(self, seqs: list[Sequence]) -> int:
+        """Queue closed sessions' sequences for release; the ticket `freed` reaches once they are (0: none)."""
+        if not seqs:
+            return 0
+        self.frees.extend(seqs)
+        self.handed += len(seqs)
+        self._start()
+        return self.handed
+
+    def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="cohort-session-turns", daemon=True)
             self._thread.start()
@@ -121,13 +140,26 @@ class Driver:
     def _run(self) -> None:
         while True:
             with self.table.cond:
-                while not self.pending:
+                while not self.pending and not self.frees:
                     self.table.cond.wait(IDLE_WAIT_S)
+                turns = bool(self.pending)
             try:
-                self._period()
+                if turns:
+                    self._period()
+                else:  # only closes: no version to hold
+                    with self.table.lock, self.table.cond:
+                        self._release_frees()
             except BaseException as exc:  # never leave a waiting request without an answer
                 with self.table.lock:
                     self._fail_all(exc, [])
+
+    def _release_frees(self) -> None:
+        """Release the closed sessions' sequences (caller holds the replica's lock and table.cond)."""
+        for seq in self.frees:
+            self.table.release_kv(seq)
+        self.freed += len(self.frees)
+        self.frees = []
+        self.table.cond.notify_all()
 
     def _period(self) -> None:
         """Drive from the first admitted batch until no turn is in flight (or a commit waits), under one
@@ -148,6 +180,7 @@ class Driver:
         with self.table.lock:
             draining = gate is not None and gate.commit_waiting()  # checked once the engine is ours
             with self.table.cond:
+                self._release_frees()
                 batches = [] if draining else list(self.pending)
                 if not draining:
                     self.pending.clear()
@@ -160,7 +193,7 @@ class Driver:
             except BaseException as exc:
                 self._fail_all(exc, batches)
         with self.table.cond:
-            return bool(self.flying) or (bool(self.pending) and not draining)
+            return bool(self.flying) or (bool(self.pending) and not draining) or bool(self.frees)
 
     def _admit(self, batch: Batch) -> None:
         """Resume or add every turn of `batch`, or none: a kept sequence the engine dropped meanwhile (an
@@ -178,13 +211,18 @@ class Driver:
                     self.table.unbusy(turn, kept=turn.seq is not None and turn not in gone)
                     self.fail(turn, error)
             return
-        if any(t.seq is None for t in batch.turns):
+        fresh = [t for t in batch.turns if t.seq is None]
+        if fresh:
             self.table.engine.runner.ensure_kv_cache()
         for turn in batch.turns:
             if turn.seq is not None:
                 scheduler.resume(turn.seq, list(turn.tokens))
-            else:  # index 0 for every session: its seed is params.seed, as one prompt of an in-process engine
-                turn.seq = self.table.engine._add(0, turn.tokens, turn.params, multi_turn=True)[0]
+        for k, turn in enumerate(fresh):
+            if turn.group:  # index 0: sample j's seed is params.seed + j, as one prompt of an in-process engine;
+                # its n sequences share the prompt's one prefill and its KV blocks (forked), as in process
+                seqs = self.table.engine._add(0, turn.tokens, turn.params, multi_turn=True)
+                for member, seq in zip(fresh[k:k + turn.group], seqs, strict=True):
+                    member.seq = seq
         with self.table.cond:
             self.flying.extend(batch.turns)
 
@@ -215,6 +253,7 @@ class Driver:
         next turn)."""
         self.table.engine._abort()
         with self.table.cond:
+            self._release_frees()  # their blocks went with the abort: only counted as released
             admitting = [t for b in batches for t in b.turns if t.answer is None and t not in self.flying]
             for turn in self.flying + admitting:
                 self.table.unbusy(turn, kept=False)

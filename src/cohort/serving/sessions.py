@@ -4,10 +4,14 @@ A multi-turn rollout through `cohort serve` otherwise re-sends and prefills the 
 turn. With a session, the first request sends the prompt (`session_id`, `keep: true`); the engine's sequence
 ends its turn PAUSED with its KV blocks kept (the in-process `generate_turns` mechanism), and the next request
 with the same id and `continue: true` sends only the new tokens (tool result, next assistant header): the
-engine appends them to the kept sequence and prefills only them. A session ends on `keep: false`, when its
-sequence finishes (length), on POST /sessions/close, when unused for `--session-timeout-s` (a client that died
-never comes back; a live one with a slow tool sends POST /sessions/keepalive or waits on /sessions/wait),
-and under `--max-sessions` (the least recently used idle one first). A `continue` on an id that ended that way
+engine appends them to the kept sequence and prefills only them. A first turn's prompt with `n` > 1 opens n
+sessions (`session_id` then lists one id per completion) on one prefill of that prompt, its KV blocks shared
+as the in-process engine shares a prompt's among its samples (/health: "session_groups"; a client of a server
+without it opens each conversation with its own copy of the prompt: n prefills of it). A session ends on
+`keep: false`, when its sequence finishes (length), on POST /sessions/close, when unused for
+`--session-timeout-s` (a client that died never comes back; a live one with a slow tool sends POST
+/sessions/keepalive or waits on /sessions/wait), and under `--max-sessions` (the least recently used idle one
+first). A `continue` on an id that ended that way
 is refused by name (410, `session_evicted`): the client re-sends the whole conversation.
 
 Every session turn in flight, from any request, decodes in one continuous engine batch (session_driver.py).
@@ -112,23 +116,30 @@ class SessionTable:
     # ---- turns --------------------------------------------------------------------------------------
     def submit(self, req: SessionRequest, prompts: list[list[int]], params: list[SamplingParams]) -> Batch:
         """Check every session of the request (a refused request changes nothing), then queue its turns for the
-        driver: new sessions prefill their prompt, continued ones only their new tokens."""
-        if len(req.ids) != len(prompts) or any(p.n != 1 for p in params):
-            raise ValueError("a session request gives one session_id per prompt, each with n=1")
+        driver: new sessions prefill their prompt, continued ones only their new tokens. A new prompt with
+        n > 1 opens n sessions (the next n ids) on one prefill of it, as the in-process engine's group."""
+        if req.cont and any(p.n != 1 for p in params):
+            raise ValueError("a `continue` request gives one session_id per prompt, each with n=1")
+        if len(req.ids) != sum(p.n for p in params):
+            raise ValueError(f"a session request gives one session_id per completion: {len(req.ids)} ids for "
+                             f"{sum(p.n for p in params)} (each prompt's n)")
         if not req.cont:
             for tokens, p in zip(prompts, params, strict=True):
                 self.engine._validate(0, tokens, p)
+        rows = [r for r, p in enumerate(params) for _ in range(p.n)]  # each session's prompt
         batch = Batch(detached=req.detach)
         with self.cond:
             busy = next((sid for sid in req.ids if sid in self._busy), None)
             if busy is not None:
                 raise ValueError(f"session {busy!r} is in a turn already; send its next turn after this one ended")
-            kept = [self._kept(sid, len(tokens)) if req.cont else None for sid, tokens in zip(req.ids, prompts)]
-            for sid, tokens, p, seq in zip(req.ids, prompts, params, kept, strict=True):
+            kept = [self._kept(sid, len(prompts[r])) if req.cont else None for sid, r in zip(req.ids, rows)]
+            for k, (sid, r, seq) in enumerate(zip(req.ids, rows, kept, strict=True)):
                 old = self._live.pop(sid, None)  # continued: now busy; a fresh start under a live id frees it
                 if old is not None and seq is None:
                     batch.release.append(old.seq)
-                turn = Turn(sid, req.owner, req.keep, list(tokens), p, seq, batch)
+                first = k == 0 or rows[k - 1] != r  # a group's first session adds its n sequences
+                turn = Turn(sid, req.owner, req.keep, prompts[r], params[r], seq, batch,
+                            group=params[r].n if first else 0)
                 batch.turns.append(turn)
                 self._busy[sid] = turn
             self.driver.queue(batch)
@@ -193,9 +204,13 @@ class SessionTable:
         return len(mine)
 
     def _free(self, sid: str, seq: Sequence) -> None:
+        self.release_kv(seq)
+        self._ended.append(sid)
+
+    def release_kv(self, seq: Sequence) -> None:
+        """A session's blocks back to the pool (caller holds `lock`); one the engine dropped has none left."""
         if seq.status is Status.PAUSED and seq in self.engine.scheduler.paused:
             self.engine.scheduler.release(seq)
-        self._ended.append(sid)
 
     def enforce_cap(self) -> None:
         while len(self._live) > self.cap:
@@ -215,24 +230,27 @@ class SessionTable:
             return len(stale)
 
     def close(self, ids: list[str] | None = None, owner: str | None = None) -> int:
-        """End the named sessions and/or every session of `owner`; returns how many ended. One in a turn ends
-        with it (its answer dropped): this waits for that, at most CLOSE_WAIT_S."""
-        def chosen(sid: str, session_owner: str | None) -> bool:
-            return (ids is not None and sid in ids) or (owner is not None and session_owner == owner)
+        """End the named sessions and/or every session of `owner`; returns how many ended, once their blocks
+        are back in the pool. One in a turn ends with it (its answer dropped): this waits for that, at most
+        CLOSE_WAIT_S. The idle ones' blocks are released by the driver's thread before its next step (a close
+        never queues for the replica's lock behind the driver)."""
+        wanted = None if ids is None else set(ids)
 
-        with self.cond:  # first mark them (a turn in flight ends with its close), then free the idle ones
+        def chosen(sid: str, session_owner: str | None) -> bool:
+            return (wanted is not None and sid in wanted) or (owner is not None and session_owner == owner)
+
+        with self.cond:  # mark them (a turn in flight ends with its close), hand the idle ones over, wait
             idle = [(sid, self._live.pop(sid).seq) for sid, s in list(self._live.items()) if chosen(sid, s.owner)]
             busy = [t for t in self._busy.values() if chosen(t.sid, t.owner)]
             for turn in busy:
                 turn.closing = True
             if owner is not None:
                 self.driver.close_owner(owner)
+            self._ended.extend(sid for sid, _ in idle)
+            ticket = self.driver.hand_frees([seq for _, seq in idle])
             self.cond.notify_all()
-        with self.lock, self.cond:
-            for sid, seq in idle:
-                self._free(sid, seq)
-        with self.cond:
-            self.cond.wait_for(lambda: not any(self._busy.get(t.sid) is t for t in busy), CLOSE_WAIT_S)
+            self.cond.wait_for(lambda: self.driver.freed >= ticket and
+                               not any(self._busy.get(t.sid) is t for t in busy), CLOSE_WAIT_S)
         return len(idle) + len(busy)
 
     def keepalive(self, owner: str) -> int:
@@ -248,7 +266,7 @@ class SessionTable:
                 self.sweep()
 
     def info(self) -> dict:
-        return {"sessions": True, "live_sessions": len(self), "max_sessions": self.cap,
+        return {"sessions": True, "session_groups": True, "live_sessions": len(self), "max_sessions": self.cap,
                 "session_timeout_s": self.timeout_s}
 
 
@@ -282,9 +300,13 @@ def generate_answer(server: Any, req: SessionRequest, prompts: list[list[int]],
         return {"accepted": len(batch.turns), "server_id": server.server_id}
     table.wait(batch)
     answers = [t.answer or {} for t in batch.turns]
+    fields = ("token_ids", "logprobs", "finish_reason", "mask", "turns")
+    groups, start = [], 0  # one group per prompt: its n sessions' completions, in session_id order
+    for p in each:
+        groups.append([{k: a[k] for k in fields} for a in answers[start:start + p.n]])
+        start += p.n
     return {"version": batch.version, "server_id": server.server_id, "kept": [a["kept"] for a in answers],
-            "completions": [[{k: a[k] for k in ("token_ids", "logprobs", "finish_reason", "mask", "turns")}]
-                            for a in answers]}
+            "completions": groups}
 
 
 def wait_answer(server: Any, body: dict, check_id: Callable[[Any, str], str], limits: L.Limits) -> dict:
