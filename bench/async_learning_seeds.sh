@@ -12,13 +12,15 @@
 # RECIPE defaults to recipes/chain_sum_gpu.yaml. Multi-turn recipes (recipes/calculator_agent.yaml) run
 # asynchronously through a server instead (train.async_rollouts is single-turn):
 #   RECIPE=recipes/calculator_agent.yaml bash bench/serve_learning_seeds.sh 300 /tmp/agent_learn 1 2 3 4
-# TRAIN_ARGS: more overrides for every run (e.g. run.eval_steps=250).
+# TRAIN_ARGS: more overrides for every run (e.g. run.eval_steps=250). GPUS: which GPUs (default all).
 set -euo pipefail
 STEPS=${1:?steps}; OUTDIR=${2:?output folder}; shift 2
 SEEDS=("$@"); [ ${#SEEDS[@]} -gt 0 ] || { echo "give at least one seed after STEPS and OUTDIR" >&2; exit 2; }
 RECIPE=${RECIPE:-recipes/chain_sum_gpu.yaml}; MODEL=${MODEL:-smollm2-135m-instruct}
 N=$(python3 -c "import torch; print(torch.cuda.device_count())")
 [ "$N" -ge 1 ] || { echo "needs a GPU, found none" >&2; exit 2; }
+# GPUS: the GPU indices to spread the runs over (default all), e.g. GPUS="1" keeps GPU 0 free for other work
+read -ra G <<< "${GPUS:-$(seq -s ' ' 0 $(( N - 1 )))}"
 mkdir -p "$OUTDIR"
 # convert a GGUF once before the runs start (they would wait on each other's lock otherwise)
 python3 -c "import sys; from cohort.policy.model import resolve_model_path as r; print(r(sys.argv[1]))" "$MODEL" | tail -n 1
@@ -27,7 +29,9 @@ for S in "${SEEDS[@]}"; do
     for K in 0 1; do
         mode=(); [ "$K" = 1 ] && mode=(train.async_rollouts=true train.max_staleness=1)
         (
-            CUDA_VISIBLE_DEVICES=$(( j % N )) python3 -m cohort.cli train "$RECIPE" "model.name_or_path=$MODEL" \
+            # a compile cache per run: runs that start together would otherwise compile into one folder at once
+            export TORCHINDUCTOR_CACHE_DIR=${TMPDIR:-/tmp}/cohort_inductor_$$_$j
+            CUDA_VISIBLE_DEVICES=${G[$(( j % ${#G[@]} ))]} python3 -m cohort.cli train "$RECIPE" "model.name_or_path=$MODEL" \
                 "train.seed=$S" "train.max_steps=$STEPS" train.max_train_time_s=null run.save_only_model=true \
                 run.save_steps=0 "run.output_dir=$OUTDIR/seed${S}_k$K" "${mode[@]}" ${TRAIN_ARGS:-} 2>&1 \
                 | grep -v "^step " > "$OUTDIR/seed${S}_k$K.txt"

@@ -15,6 +15,8 @@ STEPS=${1:?steps}; OUTDIR=${2:?output folder}; shift 2
 SEEDS=("$@"); [ ${#SEEDS[@]} -gt 0 ] || { echo "give at least one seed after STEPS and OUTDIR" >&2; exit 2; }
 N=$(python3 -c "import torch; print(torch.cuda.device_count())")
 [ "$N" -ge 1 ] || { echo "needs a GPU, found none" >&2; exit 2; }
+# GPUS: the GPU indices to spread the runs over (default all), e.g. GPUS="1" keeps GPU 0 free for other work
+read -ra G <<< "${GPUS:-$(seq -s ' ' 0 $(( N - 1 )))}"; N=${#G[@]}
 # one GPU: every run's trainer and its server share it (a learning check, not a speed one)
 [ "$N" -ge 2 ] || echo "one GPU: every trainer and its server share GPU 0" >&2
 export SERVE_ARGS=${SERVE_ARGS:---kv-cache-fraction 0.1}
@@ -23,7 +25,7 @@ j=0; pids=()
 for S in "${SEEDS[@]}"; do
     for K in 0 1; do
         (
-            export TRAINER_GPU=$(( j % N )) ENGINE_GPU=$(( (j + 1) % N )) PORT=$(( 8011 + j ))
+            export TRAINER_GPU=${G[$(( j % N ))]} ENGINE_GPU=${G[$(( (j + 1) % N ))]} PORT=$(( 8011 + j ))
             export TRAIN_ARGS="train.seed=$S run.save_only_model=true ${TRAIN_ARGS:-}"
             bash bench/serve_learning.sh "$K" "$STEPS" "$OUTDIR/seed${S}_k$K" > "$OUTDIR/seed${S}_k$K.txt" 2>&1
             cp "$OUTDIR/seed${S}_k$K/run/metrics.jsonl" "$OUTDIR/seed${S}_k${K}_metrics.jsonl"
