@@ -12,7 +12,8 @@
 # RECIPE defaults to recipes/chain_sum_gpu.yaml. Multi-turn recipes (recipes/calculator_agent.yaml) run
 # asynchronously through a server instead (train.async_rollouts is single-turn):
 #   RECIPE=recipes/calculator_agent.yaml bash bench/serve_learning_seeds.sh 300 /tmp/agent_learn 1 2 3 4
-# TRAIN_ARGS: more overrides for every run (e.g. run.eval_steps=250). GPUS: which GPUs (default all).
+# TRAIN_ARGS: more overrides for every run (e.g. run.eval_steps=250). GPUS: which GPUs (default all). MODES: "1"
+# runs only the asynchronous runs (e.g. to complete seeds whose synchronous run is already in OUTDIR).
 set -euo pipefail
 STEPS=${1:?steps}; OUTDIR=${2:?output folder}; shift 2
 SEEDS=("$@"); [ ${#SEEDS[@]} -gt 0 ] || { echo "give at least one seed after STEPS and OUTDIR" >&2; exit 2; }
@@ -26,7 +27,7 @@ mkdir -p "$OUTDIR"
 python3 -c "import sys; from cohort.policy.model import resolve_model_path as r; print(r(sys.argv[1]))" "$MODEL" | tail -n 1
 j=0; pids=()
 for S in "${SEEDS[@]}"; do
-    for K in 0 1; do
+    for K in ${MODES:-0 1}; do
         mode=(); [ "$K" = 1 ] && mode=(train.async_rollouts=true train.max_staleness=1)
         (
             # a compile cache per run: runs that start together would otherwise compile into one folder at once
@@ -43,7 +44,7 @@ done
 failed=0
 for p in "${pids[@]}"; do wait "$p" || failed=$(( failed + 1 )); done
 python3 bench/serve_learning_table.py "$OUTDIR"
-files=(); for S in "${SEEDS[@]}"; do for K in 0 1; do
+files=(); for S in "${SEEDS[@]}"; do for K in ${MODES:-0 1}; do
     [ -f "$OUTDIR/seed${S}_k${K}_metrics.jsonl" ] && files+=("seed${S}_k$K.txt" "seed${S}_k${K}_metrics.jsonl")
 done; done
 python3 bench/manifest.py "$OUTDIR" "${files[@]}" \

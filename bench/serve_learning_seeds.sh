@@ -4,7 +4,8 @@
 # (the 135M model leaves each GPU mostly idle; SERVE_ARGS keeps every server's KV cache small). Each run's
 # output and metrics go to OUTDIR/seed<S>_k<K>.txt and OUTDIR/seed<S>_k<K>_metrics.jsonl, and a table of the
 # held-out accuracy at every evaluation is printed at the end (bench/serve_learning_table.py); OUTDIR/manifest.json
-# lists those files (bench/results/README.md). On one GPU every trainer and its server share it.
+# lists those files (bench/results/README.md). On one GPU every trainer and its server share it (the weights then
+# travel over gloo through host memory: NCCL cannot put both ends on one GPU).
 #
 #   export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false MODEL=<converted folder>
 #   bash bench/serve_learning_seeds.sh 300 /tmp/learn 2 3 4 5        # 8 runs on 4 GPUs, about 5 minutes
@@ -15,17 +16,18 @@ STEPS=${1:?steps}; OUTDIR=${2:?output folder}; shift 2
 SEEDS=("$@"); [ ${#SEEDS[@]} -gt 0 ] || { echo "give at least one seed after STEPS and OUTDIR" >&2; exit 2; }
 N=$(python3 -c "import torch; print(torch.cuda.device_count())")
 [ "$N" -ge 1 ] || { echo "needs a GPU, found none" >&2; exit 2; }
-# GPUS: the GPU indices to spread the runs over (default all), e.g. GPUS="1" keeps GPU 0 free for other work
+# GPUS: the GPU indices to spread the runs over (default all), e.g. GPUS="1" keeps GPU 0 free for other work;
+# PORT_BASE (default 8011): run j serves on PORT_BASE + j (two of these scripts at once need different ones)
 read -ra G <<< "${GPUS:-$(seq -s ' ' 0 $(( N - 1 )))}"; N=${#G[@]}
 # one GPU: every run's trainer and its server share it (a learning check, not a speed one)
-[ "$N" -ge 2 ] || echo "one GPU: every trainer and its server share GPU 0" >&2
+[ "$N" -ge 2 ] || echo "one GPU: every trainer and its server share GPU ${G[0]}" >&2
 export SERVE_ARGS=${SERVE_ARGS:---kv-cache-fraction 0.1}
 mkdir -p "$OUTDIR"
 j=0; pids=()
 for S in "${SEEDS[@]}"; do
     for K in 0 1; do
         (
-            export TRAINER_GPU=${G[$(( j % N ))]} ENGINE_GPU=${G[$(( (j + 1) % N ))]} PORT=$(( 8011 + j ))
+            export TRAINER_GPU=${G[$(( j % N ))]} ENGINE_GPU=${G[$(( (j + 1) % N ))]} PORT=$(( ${PORT_BASE:-8011} + j ))
             export TRAIN_ARGS="train.seed=$S run.save_only_model=true ${TRAIN_ARGS:-}"
             bash bench/serve_learning.sh "$K" "$STEPS" "$OUTDIR/seed${S}_k$K" > "$OUTDIR/seed${S}_k$K.txt" 2>&1
             cp "$OUTDIR/seed${S}_k$K/run/metrics.jsonl" "$OUTDIR/seed${S}_k${K}_metrics.jsonl"

@@ -302,8 +302,9 @@ class RemoteEngine:
         if self._group is not None:
             return self._group
         assert self.policy is not None
-        info = self.client.request("POST", "/weights/init", {}, phase=phase)
         weights_device = next(self.policy.parameters()).device
+        # the server answers gloo instead of NCCL when this GPU is one of its own (W.gpu_uuid)
+        info = self.client.request("POST", "/weights/init", {"gpu": W.gpu_uuid(weights_device)}, phase=phase)
         if info["backend"] == "nccl" and weights_device.type != "cuda":
             raise ConfigError(f"{self.client.where} receives weights over NCCL (it runs on a GPU) but the trainer's "
                               "policy is on the CPU; train on a GPU, or serve on the CPU (--device cpu)")

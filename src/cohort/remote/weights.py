@@ -159,6 +159,15 @@ def check_plan(plan: Sequence[Sequence[int]], count: int) -> None:
 # The process group
 
 
+def gpu_uuid(device: torch.device) -> str | None:
+    """The physical GPU behind `device` (None off CUDA): the trainer and the server compare theirs, since NCCL
+    cannot hold two ranks of one group on the same GPU ("Duplicate GPU detected") and CUDA_VISIBLE_DEVICES
+    numbers the same card differently in each process."""
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
 def make_group(host: str, port: int, rank: int, *, backend: str, timeout_s: float, store=None,
                prefix: str = DEFAULT_PREFIX, bind_host: str | None = None):
     """A two-member group (rank 0: trainer, rank 1: server) over the TCPStore at host:port (the server passes its

@@ -119,6 +119,9 @@ class EngineServer:
         self.specs = W.manifest_of(W.model_tensors(self.replicas[0].model))
         self.castable = W.buffer_names(self.replicas[0].model)  # buffers: a push may send another float dtype
         self.backend = "nccl" if self.replicas[0].device.type == "cuda" else "gloo"
+        self._group_backend = self.backend  # the open group's: gloo for a trainer on one of our GPUs
+        self._gpus = {W.gpu_uuid(r.device) for r in self.replicas} - {None}
+        self._said_shared_gpu = False
         self._pool = ThreadPoolExecutor(len(self.replicas)) if len(self.replicas) > 1 else None
         # concurrent requests (a data-parallel trainer's ranks) decode as one batch: serving/coalesce.py
         self._coalescer = Coalescer(self._generate)
@@ -189,18 +192,22 @@ class EngineServer:
             return replica.engine.generate(prompts, params)
 
     # ---- weights -----------------------------------------------------------------------------------
-    def weights_init(self) -> dict:
+    def weights_init(self, trainer_gpu: str | None = None) -> dict:
         """Open a weight group: a TCPStore on a free port of the server's host (announced) and, in the background,
         the group the trainer joins as rank 0, its keys under a prefix drawn now (announced to the caller only,
-        who passed the HTTP authentication). A second init replaces the first (a trainer that reconnects)."""
+        who passed the HTTP authentication). A second init replaces the first (a trainer that reconnects).
+        `trainer_gpu`: the UUID of the trainer's GPU; when it is one of the server's, the group is gloo (weights
+        through host memory), because NCCL refuses two ranks on one GPU."""
         with self._admin:
+            backend = self._backend_for(trainer_gpu)
             store = W.host_store(self.host, self.group_timeout_s)
             prefix = f"{W.DEFAULT_PREFIX}/{secrets.token_hex(16)}"
             self._group, self._group_error, self._push = None, None, None
+            self._group_backend = backend
 
             def join() -> None:
                 try:
-                    self._group = W.make_group(self.host, store.port, 1, backend=self.backend,
+                    self._group = W.make_group(self.host, store.port, 1, backend=backend,
                                                timeout_s=self.group_timeout_s, store=store, prefix=prefix,
                                                bind_host=self.host)
                 except BaseException as exc:  # reported to the next begin
@@ -208,8 +215,18 @@ class EngineServer:
 
             self._group_thread = threading.Thread(target=join, name="cohort-weight-group", daemon=True)
             self._group_thread.start()
-            return {"port": store.port, "backend": self.backend, "rank": 0, "world_size": 2,
+            return {"port": store.port, "backend": backend, "rank": 0, "world_size": 2,
                     "timeout_s": self.group_timeout_s, "prefix": prefix}
+
+    def _backend_for(self, trainer_gpu: str | None) -> str:
+        if self.backend != "nccl" or trainer_gpu is None or trainer_gpu not in self._gpus:
+            return self.backend
+        if not self._said_shared_gpu:  # said once: every reconnect of the same trainer would repeat it
+            self._said_shared_gpu = True
+            print("cohort serve: the trainer runs on one of this server's GPUs; weights travel over gloo through "
+                  "host memory (NCCL cannot put both ends on one GPU), slower than NCCL: serve from another GPU "
+                  "for the fast path", flush=True)
+        return "gloo"
 
     def weights_begin(self, version: int, manifest: Sequence, plan: Sequence[Sequence[int]],
                       session: str | None = None) -> dict:
@@ -221,7 +238,8 @@ class EngineServer:
             group = self._joined_group()
             push = _Push(version=int(version), specs=specs, thread=threading.Thread(), started=time.perf_counter(),
                          session=session)
-            device = self.replicas[0].device
+            # a gloo group receives into host memory; _apply copies it onto the replicas' devices
+            device = self.replicas[0].device if self._group_backend == "nccl" else torch.device("cpu")
 
             def receive() -> None:
                 try:

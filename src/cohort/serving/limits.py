@@ -219,6 +219,11 @@ def min_version(value: Any) -> int | None:
     return integer(value, "min_version", -MAX_VERSION, MAX_VERSION, "send a policy version, an integer, or null")
 
 
+def gpu_id(value: Any) -> str | None:
+    """A GPU's UUID as torch prints it (the trainer's, so the server can tell a GPU it shares), or null."""
+    return None if value is None else text(value, "gpu", 64)
+
+
 def session(value: Any, limits: Limits) -> str | None:
     return None if value is None else text(value, "session", limits.max_session_chars)
 

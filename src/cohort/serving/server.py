@@ -84,7 +84,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._route(routes)
 
     def do_POST(self) -> None:
-        routes = {"/generate": self._generate, "/weights/init": lambda b: self.engine.weights_init(),
+        routes = {"/generate": self._generate, "/weights/init": lambda b: self.engine.weights_init(L.gpu_id(b.get("gpu"))),
                   "/weights/begin": self._weights_begin,
                   "/weights/commit": lambda b: self.engine.weights_commit(L.version(b.get("version"))),
                   "/sessions/close": lambda b: sessions.close_answer(self.engine, b, _session_id),
