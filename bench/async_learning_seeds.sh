@@ -22,14 +22,18 @@ N=$(python3 -c "import torch; print(torch.cuda.device_count())")
 [ "$N" -ge 1 ] || { echo "needs a GPU, found none" >&2; exit 2; }
 # GPUS: the GPU indices to spread the runs over (default all), e.g. GPUS="1" keeps GPU 0 free for other work
 read -ra G <<< "${GPUS:-$(seq -s ' ' 0 $(( N - 1 )))}"
-mkdir -p "$OUTDIR"
+# PER_GPU: runs at once per GPU (default 4; eight 135M runs with their engines overflowed one 141 GB H200), the
+# rest start as runs end
+PER_GPU=${PER_GPU:-4}
+mkdir -p "$OUTDIR"; rm -f "$OUTDIR"/seed*_k*.rc
 # convert a GGUF once before the runs start (they would wait on each other's lock otherwise)
 python3 -c "import sys; from cohort.policy.model import resolve_model_path as r; print(r(sys.argv[1]))" "$MODEL" | tail -n 1
-j=0; pids=()
+j=0
 for S in "${SEEDS[@]}"; do
     for K in ${MODES:-0 1}; do
         mode=(); [ "$K" = 1 ] && mode=(train.async_rollouts=true train.max_staleness=1)
-        (
+        while [ "$(jobs -pr | wc -l)" -ge $(( PER_GPU * ${#G[@]} )) ]; do wait -n || true; done
+        { (
             # a compile cache per run: runs that start together would otherwise compile into one folder at once
             export TORCHINDUCTOR_CACHE_DIR=${TMPDIR:-/tmp}/cohort_inductor_$$_$j
             CUDA_VISIBLE_DEVICES=${G[$(( j % ${#G[@]} ))]} python3 -m cohort.cli train "$RECIPE" "model.name_or_path=$MODEL" \
@@ -37,12 +41,12 @@ for S in "${SEEDS[@]}"; do
                 run.save_steps=0 "run.output_dir=$OUTDIR/seed${S}_k$K" "${mode[@]}" ${TRAIN_ARGS:-} 2>&1 \
                 | grep -v "^step " > "$OUTDIR/seed${S}_k$K.txt"
             cp "$OUTDIR/seed${S}_k$K/metrics.jsonl" "$OUTDIR/seed${S}_k${K}_metrics.jsonl"
-        ) &
-        pids+=($!); j=$(( j + 1 ))
+        ) && rc=0 || rc=$?; echo "$rc" > "$OUTDIR/seed${S}_k$K.rc"; } &
+        j=$(( j + 1 ))
     done
 done
-failed=0
-for p in "${pids[@]}"; do wait "$p" || failed=$(( failed + 1 )); done
+wait
+failed=$(cat "$OUTDIR"/seed*_k*.rc | grep -cv '^0$' || true)
 python3 bench/serve_learning_table.py "$OUTDIR"
 files=(); for S in "${SEEDS[@]}"; do for K in ${MODES:-0 1}; do
     [ -f "$OUTDIR/seed${S}_k${K}_metrics.jsonl" ] && files+=("seed${S}_k$K.txt" "seed${S}_k${K}_metrics.jsonl")

@@ -22,21 +22,25 @@ read -ra G <<< "${GPUS:-$(seq -s ' ' 0 $(( N - 1 )))}"; N=${#G[@]}
 # one GPU: every run's trainer and its server share it (a learning check, not a speed one)
 [ "$N" -ge 2 ] || echo "one GPU: every trainer and its server share GPU ${G[0]}" >&2
 export SERVE_ARGS=${SERVE_ARGS:---kv-cache-fraction 0.1}
-mkdir -p "$OUTDIR"
-j=0; pids=()
+# PER_GPU: runs (trainer + server) at once per GPU (default 2: four calculator-agent trainers of 21-40 GB and
+# their servers overflowed one 141 GB H200); the rest start as runs end
+PER_GPU=${PER_GPU:-2}
+mkdir -p "$OUTDIR"; rm -f "$OUTDIR"/seed*_k*.rc
+j=0
 for S in "${SEEDS[@]}"; do
     for K in 0 1; do
-        (
+        while [ "$(jobs -pr | wc -l)" -ge $(( PER_GPU * N )) ]; do wait -n || true; done
+        { (
             export TRAINER_GPU=${G[$(( j % N ))]} ENGINE_GPU=${G[$(( (j + 1) % N ))]} PORT=$(( ${PORT_BASE:-8011} + j ))
             export TRAIN_ARGS="train.seed=$S run.save_only_model=true ${TRAIN_ARGS:-}"
             bash bench/serve_learning.sh "$K" "$STEPS" "$OUTDIR/seed${S}_k$K" > "$OUTDIR/seed${S}_k$K.txt" 2>&1
             cp "$OUTDIR/seed${S}_k$K/run/metrics.jsonl" "$OUTDIR/seed${S}_k${K}_metrics.jsonl"
-        ) &
-        pids+=($!); j=$(( j + 1 ))
+        ) && rc=0 || rc=$?; echo "$rc" > "$OUTDIR/seed${S}_k$K.rc"; } &
+        j=$(( j + 1 ))
     done
 done
-failed=0
-for p in "${pids[@]}"; do wait "$p" || failed=$(( failed + 1 )); done
+wait
+failed=$(cat "$OUTDIR"/seed*_k*.rc | grep -cv '^0$' || true)
 python3 bench/serve_learning_table.py "$OUTDIR"
 files=(); for S in "${SEEDS[@]}"; do for K in 0 1; do files+=("seed${S}_k$K.txt" "seed${S}_k${K}_metrics.jsonl"); done; done
 python3 bench/manifest.py "$OUTDIR" "${files[@]}" --command "bash bench/serve_learning_seeds.sh $STEPS $OUTDIR ${SEEDS[*]}" \
