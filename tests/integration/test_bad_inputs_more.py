@@ -195,7 +195,12 @@ def test_facade_still_accepts_reward_models_by_name_at_construction(tmp_path, mo
     # valid arguments: the constructor goes on to load the models, as TRL's does (the policy first), and a
     # policy that cannot be had offline is named
     args.learning_rate = 1e-6
+    # offline as the hub library sees it: its constant is read at import, so the variable alone came too late and
+    # every lookup waited for its network retries (70 s)
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ConfigError, match="some-org/policy"):
         GRPOTrainer(model="some-org/policy", reward_funcs=["some-org/reward-model", none_for_all], args=args,
                     train_dataset=[{"prompt": "hi"}] * 4)
