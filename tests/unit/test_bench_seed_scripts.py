@@ -24,7 +24,7 @@ case "$*" in
     out=""; seed=""; async=0
     for a in "$@"; do case "$a" in run.output_dir=*) out=${a#run.output_dir=} ;; train.seed=*) seed=${a#train.seed=} ;;
       train.async_rollouts=true|train.max_staleness=1) async=1 ;; esac; done
-    echo "start $seed $async gpu=$CUDA_VISIBLE_DEVICES" >> "$log"; sleep 1
+    echo "start $seed $async gpu=$CUDA_VISIBLE_DEVICES" >> "$log"; sleep "${FAKE_SLEEP:-1}"
     echo "end $seed $async" >> "$log"
     [ "$seed$async" = 21 ] && { echo "boom" >&2; exit 3; }
     mkdir -p "$out"; echo '{"step": 0}' > "$out/metrics.jsonl" ;;
@@ -70,7 +70,7 @@ def test_async_seeds_throttle_count_failures_and_pick_gpus(fake_env):
 
 def test_async_seeds_modes_and_two_per_gpu(fake_env):
     env, log, out = fake_env
-    env.update(PER_GPU="2", MODES="1")
+    env.update(PER_GPU="2", MODES="1", FAKE_SLEEP="4")  # one wave of 4 runs: they overlap even on a loaded machine
     proc = subprocess.run(["bash", "bench/async_learning_seeds.sh", "5", str(out), "1", "3", "4", "5"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
