@@ -190,7 +190,7 @@ def measure(name, fn, args, device, *, stats=None, other_cpu=None, profile_path=
     stats0 = read() if stats is not None else None
     times, cpu, sampled, context, turns = [], [], 0, 0, 0
     profiler = None
-    if profile_path and name.startswith("multi-turn"):
+    if profile_path:
         import cProfile
 
         profiler = cProfile.Profile()
@@ -227,9 +227,14 @@ def colocated_modes(engine, tok, tools, parser, ids, convs, params):
     import cohort.agents.messages as messages
     import cohort.agents.tools as tools_mod
     import cohort.engine.attention as attention
+    import cohort.engine.launches as launches
     from cohort.agents.rollout_loop import TurnLoop
 
     batched, render, run_tools = attention.prefix_sdpa_batched, messages._render, tools_mod.ToolRunner.run
+    launch_ahead, chain = launches.launch_ahead, launches.chain
+
+    def chain_unless_waiting(engine, current):  # as before: no chained launch while a continued turn waits
+        return None if engine.scheduler.waiting else chain(engine, current)
 
     def per_turn_prefix(q, out, k_cache, v_cache, batch, scale, window=None, max_elements=0):
         """The attention of continued turns one turn at a time (as before the batched version)."""
@@ -247,17 +252,20 @@ def colocated_modes(engine, tok, tools, parser, ids, convs, params):
     def run_with_event_loop(self, calls):  # as before: an event loop per turn, a new thread per sync call
         return tools_mod._run_sync(self.arun(calls)) if calls else []
 
-    def multi_with(delay: int, batched_prefix: bool, fast_host: bool, inline: bool | str):
+    def multi_with(delay: int, batched_prefix: bool, fast_host: bool, inline: bool | str, ahead: bool = True):
         def run():
             engine.scheduler.config.continuation_delay_steps = delay
             attention.prefix_sdpa_batched = batched if batched_prefix else per_turn_prefix
             messages._render = render if fast_host else render_uncached
             tools_mod.ToolRunner.run = run_tools if fast_host else run_with_event_loop
+            launches.launch_ahead = launch_ahead if ahead else lambda engine: None
+            launches.chain = chain if ahead else chain_unless_waiting
             loop = TurnLoop(tok, tools, max_iterations=3, parser=parser, inline_tools=inline)
             try:
                 return loop.generate(engine, ids, params, prompts=convs)
             finally:
                 attention.prefix_sdpa_batched, messages._render, tools_mod.ToolRunner.run = batched, render, run_tools
+                launches.launch_ahead, launches.chain = launch_ahead, chain
         return run
 
     default_multi = multi_with(8, True, True, "auto")
@@ -273,12 +281,15 @@ def colocated_modes(engine, tok, tools, parser, ids, convs, params):
     return [("single-turn", lambda: engine.generate(ids, params)),
             ("single-turn, the multi-turn row's sampled tokens per completion (EOS ignored)", single_same_tokens),
             ("multi-turn before: per-turn prefix attn, no delay, uncached renders, event loop per turn",
-             multi_with(0, False, False, False)),
-            ("multi-turn + batched prefix attn", multi_with(0, True, False, False)),
-            ("multi-turn + continuation_delay_steps=8", multi_with(8, True, False, False)),
-            ("multi-turn + render cache, tool workers", multi_with(8, True, True, False)),
-            ("multi-turn + agent.inline_tools", multi_with(8, True, True, True)),
-            ("multi-turn + agent.inline_tools=auto (= default)", default_multi)]
+             multi_with(0, False, False, False, ahead=False)),
+            ("multi-turn + batched prefix attn", multi_with(0, True, False, False, ahead=False)),
+            ("multi-turn + continuation_delay_steps=8", multi_with(8, True, False, False, ahead=False)),
+            ("multi-turn + render cache, tool workers", multi_with(8, True, True, False, ahead=False)),
+            ("multi-turn + agent.inline_tools", multi_with(8, True, True, True, ahead=False)),
+            ("multi-turn + inline_tools=auto, no launch-ahead", multi_with(8, True, True, "auto", ahead=False)),
+            ("multi-turn + launch-ahead, continuation_delay_steps=4", multi_with(4, True, True, "auto")),
+            ("multi-turn + launch-ahead, continuation_delay_steps=0", multi_with(0, True, True, "auto")),
+            ("multi-turn + launch-ahead, inline_tools=auto (= default)", default_multi)]
 
 
 def parse_args():
@@ -291,7 +302,7 @@ def parse_args():
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--p-call", type=float, default=0.5, help="probability that a turn calls the tool")
     ap.add_argument("--steps", type=int, default=3, help="timed calls of each mode (after one warm-up)")
-    ap.add_argument("--profile", help="write a cProfile of each multi-turn row's timed calls to PROFILE.<row>")
+    ap.add_argument("--profile", help="write a cProfile of each row's timed calls to PROFILE.<row number>")
     ap.add_argument("--only", help="comma-separated substrings of the row names to run (e.g. 'single,before')")
     ap.add_argument("--served", action="store_true", help="add the rows served by a `cohort serve` subprocess")
     ap.add_argument("--server-device", help="the server's device (cuda:1, cuda, cpu; default: cuda:1 when two "

@@ -26,28 +26,17 @@ from dataclasses import dataclass
 
 import torch
 
+from cohort.engine import launches
 from cohort.engine.block_manager import BlockManager
 from cohort.engine.config import EngineConfig, context_note
 from cohort.engine.model_runner import ModelRunner
 from cohort.engine.models.decoder import HFModule, unwrap_model
 from cohort.engine.models.registry import engine_supports
 from cohort.engine.sampler import Sampler, needs_processing
-from cohort.engine.scheduler import Scheduler
+from cohort.engine.scheduler import ScheduledStep, Scheduler
 from cohort.engine.sequence import PrefillUnit, Sequence, Status
 from cohort.policy.context import default_block_size, model_context
 from cohort.types import Completion, PromptWithInputs, SamplingParams, TurnCallback, TurnEnd
-
-# A chained launch keeps rows that ended in the batch (budget 0) while at least this share still decodes.
-MIN_LIVE_SHARE = 0.75
-
-
-@dataclass
-class _Launch:
-    """A multi-step decode launch whose tokens have not been read yet."""
-
-    ticket: int
-    seqs: list[Sequence]
-    budgets: list[int]
 
 
 @dataclass
@@ -118,7 +107,8 @@ class CohortEngine:
         self.sampler.exact_logprobs = None if exact is None else exact.logprobs
         self._warm_sampler()
         self.stats = EngineStats()
-        self._inflight: _Launch | None = None  # a queued multi-step launch (see _multi_step)
+        self._inflight: launches.Launch | None = None  # a queued multi-step launch (engine/launches.py)
+        self._scheduled: ScheduledStep | None = None  # a decode step scheduled ahead (launches.launch_ahead)
         self._ids = itertools.count()
         self._rng = random.Random()
 
@@ -200,6 +190,8 @@ class CohortEngine:
                     else:  # every live conversation waits for its tools
                         wait(list(pending), return_when=FIRST_COMPLETED)
                         ended = []
+                    if any(seq.status is Status.PAUSED for seq in ended):
+                        launches.launch_ahead(self)  # the other conversations decode while the callbacks run
                     for seq in ended:
                         if seq.status is Status.PAUSED:
                             self._end_turn(seq, on_turn_end(self._turn_end(seq)), pending)
@@ -246,6 +238,7 @@ class CohortEngine:
         for unit in self.scheduler.waiting:  # continued turns wait in the queue holding their blocks
             self.blocks.free(unit.leader)
         self._inflight = None  # its kernels only touch blocks that later work, queued after it, overwrites
+        self._scheduled = None
         self.scheduler.running.clear()
         self.scheduler.paused.clear()
         self.scheduler.waiting.clear()
@@ -311,12 +304,10 @@ class CohortEngine:
     def step(self) -> list[Sequence]:
         """One scheduler step: forward, sample, append, release finished sequences (returned)."""
         if self._inflight is not None:
-            return self._multi_step()
-        step = self.scheduler.schedule(self.runner.decode_steps)
-        if not step.is_prefill and step.lookahead > 1 and step.seqs and not needs_processing(step.seqs):
-            budgets = [seq.decode_budget(step.lookahead) for seq in step.seqs]
-            self._inflight = _Launch(self.runner.launch_multi(step.seqs, budgets), step.seqs, budgets)
-            return self._multi_step()
+            return launches.read(self)
+        step, self._scheduled = self._scheduled or self.scheduler.schedule(self.runner.decode_steps), None
+        if launches.queue(self, step):
+            return launches.read(self)
         if step.is_prefill:
             logits = self.runner.prefill(step.units)
             if step.block_copies:
@@ -343,52 +334,3 @@ class CohortEngine:
         for seq, token, logprob in zip(step.seqs, tokens, logprobs):
             seq.append(token, logprob, self.tokenizer)
         return self.scheduler.finish(step.seqs)
-
-    def _multi_step(self) -> list[Sequence]:
-        """Read the queued multi-step launch's tokens (EngineConfig.decode_steps per row; those after a row's
-        stop are dropped), after queueing the next launch when it can chain: the device then runs the next
-        `decode_steps` steps while the host reads and books these (see _chain)."""
-        current = self._inflight
-        assert current is not None
-        self._inflight = self._chain(current)
-        tokens, logprobs = self.runner.collect_multi(current.ticket, len(current.seqs))
-        before = sum(len(seq) for seq in current.seqs)
-        self.runner.routes.book_multi(current.ticket, current.seqs, current.budgets)  # when recording
-        for seq, budget, toks, lps in zip(current.seqs, current.budgets, tokens, logprobs):
-            # a row that ended in an earlier launch was computed in vain in this chained one
-            if seq.status is Status.RUNNING and seq.finish_reason is None:
-                seq.extend_sampled(toks[:budget], lps[:budget], self.tokenizer)
-        self.stats.decode_tokens += sum(len(seq) for seq in current.seqs) - before
-        self.stats.decode_steps += self.runner.decode_steps
-        self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, self.blocks.num_used_blocks)
-        finished = self.scheduler.finish(current.seqs)
-        if self._inflight is not None and not any(s.status is Status.RUNNING for s in current.seqs):
-            self.runner.collect_multi(self._inflight.ticket, 0)  # every row ended: nothing to read
-            self._inflight = None
-        return finished
-
-    def _chain(self, current: _Launch) -> _Launch | None:
-        """Queue the launch after `current`, before its tokens are read, when the batch need not change in
-        between: no prefill waits, and at least MIN_LIVE_SHARE of the rows have tokens left after `current`.
-        The other rows stay in the batch with a budget of 0 (they compute nothing that is kept and write only
-        the scratch block): those that reach max_tokens inside `current`, and those that ended in an earlier
-        launch. A row that stops (EOS, stop string) inside `current` is computed once more in vain. The blocks
-        for both chunks must be free. Otherwise None: the host reads `current` and schedules afresh, which
-        drops the ended rows from the batch."""
-        steps = self.runner.decode_steps
-        if self.scheduler.waiting:
-            return None
-        budgets = []
-        for seq, budget in zip(current.seqs, current.budgets):
-            if seq.status is not Status.RUNNING or seq.finish_reason is not None:
-                budgets.append(0)  # ended before `current`, whose tokens for it are dropped too
-            else:  # tokens left once `current`'s are in (a row with budget < steps ends in `current`)
-                budgets.append(max(0, min(steps, seq.max_tokens - seq.num_completion_tokens - budget)))
-        live = sum(b > 0 for b in budgets)
-        if live == 0 or live < MIN_LIVE_SHARE * len(budgets):
-            return None
-        # this launch writes KV at positions len + budget(current) - 1 .. len + budget(current) + budget - 2
-        wanted = [(seq, len(seq) + b0 + b - 1) for seq, b0, b in zip(current.seqs, current.budgets, budgets) if b]
-        if not self.scheduler.reserve_ahead(wanted):
-            return None
-        return _Launch(self.runner.launch_multi(current.seqs, budgets, chained=True), current.seqs, budgets)

@@ -56,7 +56,7 @@ class Scheduler:
 
     def schedule(self, lookahead: int = 1) -> ScheduledStep:
         """The next step; a decode step may run `lookahead` device steps when the free blocks allow it."""
-        if self._defer_continuations():
+        if self.defers_continuations():
             decode = self._schedule_decode(lookahead)
             self.deferred_steps += decode.lookahead
             return decode
@@ -66,7 +66,7 @@ class Scheduler:
             return step
         return self._schedule_decode(lookahead)
 
-    def _defer_continuations(self) -> bool:
+    def defers_continuations(self) -> bool:
         """Whether to decode rather than prefill this step: only continued turns wait, sequences are decoding,
         fewer than half as many turns wait as decode, and they have waited fewer than
         `continuation_delay_steps` decode steps (see EngineConfig)."""
