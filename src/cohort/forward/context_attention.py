@@ -27,8 +27,9 @@ This module needs no process group: the row's `ContextShard` carries the group's
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -108,12 +109,14 @@ class ContextShard:
     reduce: Reduce
     completion_index: torch.Tensor
     completion_total: int
-    _span: tuple[int, int] = field(default=(0, 0), init=False)
 
-    def __post_init__(self) -> None:
+    # Not a field: FSDP2 rebuilds the dataclasses among a forward's inputs (dataclasses.replace) when it casts
+    # them to the compute dtype, and replace() cannot pass a field that __init__ does not take.
+    @functools.cached_property
+    def _span(self) -> tuple[int, int]:
+        """The whole chunks of the row whose keys some local query sees: gathered back into row order once a layer."""
         s = self.length // (2 * self.size)
-        # the whole chunks of the row whose keys some local query sees: gathered back into row order once a layer
-        self._span = (min(c.key_start for c in self.chunks) // s, max(c.end for c in self.chunks) // s)
+        return min(c.key_start for c in self.chunks) // s, max(c.end for c in self.chunks) // s
 
     def to(self, device: torch.device) -> ContextShard:
         """The flash kernels' segment bounds on `device` (built once per row, beside its other tensors)."""
