@@ -228,10 +228,10 @@ def colocated_modes(engine, tok, tools, parser, ids, convs, params):
     import cohort.agents.tools as tools_mod
     import cohort.engine.attention as attention
     import cohort.engine.launches as launches
-    from cohort.agents.rollout_loop import TurnLoop
+    from cohort.agents.rollout_loop import TurnLoop, _TurnEnds
 
     batched, render, run_tools = attention.prefix_sdpa_batched, messages._render, tools_mod.ToolRunner.run
-    launch_ahead, chain = launches.launch_ahead, launches.chain
+    launch_ahead, chain, many = launches.launch_ahead, launches.chain, _TurnEnds.many
 
     def chain_unless_waiting(engine, current):  # as before: no chained launch while a continued turn waits
         return None if engine.scheduler.waiting else chain(engine, current)
@@ -252,7 +252,8 @@ def colocated_modes(engine, tok, tools, parser, ids, convs, params):
     def run_with_event_loop(self, calls):  # as before: an event loop per turn, a new thread per sync call
         return tools_mod._run_sync(self.arun(calls)) if calls else []
 
-    def multi_with(delay: int, batched_prefix: bool, fast_host: bool, inline: bool | str, ahead: bool = True):
+    def multi_with(delay: int, batched_prefix: bool, fast_host: bool, inline: bool | str, ahead: bool = True,
+                   batched_turns: bool = True):
         def run():
             engine.scheduler.config.continuation_delay_steps = delay
             attention.prefix_sdpa_batched = batched if batched_prefix else per_turn_prefix
@@ -260,12 +261,13 @@ def colocated_modes(engine, tok, tools, parser, ids, convs, params):
             tools_mod.ToolRunner.run = run_tools if fast_host else run_with_event_loop
             launches.launch_ahead = launch_ahead if ahead else lambda engine: None
             launches.chain = chain if ahead else chain_unless_waiting
+            _TurnEnds.many = many if batched_turns else None  # None: the engine calls back once per turn
             loop = TurnLoop(tok, tools, max_iterations=3, parser=parser, inline_tools=inline)
             try:
                 return loop.generate(engine, ids, params, prompts=convs)
             finally:
                 attention.prefix_sdpa_batched, messages._render, tools_mod.ToolRunner.run = batched, render, run_tools
-                launches.launch_ahead, launches.chain = launch_ahead, chain
+                launches.launch_ahead, launches.chain, _TurnEnds.many = launch_ahead, chain, many
         return run
 
     default_multi = multi_with(8, True, True, "auto")
@@ -281,12 +283,14 @@ def colocated_modes(engine, tok, tools, parser, ids, convs, params):
     return [("single-turn", lambda: engine.generate(ids, params)),
             ("single-turn, the multi-turn row's sampled tokens per completion (EOS ignored)", single_same_tokens),
             ("multi-turn before: per-turn prefix attn, no delay, uncached renders, event loop per turn",
-             multi_with(0, False, False, False, ahead=False)),
-            ("multi-turn + batched prefix attn", multi_with(0, True, False, False, ahead=False)),
-            ("multi-turn + continuation_delay_steps=8", multi_with(8, True, False, False, ahead=False)),
-            ("multi-turn + render cache, tool workers", multi_with(8, True, True, False, ahead=False)),
-            ("multi-turn + agent.inline_tools", multi_with(8, True, True, True, ahead=False)),
-            ("multi-turn + inline_tools=auto, no launch-ahead", multi_with(8, True, True, "auto", ahead=False)),
+             multi_with(0, False, False, False, ahead=False, batched_turns=False)),
+            ("multi-turn + batched prefix attn", multi_with(0, True, False, False, ahead=False, batched_turns=False)),
+            ("multi-turn + continuation_delay_steps=8", multi_with(8, True, False, False, ahead=False, batched_turns=False)),
+            ("multi-turn + render cache, tool workers", multi_with(8, True, True, False, ahead=False, batched_turns=False)),
+            ("multi-turn + agent.inline_tools", multi_with(8, True, True, True, ahead=False, batched_turns=False)),
+            ("multi-turn + inline_tools=auto, no launch-ahead", multi_with(8, True, True, "auto", ahead=False, batched_turns=False)),
+            ("multi-turn + launch-ahead, one tool hand-off per turn",
+             multi_with(8, True, True, "auto", batched_turns=False)),
             ("multi-turn + launch-ahead, continuation_delay_steps=4", multi_with(4, True, True, "auto")),
             ("multi-turn + launch-ahead, continuation_delay_steps=0", multi_with(0, True, True, "auto")),
             ("multi-turn + launch-ahead, inline_tools=auto (= default)", default_multi)]

@@ -113,6 +113,8 @@ class TurnEnd:
 
 # What a turn callback returns: the context tokens to append before the next model turn, None to end the
 # conversation, or a Future of either (the engine keeps generating the other sequences while it resolves).
+# A callback may also have `many(turns: list[TurnEnd]) -> list[reply]`, one reply per turn, which the engine
+# calls instead with every turn that ended in one step (cohort.agents.TurnLoop runs their tools at once).
 TurnCallback = Callable[[TurnEnd], "list[int] | Future | None"]
 
 

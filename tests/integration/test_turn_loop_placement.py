@@ -25,14 +25,18 @@ PARAMS = SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=120, stop_toke
 
 
 class Recorder:
-    """A ToolRunner that notes, per turn, whether the engine's own (main) thread ran its calls."""
+    """A ToolRunner that notes, per call, whether the engine's own (main) thread ran it (`inline`), and the same
+    per `run` (`runs`: inline, the turns that ended in one engine step run their calls in one `run`)."""
 
     def __init__(self, tools):
         self.runner = ToolRunner(tools)
         self.inline: list[bool] = []
+        self.runs: list[bool] = []
 
     def run(self, calls):
-        self.inline.append(threading.current_thread() is threading.main_thread())
+        main = threading.current_thread() is threading.main_thread()
+        self.inline += [main] * len(calls)
+        self.runs.append(main)
         return self.runner.run(calls)
 
 
@@ -46,6 +50,7 @@ def run_loop(tool, name, arguments, inline_tools="auto"):
                     parser=lambda text, tokenizer=None: [ToolCall(name, arguments)])
     tool.engine = engine  # type: ignore[attr-defined]
     out = [c for g in loop.generate(engine, ids, PARAMS, prompts=convs) for c in g]
+    loop.recorder = recorder  # type: ignore[attr-defined]
     return out, recorder.inline, loop
 
 
@@ -71,6 +76,8 @@ def test_auto_keeps_a_quick_tool_on_the_engine_thread():
     assert len(inline) > 4 and all(inline)
     assert loop.placement.modes["add"][0] == "inline"
     assert sum(c.tool_calls for c in out) == len(inline)
+    # the turns that end in one engine step run their calls together (TurnLoop's on_turn_end.many)
+    assert len(loop.recorder.runs) < len(inline)  # type: ignore[attr-defined]
 
 
 def test_auto_moves_a_slow_tool_to_the_pool_where_generation_goes_on(caplog):
@@ -78,9 +85,12 @@ def test_auto_moves_a_slow_tool_to_the_pool_where_generation_goes_on(caplog):
     with caplog.at_level(logging.WARNING, logger="cohort.agents"):
         out, inline, loop = run_loop(nap, "nap", {"seconds": 0.04})
     moved = nap.moved  # type: ignore[attr-defined]
-    # inline for its first 2 calls (2 in a row over 2 ms; 1 on a machine so loaded that it took over 50 ms)
+    # inline for its first 2 turns (2 in a row over 2 ms; 1 on a machine so loaded that it took over 50 ms), and
+    # the other turns that ended in the same engine steps (their calls run together, in one `run`)
     first = inline.count(True)
-    assert len(inline) > 4 and 1 <= first <= 2 and inline == [True] * first + [False] * (len(inline) - first)
+    runs = loop.recorder.runs  # type: ignore[attr-defined]
+    assert 1 <= runs.count(True) <= 2 and runs == [True] * runs.count(True) + [False] * (len(runs) - runs.count(True))
+    assert len(inline) > 4 and inline == [True] * first + [False] * (len(inline) - first) and first < len(inline)
     assert loop.placement.modes["nap"][0] == "pool"
     assert "'nap' now runs on the thread pool" in caplog.text
     # inline, the engine waits for the call: it cannot step; on the pool it steps the other completions
@@ -101,6 +111,7 @@ class PausingRunner(Recorder):
 
     def run(self, calls):
         self.inline.append(threading.current_thread() is threading.main_thread())
+        self.runs.append(self.inline[-1])
         for callback in list(gc.callbacks):
             callback("start", {"generation": 2})
         time.sleep(0.06)

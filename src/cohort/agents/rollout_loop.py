@@ -13,6 +13,10 @@ completion ends a turn, the loop:
    (`continuation_ids`: the chat template's tool-result block and the next assistant header);
 4. hands those ids back to the engine, which prefills only them on the sequence's kept KV blocks.
 
+The turns that end in one engine step come in one call (`engine.generate_turns` calls the callback's `many`):
+their calls (those of one tool runner) run at once, one hand-off to the tool workers instead of one per turn,
+while the engine's next decode launch, queued before the callback, runs on the device.
+
 Steps 2-3 run at once on the engine's own thread, between two engine steps (inline), or on a thread pool while
 the engine keeps generating the other sequences. Inline is faster for quick tools (a calculator): the pool's
 workers hold the GIL while rendering the chat template, and every PyTorch call of the engine's loop releases
@@ -119,27 +123,8 @@ class TurnLoop:
                              "give one per completion.")
         convs = {(i, j): _Conversation(_prompt_messages(prompts[i] if prompts is not None else None))
                  for i in range(len(prompt_ids)) for j in range(params.n)}
-        lock = threading.Lock()
-        parser = self.parser
-        assert parser is not None  # __post_init__ sets the default parser
         with ThreadPoolExecutor(self.max_workers, thread_name_prefix="cohort-turns") as pool:
-
-            def on_turn_end(turn: TurnEnd):
-                if self.max_iterations is not None and turn.turn > self.max_iterations:
-                    return None
-                raw = self.tokenizer.decode(turn.turn_ids, skip_special_tokens=False)
-                calls = parser(raw, self.tokenizer)
-                if self.malformed_tool_calls == "end":
-                    calls = [c for c in calls if c.name != INVALID_TOOL_NAME]
-                if not calls:
-                    return None
-                conv = convs[(turn.prompt_index, turn.sample_index)]
-                runner = self.runner if runners is None else runners[turn.prompt_index * params.n + turn.sample_index]
-                if self.placement.inline(calls):
-                    return self._run_tools(conv, turn, calls, params.max_tokens, lock, runner, timed=True)
-                return pool.submit(self._run_tools, conv, turn, calls, params.max_tokens, lock, runner)
-
-            groups = engine.generate_turns(prompt_ids, params, on_turn_end)
+            groups = engine.generate_turns(prompt_ids, params, _TurnEnds(self, convs, runners, params, pool))
         for i, group in enumerate(groups):
             for j, completion in enumerate(group):
                 conv = convs[(i, j)]
@@ -171,12 +156,37 @@ class TurnLoop:
         """Runs on the pool or inline: execute the calls, return the continuation ids (None when they do not
         fit). timed (inline): the calls' duration goes to the placement (agent.inline_tools=auto)."""
         if timed:
-            start = time.perf_counter()
-            with GcClock() as collector:
-                results = runner.run(calls)
-            self.placement.record(calls, results, time.perf_counter() - start, collector.seconds)
+            ((_, _, _, _, results),) = self._run_inline([(0, conv, turn, calls, runner)])
         else:
             results = runner.run(calls)
+        return self._continuation(conv, turn, calls, results, max_tokens, lock)
+
+    def _run_inline(self, items: list[tuple]) -> list[tuple]:
+        """Run the calls of several turns (k, conv, turn, calls, runner) on the engine's thread, those of one
+        runner in one `run` (its calls run at once, each under the timeout); each turn's calls and the
+        duration go to the placement (agent.inline_tools=auto). Returns (k, conv, turn, calls, results)."""
+        by_runner: dict[int, list[tuple]] = {}
+        for item in items:
+            by_runner.setdefault(id(item[4]), []).append(item)
+        out = []
+        for group in by_runner.values():
+            flat = [call for item in group for call in item[3]]
+            start = time.perf_counter()
+            with GcClock() as collector:
+                results = group[0][4].run(flat)
+            seconds = time.perf_counter() - start
+            at = 0
+            for k, conv, turn, calls, _ in group:
+                mine = results[at: at + len(calls)]
+                at += len(calls)
+                self.placement.record(calls, mine, seconds, collector.seconds)
+                out.append((k, conv, turn, calls, mine))
+        return out
+
+    def _continuation(self, conv: _Conversation, turn: TurnEnd, calls: list, results: list, max_tokens: int,
+                      lock: threading.Lock) -> list[int] | None:
+        """Book a turn's calls and results in its conversation and render the continuation ids (None when they do
+        not fit the completion budget)."""
         text = self.tokenizer.decode(turn.turn_ids, skip_special_tokens=True)
         with lock:  # counts are per conversation, but keep the increments plainly atomic
             conv.calls += len(results)
@@ -199,6 +209,63 @@ class TurnLoop:
         if ids:  # an empty continuation ends the conversation (no span in the completion)
             conv.contexts.append(ids)
         return ids
+
+
+class _TurnEnds:
+    """The engine's turn callback for one `TurnLoop.generate` call: `turn_ends(turn)` for one turn, and
+    `turn_ends.many(turns)` for the turns that ended in one engine step (the engine calls that one when it can:
+    the inline turns' calls then run at once, one hand-off to the tool workers for all of them)."""
+
+    def __init__(self, loop: TurnLoop, convs: dict, runners: Sequence[Any] | None, params: SamplingParams,
+                 pool: ThreadPoolExecutor) -> None:
+        self.loop, self.convs, self.runners, self.params, self.pool = loop, convs, runners, params, pool
+        self.lock = threading.Lock()
+
+    def _calls(self, turn: TurnEnd) -> list:
+        """The turn's tool calls to run (none: the conversation is over)."""
+        loop = self.loop
+        if loop.max_iterations is not None and turn.turn > loop.max_iterations:
+            return []
+        assert loop.parser is not None  # TurnLoop.__post_init__ sets the default parser
+        calls = loop.parser(loop.tokenizer.decode(turn.turn_ids, skip_special_tokens=False), loop.tokenizer)
+        if loop.malformed_tool_calls == "end":
+            calls = [c for c in calls if c.name != INVALID_TOOL_NAME]
+        return calls
+
+    def _where(self, turn: TurnEnd) -> tuple[_Conversation, Any]:
+        """The turn's conversation and tool runner."""
+        conv = self.convs[(turn.prompt_index, turn.sample_index)]
+        if self.runners is None:
+            return conv, self.loop.runner
+        return conv, self.runners[turn.prompt_index * self.params.n + turn.sample_index]
+
+    def _submit(self, conv: _Conversation, turn: TurnEnd, calls: list, runner: Any):
+        return self.pool.submit(self.loop._run_tools, conv, turn, calls, self.params.max_tokens, self.lock, runner)
+
+    def __call__(self, turn: TurnEnd):
+        calls = self._calls(turn)
+        if not calls:
+            return None
+        conv, runner = self._where(turn)
+        if self.loop.placement.inline(calls):
+            return self.loop._run_tools(conv, turn, calls, self.params.max_tokens, self.lock, runner, timed=True)
+        return self._submit(conv, turn, calls, runner)
+
+    def many(self, turns: list[TurnEnd]) -> list:
+        replies: list = [None] * len(turns)
+        inline = []
+        for k, turn in enumerate(turns):
+            calls = self._calls(turn)
+            if not calls:
+                continue
+            conv, runner = self._where(turn)
+            if self.loop.placement.inline(calls):
+                inline.append((k, conv, turn, calls, runner))
+            else:
+                replies[k] = self._submit(conv, turn, calls, runner)
+        for k, conv, turn, calls, results in self.loop._run_inline(inline):
+            replies[k] = self.loop._continuation(conv, turn, calls, results, self.params.max_tokens, self.lock)
+        return replies
 
 
 _SAMPLED_RUN = re.compile(b"\x01+")

@@ -190,11 +190,11 @@ class CohortEngine:
                     else:  # every live conversation waits for its tools
                         wait(list(pending), return_when=FIRST_COMPLETED)
                         ended = []
-                    if any(seq.status is Status.PAUSED for seq in ended):
+                    paused = [seq for seq in ended if seq.status is Status.PAUSED]
+                    if paused:
                         launches.launch_ahead(self)  # the other conversations decode while the callbacks run
-                    for seq in ended:
-                        if seq.status is Status.PAUSED:
-                            self._end_turn(seq, on_turn_end(self._turn_end(seq)), pending)
+                        for seq, reply in zip(paused, self._turn_replies(paused, on_turn_end)):
+                            self._end_turn(seq, reply, pending)
                     for future in [f for f in pending if f.done()]:
                         self._continue(pending.pop(future), future.result())
         except BaseException:
@@ -207,6 +207,16 @@ class CohortEngine:
                         routed_experts=self.runner.routes.result(s)) for s in group]
             for group in groups
         ]
+
+    def _turn_replies(self, paused: list[Sequence], on_turn_end: TurnCallback) -> list:
+        """The callback's replies to turns that ended in one step: in one call of `on_turn_end.many(turns)` when
+        the callback has it (the tools of all those turns then run at once), else one call per turn."""
+        turns = [self._turn_end(seq) for seq in paused]
+        many = getattr(on_turn_end, "many", None)
+        replies = list(many(turns)) if many is not None else [on_turn_end(turn) for turn in turns]
+        if len(replies) != len(turns):
+            raise ValueError(f"on_turn_end.many returned {len(replies)} replies for {len(turns)} turns; give one each")
+        return replies
 
     def _turn_end(self, seq: Sequence) -> TurnEnd:
         index, sample = seq.request_index
