@@ -28,6 +28,14 @@ draw is fixed by the seed): the same token work in one turn, so that row against
 of the turns alone (the decode depth of a conversation's sampled tokens is in both). --only keeps the rows whose name contains one of its
 comma-separated substrings.
 
+The multi-turn rows add the host-side paths one at a time, each with all the earlier ones: "before" (per-turn
+prefix attention, no continuation delay, uncached renders, an event loop per tool turn), batched prefix
+attention, continuation_delay_steps=8, the render cache and tool workers, inline tools (True, then auto); then
+launch-ahead (engine/launches.py: the next decode launch queued before the turn-end callbacks, launches chained
+while continued turns wait) with one tool hand-off per turn, and finally (the default) the turns that end in one
+engine step running their tool calls together (TurnLoop's many()); two rows vary continuation_delay_steps (0, 4).
+--profile writes a cProfile of every row's timed calls (slower than the plain rows: compare rows within it).
+
 --served (bench/turns_served.py) adds three rows through a `cohort serve` subprocess on the same model: the
 scripted weights and the tokenizer are saved (save_pretrained) to a temporary folder that the server loads,
 the server gets an API key in its environment (COHORT_API_KEY), and it is killed at the end, also on an error.
