@@ -241,9 +241,6 @@ def colocated_modes(engine, tok, tools, parser, ids, convs, params):
     batched, render, run_tools = attention.prefix_sdpa_batched, messages._render, tools_mod.ToolRunner.run
     launch_ahead, chain, many = launches.launch_ahead, launches.chain, _TurnEnds.many
 
-    def one_by_one(self, turns):  # as before the batched turn ends: each turn's calls run on their own
-        return [many(self, [turn])[0] for turn in turns]
-
     def chain_unless_waiting(engine, current):  # as before: no chained launch while a continued turn waits
         return None if engine.scheduler.waiting else chain(engine, current)
 
@@ -272,7 +269,7 @@ def colocated_modes(engine, tok, tools, parser, ids, convs, params):
             tools_mod.ToolRunner.run = run_tools if fast_host else run_with_event_loop
             launches.launch_ahead = launch_ahead if ahead else lambda engine: None
             launches.chain = chain if ahead else chain_unless_waiting
-            _TurnEnds.many = many if batched_turns else one_by_one  # one_by_one: a tool hand-off per turn
+            _TurnEnds.many = many if batched_turns else None  # None: the engine calls back once per turn
             loop = TurnLoop(tok, tools, max_iterations=3, parser=parser, inline_tools=inline)
             try:
                 return loop.generate(engine, ids, params, prompts=convs)

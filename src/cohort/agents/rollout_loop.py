@@ -152,9 +152,14 @@ class TurnLoop:
         return out
 
     def _run_tools(self, conv: _Conversation, turn: TurnEnd, calls: list, max_tokens: int,
-                   lock: threading.Lock, runner) -> list[int] | None:
-        """Runs on the pool: execute the calls, return the continuation ids (None when they do not fit)."""
-        return self._continuation(conv, turn, calls, runner.run(calls), max_tokens, lock)
+                   lock: threading.Lock, runner, timed: bool = False) -> list[int] | None:
+        """Runs on the pool or inline: execute the calls, return the continuation ids (None when they do not
+        fit). timed (inline): the calls' duration goes to the placement (agent.inline_tools=auto)."""
+        if timed:
+            ((_, _, _, _, results),) = self._run_inline([(0, conv, turn, calls, runner)])
+        else:
+            results = runner.run(calls)
+        return self._continuation(conv, turn, calls, results, max_tokens, lock)
 
     def _run_inline(self, items: list[tuple]) -> list[tuple]:
         """Run the calls of several turns (k, conv, turn, calls, runner) on the engine's thread, those of one
@@ -234,12 +239,19 @@ class _TurnEnds:
             return conv, self.loop.runner
         return conv, self.runners[turn.prompt_index * self.params.n + turn.sample_index]
 
+    def _submit(self, conv: _Conversation, turn: TurnEnd, calls: list, runner: Any):
+        return self.pool.submit(self.loop._run_tools, conv, turn, calls, self.params.max_tokens, self.lock, runner)
+
     def __call__(self, turn: TurnEnd):
-        return self.many([turn])[0]
+        calls = self._calls(turn)
+        if not calls:
+            return None
+        conv, runner = self._where(turn)
+        if self.loop.placement.inline(calls):
+            return self.loop._run_tools(conv, turn, calls, self.params.max_tokens, self.lock, runner, timed=True)
+        return self._submit(conv, turn, calls, runner)
 
     def many(self, turns: list[TurnEnd]) -> list:
-        """One reply per turn: None (the conversation is over), the continuation ids (inline tools), or a Future
-        of them (tools on the pool)."""
         replies: list = [None] * len(turns)
         inline = []
         for k, turn in enumerate(turns):
@@ -250,8 +262,7 @@ class _TurnEnds:
             if self.loop.placement.inline(calls):
                 inline.append((k, conv, turn, calls, runner))
             else:
-                replies[k] = self.pool.submit(self.loop._run_tools, conv, turn, calls, self.params.max_tokens,
-                                              self.lock, runner)
+                replies[k] = self._submit(conv, turn, calls, runner)
         for k, conv, turn, calls, results in self.loop._run_inline(inline):
             replies[k] = self.loop._continuation(conv, turn, calls, results, self.params.max_tokens, self.lock)
         return replies
