@@ -84,6 +84,8 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # device_trace, turns_served live beside this file
+
 RECIPE_FEW_SHOT = [
     {"role": "user", "content": "State the final answer to the following arithmetic problem: 71 - 38 + 12 - 9 =\n\n"
                                 "Use the calculator, then give the final answer as a number."},
@@ -189,7 +191,7 @@ def build(args):
     return model.eval(), tokenizer, device
 
 
-def measure(name, fn, args, device, *, stats=None, other_cpu=None, profile_path=None):
+def measure(name, fn, args, device, *, stats=None, other_cpu=None, profile_path=None, trace_path=None):
     """One table row: `args.steps` timed calls of `fn` after a warm-up call. `stats`: the engine's counters
     (prefill / decode steps; None: '-'), or a function that reads them (the server's, from its /health);
     `other_cpu()`: CPU seconds of another process counted in (the server)."""
@@ -203,9 +205,14 @@ def measure(name, fn, args, device, *, stats=None, other_cpu=None, profile_path=
 
         profiler = cProfile.Profile()
         profiler.enable()
-    for _ in range(args.steps):
+    for step in range(args.steps):
         if device == "cuda":
             torch.cuda.synchronize()
+        if trace_path and step == args.steps - 1:  # the last timed call, traced (bench/device_trace.py)
+            from device_trace import device_trace
+
+            with device_trace(trace_path, label=name):
+                fn()
         start, cpu_start = time.perf_counter(), time.process_time() + (other_cpu() if other_cpu else 0.0)
         groups = fn()
         if device == "cuda":
@@ -260,9 +267,12 @@ def colocated_modes(engine, tok, tools, parser, ids, convs, params):
     def run_with_event_loop(self, calls):  # as before: an event loop per turn, a new thread per sync call
         return tools_mod._run_sync(self.arun(calls)) if calls else []
 
+    continuations = engine.runner.continuations
+
     def multi_with(delay: int, batched_prefix: bool, fast_host: bool, inline: bool | str, ahead: bool = True,
-                   batched_turns: bool = True):
+                   batched_turns: bool = True, continuation_graphs: bool = True):
         def run():
+            engine.runner.continuations = continuations if continuation_graphs else None
             engine.scheduler.config.continuation_delay_steps = delay
             attention.prefix_sdpa_batched = batched if batched_prefix else per_turn_prefix
             messages._render = render if fast_host else render_uncached
@@ -276,6 +286,7 @@ def colocated_modes(engine, tok, tools, parser, ids, convs, params):
             finally:
                 attention.prefix_sdpa_batched, messages._render, tools_mod.ToolRunner.run = batched, render, run_tools
                 launches.launch_ahead, launches.chain, _TurnEnds.many = launch_ahead, chain, many
+                engine.runner.continuations = continuations
         return run
 
     default_multi = multi_with(8, True, True, "auto")
@@ -291,17 +302,19 @@ def colocated_modes(engine, tok, tools, parser, ids, convs, params):
     return [("single-turn", lambda: engine.generate(ids, params)),
             ("single-turn, the multi-turn row's sampled tokens per completion (EOS ignored)", single_same_tokens),
             ("multi-turn before: per-turn prefix attn, no delay, uncached renders, event loop per turn",
-             multi_with(0, False, False, False, ahead=False, batched_turns=False)),
-            ("multi-turn + batched prefix attn", multi_with(0, True, False, False, ahead=False, batched_turns=False)),
-            ("multi-turn + continuation_delay_steps=8", multi_with(8, True, False, False, ahead=False, batched_turns=False)),
-            ("multi-turn + render cache, tool workers", multi_with(8, True, True, False, ahead=False, batched_turns=False)),
-            ("multi-turn + agent.inline_tools", multi_with(8, True, True, True, ahead=False, batched_turns=False)),
-            ("multi-turn + inline_tools=auto, no launch-ahead", multi_with(8, True, True, "auto", ahead=False, batched_turns=False)),
+             multi_with(0, False, False, False, ahead=False, batched_turns=False, continuation_graphs=False)),
+            ("multi-turn + batched prefix attn", multi_with(0, True, False, False, ahead=False, batched_turns=False, continuation_graphs=False)),
+            ("multi-turn + continuation_delay_steps=8", multi_with(8, True, False, False, ahead=False, batched_turns=False, continuation_graphs=False)),
+            ("multi-turn + render cache, tool workers", multi_with(8, True, True, False, ahead=False, batched_turns=False, continuation_graphs=False)),
+            ("multi-turn + agent.inline_tools", multi_with(8, True, True, True, ahead=False, batched_turns=False, continuation_graphs=False)),
+            ("multi-turn + inline_tools=auto, no launch-ahead", multi_with(8, True, True, "auto", ahead=False, batched_turns=False, continuation_graphs=False)),
             ("multi-turn + launch-ahead, one tool hand-off per turn",
-             multi_with(8, True, True, "auto", batched_turns=False)),
-            ("multi-turn + launch-ahead, continuation_delay_steps=4", multi_with(4, True, True, "auto")),
-            ("multi-turn + launch-ahead, continuation_delay_steps=0", multi_with(0, True, True, "auto")),
-            ("multi-turn + launch-ahead, inline_tools=auto (= default)", default_multi)]
+             multi_with(8, True, True, "auto", batched_turns=False, continuation_graphs=False)),
+            ("multi-turn + launch-ahead, batched turn ends (no continuation graphs)",
+             multi_with(8, True, True, "auto", continuation_graphs=False)),
+            ("multi-turn + continuation graphs, continuation_delay_steps=4", multi_with(4, True, True, "auto")),
+            ("multi-turn + continuation graphs, continuation_delay_steps=0", multi_with(0, True, True, "auto")),
+            ("multi-turn + continuation graphs, inline_tools=auto (= default)", default_multi)]
 
 
 def parse_args():
@@ -315,6 +328,8 @@ def parse_args():
     ap.add_argument("--p-call", type=float, default=0.5, help="probability that a turn calls the tool")
     ap.add_argument("--steps", type=int, default=3, help="timed calls of each mode (after one warm-up)")
     ap.add_argument("--profile", help="write a cProfile of each row's timed calls to PROFILE.<row number>")
+    ap.add_argument("--trace", help="append a device-busy report (bench/device_trace.py) of one extra call per row "
+                    "to TRACE (diagnosis; the profiler slows the host)")
     ap.add_argument("--only", help="comma-separated substrings of the row names to run (e.g. 'single,before')")
     ap.add_argument("--served", action="store_true", help="add the rows served by a `cohort serve` subprocess")
     ap.add_argument("--server-device", help="the server's device (cuda:1, cuda, cpu; default: cuda:1 when two "
@@ -357,7 +372,7 @@ def main() -> None:
     chosen = [m for m in colocated_modes(engine, tok, [calculator], parser, ids, convs, params)
               if keys is None or any(key in m[0] for key in keys)]
     rows = [measure(name, fn, args, device, stats=engine.stats,
-                    profile_path=f"{args.profile}.{i}" if args.profile else None)
+                    profile_path=f"{args.profile}.{i}" if args.profile else None, trace_path=args.trace)
             for i, (name, fn) in enumerate(chosen)]
     notes = []
     if args.served:

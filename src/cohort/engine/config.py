@@ -45,6 +45,12 @@ class EngineConfig:
         (engine/prefill_graphs.py): a small model's prefill is bound by host work otherwise. Each shape
         captured costs one extra forward then; the graphs' activations stay reserved in the decode graphs'
         memory pool. 0 = always eager. Only with CUDA graphs and varlen attention.
+    continuation_graph_tokens: prefill steps with continued turns (multi-turn: tool results appended to a
+        conversation whose KV is kept) of up to this many new tokens run as one decode-shaped forward, each new
+        token attending over its sequence's paged KV with the decode kernel, replayed from a CUDA graph per padded
+        size (engine/continuation_graphs.py; eager without CUDA graphs). 0 = the general prefill path (varlen
+        attention, then the continued turns' attention redone over their prefix). Text models with the Triton
+        decode kernel (CUDA) only; elsewhere the general path runs whatever this says.
     record_routes: a mixture-of-experts model records the top-k experts every sparse layer chose for each token
         it runs (router replay, engine/routing.py): `Completion.routed_experts`. False records nothing and adds
         nothing to any step or graph.
@@ -62,6 +68,7 @@ class EngineConfig:
     continuation_delay_steps: int = 8
     decode_steps: int | None = None
     prefill_graph_tokens: int = 4096
+    continuation_graph_tokens: int = 2048
     record_routes: bool = False
 
     def __post_init__(self) -> None:
@@ -83,6 +90,9 @@ class EngineConfig:
         if not isinstance(self.prefill_graph_tokens, int) or self.prefill_graph_tokens < 0:
             raise ValueError(f"prefill_graph_tokens={self.prefill_graph_tokens!r} must be an integer >= 0 (largest "
                              "prefill replayed as a CUDA graph; 0 = always eager).")
+        if not isinstance(self.continuation_graph_tokens, int) or self.continuation_graph_tokens < 0:
+            raise ValueError(f"continuation_graph_tokens={self.continuation_graph_tokens!r} must be an integer >= 0 "
+                             "(largest continued-turn prefill run as a decode-shaped forward; 0 = the general path).")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1 or None (size from memory).")
         if self.max_num_batched_tokens < self.max_model_len:

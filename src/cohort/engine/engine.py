@@ -69,7 +69,7 @@ class CohortEngine:
         fuse_projections: bool | None = None,
         continuation_delay_steps: int = 8,
         decode_steps: int | None = None,
-        prefill_graph_tokens: int = 4096, record_routes: bool = False,
+        prefill_graph_tokens: int = 4096, record_routes: bool = False, continuation_graph_tokens: int = 2048,
         device: str | torch.device | None = None,
     ) -> None:
         ok, reason = engine_supports(model)
@@ -92,6 +92,7 @@ class CohortEngine:
             continuation_delay_steps=continuation_delay_steps,
             decode_steps=decode_steps,
             prefill_graph_tokens=prefill_graph_tokens, record_routes=record_routes,
+            continuation_graph_tokens=continuation_graph_tokens,
         )
         self.tokenizer = tokenizer
         self.eos_token_ids = self._eos_set(eos_token_ids)

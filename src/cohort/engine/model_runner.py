@@ -10,11 +10,11 @@ it lowers max_model_len to the pool's size instead of failing.
 Decode steps on CUDA replay a graph captured for the smallest captured batch size >= the live batch; the
 padded rows write to and read from the scratch block, so they never touch a live sequence's KV.
 
-Multi-step decode (`launch_multi` / `collect_multi` from engine/multi_step.py; EngineConfig.decode_steps = K):
-one graph runs K forwards; after each, the in-graph sampler's tokens become the next step's inputs and the positions, context lengths and KV slots
-(looked up in the block tables, which the scheduler filled ahead) advance on the device. A row stops
-advancing after its budget (max_tokens), writing to the scratch block from then on. The host fills the inputs
-and reads the K x B tokens once per K steps.
+Multi-step decode (`launch_multi` / `collect_multi` from engine/multi_step.py; EngineConfig.decode_steps = K): one
+graph runs K forwards; after each, the in-graph sampler's tokens become the next step's inputs and the positions,
+context lengths and KV slots (looked up in the block tables, which the scheduler filled ahead) advance on the device.
+A row stops advancing after its budget (max_tokens), writing to the scratch block from then on. The host fills the
+inputs and reads the K x B tokens once per K steps. Prefill steps of continued turns: engine/continuation_graphs.py.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 from cohort.engine import multi_step, triton_ops
 from cohort.engine.attention import AttentionOps, AttnContext, prefix_batch
 from cohort.engine.config import EngineConfig
+from cohort.engine.continuation_graphs import ContinuationPrefill
 from cohort.engine.models.decoder import HFModule
 from cohort.engine.models.registry import build_forward
 from cohort.engine.prefill_graphs import PrefillGraphs
@@ -85,6 +86,8 @@ class ModelRunner:
         self.prefill_graphs = (PrefillGraphs(self, config.prefill_graph_tokens)
                                if use_graphs and config.prefill_graph_tokens and self.attention.use_varlen
                                and getattr(self.net, "prefill_inputs", None) is None else None)
+        self.continuations = (ContinuationPrefill(self, config.continuation_graph_tokens, use_graphs)
+                              if ContinuationPrefill.available(self, config) else None)
         # graph_safe is False for a forward that reads values on the host (the MoE's per-expert loop).
         if use_graphs:
             with torch.cuda.device(device):
@@ -117,13 +120,9 @@ class ModelRunner:
         return [p.data_ptr() for p in self.net.hf.parameters()]
 
     def sync_weights(self) -> None:
-        """After an optimizer step or a push: refresh fused copies; recapture graphs if parameters moved in
-        memory.
-
-        Optimizers update parameters in place, so captured graphs stay valid; a trainer that swaps the
-        storage (load_state_dict(assign=True), some sharding wrappers) would leave graphs reading stale
-        memory, which this detects.
-        """
+        """After an optimizer step or a push: refresh fused copies; recapture graphs if parameters moved in memory.
+        Optimizers update parameters in place, so captured graphs stay valid; a trainer that swaps the storage
+        (load_state_dict(assign=True), some sharding wrappers) would leave graphs reading stale memory."""
         if self.net.fused:
             self.net.refresh_fused()
         pointers = self._parameter_pointers()
@@ -141,8 +140,7 @@ class ModelRunner:
         self.kv_cache = None
 
     def ensure_kv_cache(self) -> None:
-        """Allocate the KV pool if it was released; recapture the decode graphs if it moved in memory
-        (they read the pool by address)."""
+        """Allocate the KV pool if it was released; recapture the graphs if it moved (they read it by address)."""
         if self.kv_cache is not None:
             return
         dtype = self.net.dtype
@@ -201,6 +199,8 @@ class ModelRunner:
     def prefill(self, units: list[PrefillUnit]) -> torch.Tensor:
         """Forward the leaders' uncached tokens (all of them, or a continued turn's new ones); returns logits of
         each leader's last position [U, V]."""
+        if self.continuations is not None and (logits := self.continuations.maybe_run(units)) is not None:
+            return logits
         bs = self.config.block_size
         ids: list[int] = []
         positions: list[np.ndarray] = []
@@ -337,8 +337,9 @@ class ModelRunner:
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
         start = time.perf_counter()
-        if self.prefill_graphs is not None:
-            self.prefill_graphs.clear()  # they read the same KV pool and weights by address
+        for graphs in (self.prefill_graphs, self.continuations):  # they read the same KV pool and weights by address
+            if graphs is not None:
+                graphs.clear()
         top = self.config.max_num_seqs
         # One logits buffer for every batch size: a graph's outputs stay allocated for as long as the graph
         # lives, so separate outputs would hold sum(batch sizes) x vocab logits (0.6 GB on Qwen2.5-0.5B).
