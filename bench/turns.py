@@ -21,7 +21,8 @@ ends with <|im_end|>. Sampling stays the engine's (Gumbel noise per seed and pos
 drawn per turn like a real model's choice.
 
 Prints one table: generate seconds per step, process CPU seconds (all threads: the host-side cost), prefill / decode steps, sampled and context tokens, tokens/s
-(sampled tokens / generate seconds), turns per completion, for single-turn (`engine.generate`) and multi-turn
+(sampled tokens / generate seconds), turns per completion, and the host seconds spent in the turn-end callbacks
+(EngineStats.turn_end_seconds: parsing, inline tools, rendering the continuations), for single-turn (`engine.generate`) and multi-turn
 (`TurnLoop.generate`) after one warm-up call of each. The row "single-turn, the multi-turn row's sampled tokens per
 completion" samples, with EOS ignored, exactly as many tokens per completion as the default multi-turn row (its
 draw is fixed by the seed): the same token work in one turn, so that row against the multi-turn one is the cost
@@ -32,9 +33,12 @@ The multi-turn rows add the host-side paths one at a time, each with all the ear
 prefix attention, no continuation delay, uncached renders, an event loop per tool turn), batched prefix
 attention, continuation_delay_steps=8, the render cache and tool workers, inline tools (True, then auto); then
 launch-ahead (engine/launches.py: the next decode launch queued before the turn-end callbacks, launches chained
-while continued turns wait) with one tool hand-off per turn, and finally (the default) the turns that end in one
-engine step running their tool calls together (TurnLoop's many()); two rows vary continuation_delay_steps (0, 4).
---profile writes a cProfile of every row's timed calls (slower than the plain rows: compare rows within it).
+while continued turns wait) with one tool hand-off per turn, the turns that end in one engine step running their
+tool calls together (TurnLoop's many()), and finally (the default) continued turns prefilled as decode-shaped
+CUDA graphs (engine/continuation_graphs.py; on the CPU the same path as the row before), three rows of which vary
+continuation_delay_steps (8, 4, 0; the default row takes the engine's: 0 with continuation graphs, else 8).
+--profile writes a cProfile of every row's timed calls (slower than the plain rows: compare rows within it);
+--trace appends a device-busy report of one extra call per row (bench/device_trace.py).
 
 --served (bench/turns_served.py) adds three rows through a `cohort serve` subprocess on the same model: the
 scripted weights and the tokenizer are saved (save_pretrained) to a temporary folder that the server loads,
@@ -51,7 +55,7 @@ parser and `TurnLoop` settings are the colocated "(= default)" row's:
 in-process GPU, shared) or cpu (the default with --cpu). --server-timeout: seconds to wait for it to start.
 Served engine settings: as the in-process engine (max_model_len 1024, kv_cache_fraction 0.3 on a GPU / 0.05 on
 the CPU, max_num_seqs max(256, prompts x n), bf16 on a GPU / float32 on the CPU, CUDA graphs, the engine's
-defaults for block size, decode steps, batched tokens and continuation_delay_steps=8; one torch thread on
+defaults for block size, decode steps, batched tokens and continuation_delay_steps; one torch thread on
 the CPU), plus --max-sessions max(64, prompts x n) so that no conversation's session is evicted. Differences:
 - the KV fraction is of the server device's own free memory (a shared GPU: what the in-process engine left);
 - EOS: the server stops on the tokenizer's EOS and the generation config's (cohort.setup.engine.eos_ids), the
@@ -228,13 +232,13 @@ def measure(name, fn, args, device, *, stats=None, other_cpu=None, profile_path=
         profiler.disable()
         profiler.dump_stats(profile_path)
     k = args.steps
-    steps = {"prefill_steps": None, "decode_steps": None}
+    steps = {"prefill_steps": None, "decode_steps": None, "turn_end_seconds": None}
     if stats0 is not None:
         now = read()
-        steps = {key: (now[key] - stats0[key]) / k for key in steps}
+        steps = {key: (now[key] - stats0[key]) / k if key in now and key in stats0 else None for key in steps}
     mean = sum(times) / k
     return (name, mean, min(times), min(cpu), steps["prefill_steps"], steps["decode_steps"], sampled / k,
-            context / k, sampled / k / mean, turns / k / (args.prompts * args.n))
+            context / k, sampled / k / mean, turns / k / (args.prompts * args.n), steps["turn_end_seconds"])
 
 
 def colocated_modes(engine, tok, tools, parser, ids, convs, params):
@@ -268,6 +272,7 @@ def colocated_modes(engine, tok, tools, parser, ids, convs, params):
         return tools_mod._run_sync(self.arun(calls)) if calls else []
 
     continuations = engine.runner.continuations
+    default_delay = engine.config.continuation_delay_steps  # 0 with continuation graphs (a GPU), else 8
 
     def multi_with(delay: int, batched_prefix: bool, fast_host: bool, inline: bool | str, ahead: bool = True,
                    batched_turns: bool = True, continuation_graphs: bool = True):
@@ -289,7 +294,7 @@ def colocated_modes(engine, tok, tools, parser, ids, convs, params):
                 engine.runner.continuations = continuations
         return run
 
-    default_multi = multi_with(8, True, True, "auto")
+    default_multi = multi_with(default_delay, True, True, "auto")
     caps: list = []
 
     def single_same_tokens():
@@ -312,6 +317,7 @@ def colocated_modes(engine, tok, tools, parser, ids, convs, params):
              multi_with(8, True, True, "auto", batched_turns=False, continuation_graphs=False)),
             ("multi-turn + launch-ahead, batched turn ends (no continuation graphs)",
              multi_with(8, True, True, "auto", continuation_graphs=False)),
+            ("multi-turn + continuation graphs, continuation_delay_steps=8", multi_with(8, True, True, "auto")),
             ("multi-turn + continuation graphs, continuation_delay_steps=4", multi_with(4, True, True, "auto")),
             ("multi-turn + continuation graphs, continuation_delay_steps=0", multi_with(0, True, True, "auto")),
             ("multi-turn + continuation graphs, inline_tools=auto (= default)", default_multi)]
@@ -340,12 +346,12 @@ def parse_args():
 
 def print_table(rows) -> None:
     print("| mode | generate s/step (mean) | min | process CPU s (min) | prefill steps | decode steps | sampled tok | context tok "
-          "| sampled tok/s | turns/completion |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| sampled tok/s | turns/completion | turn-end callbacks s (mean) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         steps = " | ".join("-" if v is None else f"{v:.0f}" for v in r[4:6])
         print(f"| {r[0]} | {r[1]:.3f} | {r[2]:.3f} | {r[3]:.3f} | {steps} | {r[6]:.0f} | {r[7]:.0f} "
-              f"| {r[8]:.0f} | {r[9]:.2f} |")
+              f"| {r[8]:.0f} | {r[9]:.2f} | {'-' if r[10] is None else f'{r[10]:.3f}'} |")
 
 
 def main() -> None:

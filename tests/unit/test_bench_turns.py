@@ -22,10 +22,10 @@ def test_bench_turns_runs_on_the_cpu():
                           "--max-tokens", "80", "--served"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "mode" not in line]
-    assert len(rows) == 16  # 2 single-turn, 11 multi-turn, 3 served
+    assert len(rows) == 17  # 2 single-turn, 12 multi-turn, 3 served
     single, same, *multi, served_single, served_sessions, served_resend = (line.split("|")[1:-1] for line in rows)
     assert "served" in served_single[0] and "no sessions" in served_resend[0]
-    assert float(single[-1]) == float(served_single[-1]) == 1.0  # single-turn: one turn each
+    assert float(single[9]) == float(served_single[9]) == 1.0  # single-turn: one turn each
     assert single[6] == served_single[6]  # the same sampled tokens
     # the server engine's steps (its /health): the prompt prefilled once for its n conversations, as in process
     assert float(served_sessions[4]) >= 1 and float(served_sessions[5]) >= float(multi[0][5])
@@ -37,3 +37,4 @@ def test_bench_turns_runs_on_the_cpu():
     # the single-turn baseline at the multi-turn rows' sampled tokens, in one turn and without tool results
     assert "sampled tokens per completion" in same[0] and same[6] == multi[0][6]
     assert float(same[7]) == 0 and float(same[9]) == 1.0
+    assert float(multi[-1][10]) > 0 and float(single[10]) == 0  # host seconds in the turn-end callbacks

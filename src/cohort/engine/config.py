@@ -32,7 +32,10 @@ class EngineConfig:
         the same time share one prefill step (each prefill step is a full eager forward: on a small model
         one continuation per step cost more than the decode steps around it). They go at once when nothing
         is decoding or when they number at least half the decoding sequences. 0 = prefill each at once.
-        Sampled tokens do not depend on it (noise comes from each sequence's seed and position).
+        Sampled tokens do not depend on it (noise comes from each sequence's seed and position). None (the
+        default): 0 where continued turns replay CUDA graphs (continuation_graph_tokens, engine/
+        continuation_graphs.py: a continued turn's prefill then costs about one decode step, and waiting only
+        adds steps; measured on bench/turns.py, docs/benchmarks.md), else 8.
     decode_steps: decode steps run per host iteration when every row samples plainly (no penalty or
         filter): one CUDA graph replays `decode_steps` forwards, each feeding its sampled tokens to the next
         on the device, so the host's per-step work (inputs, copies, synchronisation, bookkeeping) is paid
@@ -65,7 +68,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     enforce_eager: bool = False
     fuse_projections: bool | None = None
-    continuation_delay_steps: int = 8
+    continuation_delay_steps: int | None = None
     decode_steps: int | None = None
     prefill_graph_tokens: int = 4096
     continuation_graph_tokens: int = 2048
@@ -81,9 +84,10 @@ class EngineConfig:
                 f"kv_cache_fraction={self.kv_cache_fraction} must be in (0, 1]: it is the share of free "
                 "device memory given to the KV cache (try 0.3)."
             )
-        if not isinstance(self.continuation_delay_steps, int) or self.continuation_delay_steps < 0:
-            raise ValueError(f"continuation_delay_steps={self.continuation_delay_steps!r} must be an integer >= 0 "
-                             "(decode steps a continued turn may wait to share a prefill; 0 = none).")
+        delay = self.continuation_delay_steps
+        if delay is not None and (not isinstance(delay, int) or delay < 0):
+            raise ValueError(f"continuation_delay_steps={delay!r} must be an integer >= 0 (decode steps a continued "
+                             "turn may wait to share a prefill; 0 = none) or None (0 or 8, see EngineConfig).")
         if self.decode_steps is not None and (not isinstance(self.decode_steps, int) or self.decode_steps < 1):
             raise ValueError(f"decode_steps={self.decode_steps!r} must be an integer >= 1 (decode steps per host "
                              "iteration) or None (8 with CUDA graphs, else 1).")

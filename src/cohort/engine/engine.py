@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import random
+import time
 from collections.abc import Sequence as Seq
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ class EngineStats:
     prefill_steps: int = 0
     decode_steps: int = 0
     peak_used_blocks: int = 0
+    turn_end_seconds: float = 0.0  # host time in multi-turn turn-end callbacks (parsing, inline tools, rendering)
 
 
 class CohortEngine:
@@ -67,7 +69,7 @@ class CohortEngine:
         num_kv_blocks: int | None = None,
         enforce_eager: bool = False,
         fuse_projections: bool | None = None,
-        continuation_delay_steps: int = 8,
+        continuation_delay_steps: int | None = None,
         decode_steps: int | None = None,
         prefill_graph_tokens: int = 4096, record_routes: bool = False, continuation_graph_tokens: int = 2048,
         device: str | torch.device | None = None,
@@ -97,6 +99,9 @@ class CohortEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = self._eos_set(eos_token_ids)
         self.runner = ModelRunner(hf, self.config, self.device)
+        if self.config.continuation_delay_steps is None:  # see EngineConfig: 0 once continued turns are graphed
+            graphed = self.runner.continuations is not None and self.runner.continuations.use_graphs
+            self.config.continuation_delay_steps = 0 if graphed else 8
         self.records_routes = self.runner.routes.on  # completions carry routed_experts (router replay)
         self.context_note = context_note(self.config, max_model_len, native, field, self.runner.num_blocks)
         if max_num_batched_tokens is None:  # a prefill step's budget follows the context the pool allowed
@@ -194,7 +199,10 @@ class CohortEngine:
                     paused = [seq for seq in ended if seq.status is Status.PAUSED]
                     if paused:
                         launches.launch_ahead(self)  # the other conversations decode while the callbacks run
-                        for seq, reply in zip(paused, self._turn_replies(paused, on_turn_end)):
+                        start = time.perf_counter()
+                        replies = self._turn_replies(paused, on_turn_end)
+                        self.stats.turn_end_seconds += time.perf_counter() - start
+                        for seq, reply in zip(paused, replies):
                             self._end_turn(seq, reply, pending)
                     for future in [f for f in pending if f.done()]:
                         self._continue(pending.pop(future), future.result())

@@ -72,7 +72,7 @@ class Scheduler:
         `continuation_delay_steps` decode steps (see EngineConfig)."""
         return (
             bool(self.waiting) and bool(self.running)
-            and self.deferred_steps < self.config.continuation_delay_steps
+            and self.deferred_steps < (self.config.continuation_delay_steps or 0)
             and 2 * len(self.waiting) < len(self.running)
             and all(unit.leader.turns > 1 for unit in self.waiting)
         )
