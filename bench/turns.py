@@ -38,7 +38,9 @@ tool calls together (TurnLoop's many()), and finally (the default) continued tur
 CUDA graphs (engine/continuation_graphs.py; on the CPU the same path as the row before), three rows of which vary
 continuation_delay_steps (8, 4, 0; the default row takes the engine's: 0 with continuation graphs, else 8).
 --profile writes a cProfile of every row's timed calls (slower than the plain rows: compare rows within it);
---trace appends a device-busy report of one extra call per row (bench/device_trace.py).
+--trace appends a device-busy report of one extra call per row (bench/device_trace.py). Columns also give the
+host seconds in the turn-end callbacks and the garbage collector's pauses (mean and longest per call); the row
+"no gc.freeze" undoes, for its calls, the freeze the engine applies on a GPU (what existed when it was built).
 
 --served (bench/turns_served.py) adds three rows through a `cohort serve` subprocess on the same model: the
 scripted weights and the tokenizer are saved (save_pretrained) to a temporary folder that the server loads,
@@ -80,6 +82,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import itertools
 import math
 import os
@@ -202,7 +205,9 @@ def measure(name, fn, args, device, *, stats=None, other_cpu=None, profile_path=
     read = stats if callable(stats) else lambda: dict(vars(stats))
     fn()  # warm-up (kernels, allocator, tokenizer caches)
     stats0 = read() if stats is not None else None
-    times, cpu, sampled, context, turns = [], [], 0, 0, 0
+    from cohort.agents.placement import GcClock
+
+    times, cpu, gc_s, sampled, context, turns = [], [], [], 0, 0, 0
     profiler = None
     if profile_path:
         import cProfile
@@ -218,9 +223,11 @@ def measure(name, fn, args, device, *, stats=None, other_cpu=None, profile_path=
             with device_trace(trace_path, label=name):
                 fn()
         start, cpu_start = time.perf_counter(), time.process_time() + (other_cpu() if other_cpu else 0.0)
-        groups = fn()
+        with GcClock() as collector:  # the garbage collector's pauses in this process, any thread
+            groups = fn()
         if device == "cuda":
             torch.cuda.synchronize()
+        gc_s.append(collector.seconds)
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() + (other_cpu() if other_cpu else 0.0) - cpu_start)
         for c in (c for g in groups for c in g):
@@ -238,7 +245,8 @@ def measure(name, fn, args, device, *, stats=None, other_cpu=None, profile_path=
         steps = {key: (now[key] - stats0[key]) / k if key in now and key in stats0 else None for key in steps}
     mean = sum(times) / k
     return (name, mean, min(times), min(cpu), steps["prefill_steps"], steps["decode_steps"], sampled / k,
-            context / k, sampled / k / mean, turns / k / (args.prompts * args.n), steps["turn_end_seconds"])
+            context / k, sampled / k / mean, turns / k / (args.prompts * args.n), steps["turn_end_seconds"],
+            sum(gc_s) / k, max(gc_s))
 
 
 def colocated_modes(engine, tok, tools, parser, ids, convs, params):
@@ -295,6 +303,15 @@ def colocated_modes(engine, tok, tools, parser, ids, convs, params):
         return run
 
     default_multi = multi_with(default_delay, True, True, "auto")
+
+    def unfrozen():  # as before the engine froze what existed when it was built (gc.freeze, engine.py)
+        frozen = gc.get_freeze_count()
+        gc.unfreeze()
+        try:
+            return default_multi()
+        finally:
+            if frozen:
+                gc.freeze()
     caps: list = []
 
     def single_same_tokens():
@@ -320,6 +337,7 @@ def colocated_modes(engine, tok, tools, parser, ids, convs, params):
             ("multi-turn + continuation graphs, continuation_delay_steps=8", multi_with(8, True, True, "auto")),
             ("multi-turn + continuation graphs, continuation_delay_steps=4", multi_with(4, True, True, "auto")),
             ("multi-turn + continuation graphs, continuation_delay_steps=0", multi_with(0, True, True, "auto")),
+            ("multi-turn + continuation graphs, the collector walking the whole heap (no gc.freeze)", unfrozen),
             ("multi-turn + continuation graphs, inline_tools=auto (= default)", default_multi)]
 
 
@@ -346,12 +364,12 @@ def parse_args():
 
 def print_table(rows) -> None:
     print("| mode | generate s/step (mean) | min | process CPU s (min) | prefill steps | decode steps | sampled tok | context tok "
-          "| sampled tok/s | turns/completion | turn-end callbacks s (mean) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| sampled tok/s | turns/completion | turn-end callbacks s (mean) | gc s (mean / max) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         steps = " | ".join("-" if v is None else f"{v:.0f}" for v in r[4:6])
         print(f"| {r[0]} | {r[1]:.3f} | {r[2]:.3f} | {r[3]:.3f} | {steps} | {r[6]:.0f} | {r[7]:.0f} "
-              f"| {r[8]:.0f} | {r[9]:.2f} | {'-' if r[10] is None else f'{r[10]:.3f}'} |")
+              f"| {r[8]:.0f} | {r[9]:.2f} | {'-' if r[10] is None else f'{r[10]:.3f}'} | {r[11]:.3f} / {r[12]:.3f} |")
 
 
 def main() -> None:

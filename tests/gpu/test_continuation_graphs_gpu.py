@@ -52,3 +52,14 @@ def test_continuation_graphs_equal_the_general_prefill(family):
     assert not path.graphs
     again = graphs.generate_turns(prompts, params, scripted)
     assert [[c.token_ids for c in g] for g in again] == [[c.token_ids for c in g] for g in got]
+
+
+def test_the_engine_freezes_what_exists_when_it_is_built():
+    """On a GPU the engine moves the objects alive at its construction (model, tokenizer, graphs) out of the
+    collector's reach (gc.freeze), so a full collection in a generate call does not walk them."""
+    import gc
+
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    _engine(tiny_model("llama").cuda().to(torch.bfloat16), 2048)
+    assert gc.get_freeze_count() > 1000

@@ -22,7 +22,7 @@ def test_bench_turns_runs_on_the_cpu():
                           "--max-tokens", "80", "--served"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "mode" not in line]
-    assert len(rows) == 17  # 2 single-turn, 12 multi-turn, 3 served
+    assert len(rows) == 18  # 2 single-turn, 13 multi-turn, 3 served
     single, same, *multi, served_single, served_sessions, served_resend = (line.split("|")[1:-1] for line in rows)
     assert "served" in served_single[0] and "no sessions" in served_resend[0]
     assert float(single[9]) == float(served_single[9]) == 1.0  # single-turn: one turn each

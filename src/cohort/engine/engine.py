@@ -18,6 +18,7 @@ sequences meanwhile.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import random
 import time
@@ -103,6 +104,12 @@ class CohortEngine:
             graphed = self.runner.continuations is not None and self.runner.continuations.use_graphs
             self.config.continuation_delay_steps = 0 if graphed else 8
         self.records_routes = self.runner.routes.on  # completions carry routed_experts (router replay)
+        if self.device.type == "cuda":
+            # The model, tokenizer, graphs and the trainer's state live as long as the run: out of the collector's
+            # reach, a full collection no longer walks them (with them, one took tens of milliseconds in the middle
+            # of a multi-turn generate call, bench/turns.py). Objects made from now on are collected as usual.
+            gc.collect()
+            gc.freeze()
         self.context_note = context_note(self.config, max_model_len, native, field, self.runner.num_blocks)
         if max_num_batched_tokens is None:  # a prefill step's budget follows the context the pool allowed
             self.config.max_num_batched_tokens = max(16384, self.config.max_model_len)
