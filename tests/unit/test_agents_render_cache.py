@@ -54,6 +54,22 @@ def test_one_encoding_of_each_message_keys_the_three_renders_of_a_round():
     assert messages._encoded_prefixes(odd, 1) == [odd]
 
 
+def test_a_message_log_encodes_each_message_once_over_the_rounds(monkeypatch):
+    """TurnLoop's conversations (MessageLog) keep each message's JSON: a later round encodes only its new
+    messages, and the continuation text equals that of a plain list."""
+    seen: list[str] = []
+    encode = messages._message_json
+    monkeypatch.setattr(messages, "_message_json", lambda m: seen.append(m["content"]) or encode(m))
+    tok = CountingTokenizer()
+    log = messages.MessageLog([{"role": "user", "content": "q"}, {"role": "assistant", "content": "call"}])
+    first = messages.continuation_text(tok, log, [{"role": "tool", "content": "r1"}])
+    assert first == messages.continuation_text(tok, list(log), [{"role": "tool", "content": "r1"}])
+    seen.clear()
+    log.extend([{"role": "tool", "content": "r1"}, {"role": "assistant", "content": "call2"}])
+    messages.continuation_text(tok, log, [{"role": "tool", "content": "r2"}])
+    assert sorted(seen) == ["call2", "r1", "r2"]  # the prompt and the first call were not encoded again
+
+
 class CountingEncoder:
     """A tokenizer stand-in whose __call__ (tokenising a continuation) is counted."""
 

@@ -117,10 +117,29 @@ def _messages_key(messages: list[dict[str, Any]]) -> str:
     return "\x1e".join(parts if parts is not None else map(_message_json, messages))
 
 
-def _encoded_prefixes(messages: list[dict[str, Any]], *ends: int) -> list[list[dict[str, Any]]]:
-    """messages[:end] for each end, as `_Encoded` lists sharing one encoding (plain lists if one is not JSON)."""
+class MessageLog(list):
+    """A conversation's messages that keeps each one's JSON once it is encoded (TurnLoop's conversations): a tool
+    round then encodes only its new messages for the render cache's keys, not the whole conversation again.
+    Grown by append / extend only, and a message is not changed once added (the kept JSON would go stale)."""
+
+    def __init__(self, messages: Sequence[dict[str, Any]] = ()) -> None:
+        super().__init__(messages)
+        self._parts: list[str] = []
+
+    def encoded(self) -> list[str]:
+        """Each message's JSON (raises TypeError / ValueError for one that is not JSON)."""
+        while len(self._parts) < len(self):
+            self._parts.append(_message_json(self[len(self._parts)]))
+        return self._parts
+
+
+def _encoded_prefixes(messages: list[dict[str, Any]], *ends: int,
+                      known: list[str] | None = None) -> list[list[dict[str, Any]]]:
+    """messages[:end] for each end, as `_Encoded` lists sharing one encoding (plain lists if one is not JSON);
+    `known`: the JSON of messages' first len(known) messages, already encoded."""
     try:
-        parts = [_message_json(m) for m in messages]
+        known = known or []
+        parts = known + [_message_json(m) for m in messages[len(known):]]
     except (TypeError, ValueError):
         return [messages[:end] for end in ends]
     return [_Encoded(messages[:end], parts[:end]) for end in ends]
@@ -186,7 +205,11 @@ def continuation_text(tokenizer: Any, conversation_so_far: Sequence[dict[str, An
     markers = end_of_turn_markers(tokenizer)
     conv, new = list(conversation_so_far), list(new_messages)
     render = tokenizer if renderer is None else renderer
-    text = _suffix(render, conv, new, schemas, markers, close_turn, template_kwargs)
+    try:
+        known = conversation_so_far.encoded() if isinstance(conversation_so_far, MessageLog) else None
+    except (TypeError, ValueError):
+        known = None
+    text = _suffix(render, conv, new, schemas, markers, close_turn, template_kwargs, known)
     if text is None:  # the template re-renders history: render the new messages after a stand-in conversation
         stand_in = [{"role": "user", "content": "."}, conv[-1]]
         text = _suffix(render, stand_in, new, schemas, markers, close_turn, template_kwargs)
@@ -197,8 +220,9 @@ def continuation_text(tokenizer: Any, conversation_so_far: Sequence[dict[str, An
     return text
 
 
-def _suffix(tokenizer, conv, new, schemas, markers, close_turn, kwargs) -> str | None:
-    everything, before, history = _encoded_prefixes(conv + new, len(conv) + len(new), len(conv) - 1, len(conv))
+def _suffix(tokenizer, conv, new, schemas, markers, close_turn, kwargs, known=None) -> str | None:
+    everything, before, history = _encoded_prefixes(conv + new, len(conv) + len(new), len(conv) - 1, len(conv),
+                                                    known=known)
     full = _render(tokenizer, everything, schemas, generation_prompt=True, **kwargs)
     # where the assistant's last message starts: after the conversation before it (no generation prompt: some
     # templates' prompt differs from how they render the assistant's header in history, e.g. Qwen3 with

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cohort.agents.messages import (
+    MessageLog,
     assistant_message,
     continuation_ids,
     continuation_text,
@@ -121,7 +122,7 @@ class TurnLoop:
         if runners is not None and len(runners) != len(prompt_ids) * params.n:
             raise ValueError(f"got {len(runners)} tool runners for {len(prompt_ids)} prompts x n={params.n}; "
                              "give one per completion.")
-        convs = {(i, j): _Conversation(_prompt_messages(prompts[i] if prompts is not None else None))
+        convs = {(i, j): _Conversation(MessageLog(_prompt_messages(prompts[i] if prompts is not None else None)))
                  for i in range(len(prompt_ids)) for j in range(params.n)}
         with ThreadPoolExecutor(self.max_workers, thread_name_prefix="cohort-turns") as pool:
             groups = engine.generate_turns(prompt_ids, params, _TurnEnds(self, convs, runners, params, pool))
