@@ -27,8 +27,15 @@ def run_interpreted(script: str, ok_line: str, timeout_s: float = 600) -> None:
 
 
 def patch_interpreter_index() -> None:
-    """numpy >= 2.4 refuses int() of a one-element 1-D array, which Triton 3.6's interpreter does for loop
-    bounds loaded from memory; read the element instead (call in the child, before running a kernel)."""
+    """Two fixes to Triton 3.6's interpreter (call in the child, before running a kernel).
+
+    numpy >= 2.4 refuses int() of a one-element 1-D array, which the interpreter does for loop bounds loaded from
+    memory: read the element instead. And its `tl.dot` is numpy's matmul, whose BLAS kernel on some CPUs (an AVX2
+    AMD EPYC, seen here) sums a row's products in an order that depends on the row's place in the tile, so a
+    batch-invariant kernel stops being batch invariant on the CPU only; a GPU's MMA does not do that. The dot
+    is computed in float64 and rounded to the accumulator's type: float32 products are exact in float64 and
+    their sum rounds to the same float32 whatever the order."""
+    import numpy as np
     from triton.runtime import interpreter
 
     original = interpreter._patch_lang_tensor
@@ -38,3 +45,13 @@ def patch_interpreter_index() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interpreter._patch_lang_tensor = patched
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def order_free_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        plain = (np.float32, np.float16)  # numpy floats as they are (not another type's bits in an integer array)
+        if a.data.dtype not in plain or b.data.dtype not in plain or d.data.dtype != np.float32:
+            return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        product = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(np.float32)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_dot = order_free_dot
