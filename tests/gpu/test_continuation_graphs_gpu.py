@@ -35,6 +35,8 @@ def test_continuation_graphs_equal_the_general_prefill(family):
     params = SamplingParams(n=4, temperature=1.0, max_tokens=80, seed=7, stop_token_ids=STOPS)
     graphs, general = _engine(model, 2048), _engine(model, 0)
     assert graphs.runner.continuations is not None and general.runner.continuations is None
+    # continued turns join at once where their prefill is a graph replay; they wait to share one elsewhere
+    assert graphs.config.continuation_delay_steps == 0 and general.config.continuation_delay_steps == 8
     ref = general.generate_turns(prompts, params, scripted)
     got = graphs.generate_turns(prompts, params, scripted)
     path = graphs.runner.continuations

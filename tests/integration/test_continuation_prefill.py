@@ -58,6 +58,7 @@ def test_steps_over_the_token_cap_take_the_general_path():
 
 def test_fresh_prompts_take_the_general_path():
     engine = make_engine(tiny_model("llama"))
+    assert engine.config.continuation_delay_steps == 8  # no continuation graphs here: turns wait to share a prefill
     path = _with_decode_shaped_continuations(engine)
     out = engine.generate(random_prompts([5, 9]), SamplingParams(n=2, temperature=1.0, max_tokens=4, seed=1))
     assert len(out) == 2 and path.eager_runs == 0
