@@ -100,16 +100,8 @@ class CohortEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = self._eos_set(eos_token_ids)
         self.runner = ModelRunner(hf, self.config, self.device)
-        if self.config.continuation_delay_steps is None:  # see EngineConfig: 0 once continued turns are graphed
-            graphed = self.runner.continuations is not None and self.runner.continuations.use_graphs
-            self.config.continuation_delay_steps = 0 if graphed else 8
+        self._resolve_defaults()
         self.records_routes = self.runner.routes.on  # completions carry routed_experts (router replay)
-        if self.device.type == "cuda":
-            # The model, tokenizer, graphs and the trainer's state live as long as the run: out of the collector's
-            # reach, a full collection no longer walks them (with them, one took tens of milliseconds in the middle
-            # of a multi-turn generate call, bench/turns.py). Objects made from now on are collected as usual.
-            gc.collect()
-            gc.freeze()
         self.context_note = context_note(self.config, max_model_len, native, field, self.runner.num_blocks)
         if max_num_batched_tokens is None:  # a prefill step's budget follows the context the pool allowed
             self.config.max_num_batched_tokens = max(16384, self.config.max_model_len)
@@ -223,6 +215,19 @@ class CohortEngine:
                         routed_experts=self.runner.routes.result(s)) for s in group]
             for group in groups
         ]
+
+    def _resolve_defaults(self) -> None:
+        """What depends on the built runner: continuation_delay_steps (EngineConfig: 0 once continued turns are
+        graphed, else 8), and on a GPU the collector's freeze."""
+        if self.config.continuation_delay_steps is None:
+            graphed = self.runner.continuations is not None and self.runner.continuations.use_graphs
+            self.config.continuation_delay_steps = 0 if graphed else 8
+        if self.device.type == "cuda":
+            # The model, tokenizer, graphs and the trainer's state live as long as the run: out of the collector's
+            # reach, a full collection no longer walks them (with them, one took tens of milliseconds in the middle
+            # of a multi-turn generate call, bench/turns.py). Objects made from now on are collected as usual.
+            gc.collect()
+            gc.freeze()
 
     def _turn_replies(self, paused: list[Sequence], on_turn_end: TurnCallback) -> list:
         """The callback's replies to turns that ended in one step: in one call of `on_turn_end.many(turns)` when
