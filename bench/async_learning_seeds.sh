@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Learning is not hurt by asynchronous rollouts (issue 34): RECIPE trained for the same number of steps (so the
 # same number of samples) synchronously (k0: the default lock-step loop) and with train.async_rollouts=true,
-# train.max_staleness=1 (k1: groups streamed as they finish, partial rollouts across updates), for every seed,
+# train.max_staleness=K (kK, K = STALENESS, default 1: groups streamed as they finish, partial rollouts across
+# updates), for every seed,
 # colocated, runs spread over the GPUs of one machine (run j on GPU j % N; the 135M model leaves room for several
 # runs per GPU). The held-out accuracy of every run, the mean over seeds, its standard error and the k1 - k0
 # difference at every evaluation come from bench/serve_learning_table.py; OUTDIR/manifest.json lists the files.
@@ -12,8 +13,9 @@
 # RECIPE defaults to recipes/chain_sum_gpu.yaml. Multi-turn recipes (recipes/calculator_agent.yaml) run
 # asynchronously through a server instead (train.async_rollouts is single-turn):
 #   RECIPE=recipes/calculator_agent.yaml bash bench/serve_learning_seeds.sh 300 /tmp/agent_learn 1 2 3 4
-# TRAIN_ARGS: more overrides for every run (e.g. run.eval_steps=250). GPUS: which GPUs (default all). MODES: "1"
-# runs only the asynchronous runs (e.g. to complete seeds whose synchronous run is already in OUTDIR).
+# TRAIN_ARGS: more overrides for every run (e.g. run.eval_steps=250). GPUS: which GPUs (default all). STALENESS:
+# the asynchronous runs' max_staleness (default 1). MODES: "1" runs only the asynchronous runs (e.g. to complete
+# seeds whose synchronous run is already in OUTDIR), "0" only the synchronous ones.
 set -euo pipefail
 STEPS=${1:?steps}; OUTDIR=${2:?output folder}; shift 2
 SEEDS=("$@"); [ ${#SEEDS[@]} -gt 0 ] || { echo "give at least one seed after STEPS and OUTDIR" >&2; exit 2; }
@@ -25,13 +27,16 @@ read -ra G <<< "${GPUS:-$(seq -s ' ' 0 $(( N - 1 )))}"
 # PER_GPU: runs at once per GPU (default 4; eight 135M runs with their engines overflowed one 141 GB H200), the
 # rest start as runs end
 PER_GPU=${PER_GPU:-4}
+STALENESS=${STALENESS:-1}; [ "$STALENESS" -ge 1 ] || { echo "STALENESS must be at least 1, got $STALENESS" >&2; exit 2; }
+# the run names' k: 0 for the synchronous run, STALENESS for the asynchronous one
+KS=(); for M in ${MODES:-0 1}; do if [ "$M" = 0 ]; then KS+=(0); else KS+=("$STALENESS"); fi; done
 mkdir -p "$OUTDIR"; rm -f "$OUTDIR"/seed*_k*.rc
 # convert a GGUF once before the runs start (they would wait on each other's lock otherwise)
 python3 -c "import sys; from cohort.policy.model import resolve_model_path as r; print(r(sys.argv[1]))" "$MODEL" | tail -n 1
 j=0
 for S in "${SEEDS[@]}"; do
-    for K in ${MODES:-0 1}; do
-        mode=(); [ "$K" = 1 ] && mode=(train.async_rollouts=true train.max_staleness=1)
+    for K in "${KS[@]}"; do
+        mode=(); [ "$K" != 0 ] && mode=(train.async_rollouts=true "train.max_staleness=$K")
         while [ "$(jobs -pr | wc -l)" -ge $(( PER_GPU * ${#G[@]} )) ]; do wait -n || true; done
         { (
             # a compile cache per run: runs that start together would otherwise compile into one folder at once
@@ -48,11 +53,11 @@ done
 wait
 failed=$(cat "$OUTDIR"/seed*_k*.rc | grep -cv '^0$' || true)
 python3 bench/serve_learning_table.py "$OUTDIR"
-files=(); for S in "${SEEDS[@]}"; do for K in ${MODES:-0 1}; do
+files=(); for S in "${SEEDS[@]}"; do for K in "${KS[@]}"; do
     [ -f "$OUTDIR/seed${S}_k${K}_metrics.jsonl" ] && files+=("seed${S}_k$K.txt" "seed${S}_k${K}_metrics.jsonl")
 done; done
 python3 bench/manifest.py "$OUTDIR" "${files[@]}" \
-    --command "RECIPE=$RECIPE bash bench/async_learning_seeds.sh $STEPS $OUTDIR ${SEEDS[*]}" \
-    --what "$RECIPE: synchronous (k0) against train.async_rollouts with max_staleness 1 (k1), seeds ${SEEDS[*]}, $STEPS steps" \
+    --command "RECIPE=$RECIPE STALENESS=$STALENESS bash bench/async_learning_seeds.sh $STEPS $OUTDIR ${SEEDS[*]}" \
+    --what "$RECIPE: synchronous (k0) against train.async_rollouts with max_staleness $STALENESS (k$STALENESS), seeds ${SEEDS[*]}, $STEPS steps" \
     || echo "manifest not written" >&2
 [ "$failed" -eq 0 ] || { echo "$failed run(s) failed: see $OUTDIR/seed*_k*.txt" >&2; exit 1; }

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Several seeds of bench/serve_learning.sh at once, k = 0 and k = 1 for each, on all the GPUs of one machine:
+# Several seeds of bench/serve_learning.sh at once, k = 0 and k = STALENESS (default 1) for each, on all the GPUs
+# of one machine:
 # run j trains on GPU j % N and is served from GPU (j + 1) % N, so every GPU holds as many trainers as servers
 # (the 135M model leaves each GPU mostly idle; SERVE_ARGS keeps every server's KV cache small). Each run's
 # output and metrics go to OUTDIR/seed<S>_k<K>.txt and OUTDIR/seed<S>_k<K>_metrics.jsonl, and a table of the
@@ -25,10 +26,12 @@ export SERVE_ARGS=${SERVE_ARGS:---kv-cache-fraction 0.1}
 # PER_GPU: runs (trainer + server) at once per GPU (default 2: four calculator-agent trainers of 21-40 GB and
 # their servers overflowed one 141 GB H200); the rest start as runs end
 PER_GPU=${PER_GPU:-2}
+# STALENESS: the max_staleness of the runs compared with k = 0 (default 1)
+STALENESS=${STALENESS:-1}; [ "$STALENESS" -ge 1 ] || { echo "STALENESS must be at least 1, got $STALENESS" >&2; exit 2; }
 mkdir -p "$OUTDIR"; rm -f "$OUTDIR"/seed*_k*.rc
 j=0
 for S in "${SEEDS[@]}"; do
-    for K in 0 1; do
+    for K in 0 "$STALENESS"; do
         while [ "$(jobs -pr | wc -l)" -ge $(( PER_GPU * N )) ]; do wait -n || true; done
         { (
             export TRAINER_GPU=${G[$(( j % N ))]} ENGINE_GPU=${G[$(( (j + 1) % N ))]} PORT=$(( ${PORT_BASE:-8011} + j ))
@@ -42,7 +45,7 @@ done
 wait
 failed=$(cat "$OUTDIR"/seed*_k*.rc | grep -cv '^0$' || true)
 python3 bench/serve_learning_table.py "$OUTDIR"
-files=(); for S in "${SEEDS[@]}"; do for K in 0 1; do files+=("seed${S}_k$K.txt" "seed${S}_k${K}_metrics.jsonl"); done; done
-python3 bench/manifest.py "$OUTDIR" "${files[@]}" --command "bash bench/serve_learning_seeds.sh $STEPS $OUTDIR ${SEEDS[*]}" \
-    --what "served learning, max_staleness 0 and 1, seeds ${SEEDS[*]}, $STEPS steps" || echo "manifest not written" >&2
+files=(); for S in "${SEEDS[@]}"; do for K in 0 "$STALENESS"; do files+=("seed${S}_k$K.txt" "seed${S}_k${K}_metrics.jsonl"); done; done
+python3 bench/manifest.py "$OUTDIR" "${files[@]}" --command "STALENESS=$STALENESS bash bench/serve_learning_seeds.sh $STEPS $OUTDIR ${SEEDS[*]}" \
+    --what "served learning, max_staleness 0 and $STALENESS, seeds ${SEEDS[*]}, $STEPS steps" || echo "manifest not written" >&2
 [ "$failed" -eq 0 ] || { echo "$failed run(s) failed: see $OUTDIR/seed*_k*.txt" >&2; exit 1; }

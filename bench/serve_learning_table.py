@@ -1,5 +1,5 @@
 """Held-out accuracy of the served learning runs (bench/serve_learning_seeds.sh): one row per seed and k, then
-the mean, the standard error over the seeds and the k = 1 minus k = 0 difference at every evaluation.
+the mean, the standard error over the seeds and, for every k > 0, the k minus k = 0 difference at every evaluation.
 
     python3 bench/serve_learning_table.py FOLDER [FOLDER ...]
 
@@ -65,14 +65,15 @@ def main(folders: list[str]) -> None:
             cells.append(f"{m:.2f} ± {se:.2f}")
         print(f"| mean ± s.e., k = {k} ({len(group)} seeds) | " + " | ".join(cells) + " | |")
     # The paired difference: seeds that ran with both k share their data order and initial model.
-    seeds = sorted({seed for seed, k in runs if (seed, 0) in runs and (seed, 1) in runs})
-    if seeds:
+    for k in [k for k in by_k if k > 0]:
+        seeds = sorted({seed for seed, kk in runs if kk == k and (seed, 0) in runs})
+        if not seeds:
+            continue
         cells = []
         for s in steps:
-            m, se = mean_se([100 * (runs[(seed, 1)][0][s] - runs[(seed, 0)][0][s]) for seed in seeds])
+            m, se = mean_se([100 * (runs[(seed, k)][0][s] - runs[(seed, 0)][0][s]) for seed in seeds])
             cells.append(f"{m:+.2f} ± {se:.2f}")
-        print(f"| k = 1 minus k = 0, paired ({len(seeds)} seeds) | " + " | ".join(cells) + " | |")
-
+        print(f"| k = {k} minus k = 0, paired ({len(seeds)} seeds) | " + " | ".join(cells) + " | |")
 
 if __name__ == "__main__":
     if len(sys.argv) < 2:
