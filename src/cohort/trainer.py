@@ -135,10 +135,13 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo, hooks: C
     start_step = step = progress.state.step
     logger = MetricLogger(run_dir, total_steps=t.max_steps, report_to=cfg.run.report_to,
                           start_step=start_step) if main else _NoLogger()
-    pipeline = _pipeline(cfg, comp, sampler, start_step)  # max_staleness >= 1 (server) or async_rollouts
+    pipeline: RolloutPipeline | StreamingRollouts | None = None
     try:
         hooks.notify("on_train_begin", start_step)
         _evaluate_before(cfg, comp, result, start_step, echo)
+        # background rollouts start only now: started first, the first steps' requests would share the engine's
+        # batches with the greedy evaluation, which changed its accuracy (bf16 numerics of other batch shapes)
+        pipeline = _pipeline(cfg, comp, sampler, start_step)  # max_staleness >= 1 (server) or async_rollouts
         stop = False
         while step < t.max_steps and not stop and not _budget_spent(cfg, progress.state):
             step += 1
