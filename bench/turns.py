@@ -23,7 +23,8 @@ drawn per turn like a real model's choice.
 Prints one table: generate seconds per step, process CPU seconds (all threads: the host-side cost), prefill / decode steps, sampled and context tokens, tokens/s
 (sampled tokens / generate seconds), turns per completion, and the host seconds spent in the turn-end callbacks
 (EngineStats.turn_end_seconds: parsing, inline tools, rendering the continuations), for single-turn (`engine.generate`) and multi-turn
-(`TurnLoop.generate`) after one warm-up call of each. The row "single-turn, the multi-turn row's sampled tokens per
+(`TurnLoop.generate`) after the warm-up of each (in process: repeated, up to --warmup calls, until a call captures no
+new CUDA graph; the last column counts the captures that still fell in timed calls). The row "single-turn, the multi-turn row's sampled tokens per
 completion" samples, with EOS ignored, exactly as many tokens per completion as the default multi-turn row (its
 draw is fixed by the seed): the same token work in one turn, so that row against the multi-turn one is the cost
 of the turns alone (the decode depth of a conversation's sampled tokens is in both). --only keeps the rows whose name contains one of its
@@ -198,12 +199,29 @@ def build(args):
     return model.eval(), tokenizer, device
 
 
-def measure(name, fn, args, device, *, stats=None, other_cpu=None, profile_path=None, trace_path=None):
-    """One table row: `args.steps` timed calls of `fn` after a warm-up call. `stats`: the engine's counters
+def graph_captures(engine) -> int:
+    """CUDA graphs the in-process engine captured so far: continued-turn prefills and prefills (captured the first
+    time a padded size occurs) and decode recaptures (0 on the CPU)."""
+    runner = engine.runner
+    return (getattr(runner.continuations, "captures", 0) + getattr(runner.prefill_graphs, "captures", 0)
+            + runner.graph_recaptures)
+
+
+def measure(name, fn, args, device, *, stats=None, other_cpu=None, profile_path=None, trace_path=None,
+            captures=None):
+    """One table row: `args.steps` timed calls of `fn` after the warm-up. `stats`: the engine's counters
     (prefill / decode steps; None: '-'), or a function that reads them (the server's, from its /health);
-    `other_cpu()`: CPU seconds of another process counted in (the server)."""
+    `other_cpu()`: CPU seconds of another process counted in (the server). `captures()`: the engine's graph
+    captures so far; given, the warm-up repeats (up to args.warmup calls) until a call captures no new graph, so
+    that no capture (nor the kernel compilation a new size can bring, slowest in a machine's first process) falls
+    in a timed call; the row reports the captures that still did."""
     read = stats if callable(stats) else lambda: dict(vars(stats))
-    fn()  # warm-up (kernels, allocator, tokenizer caches)
+    for _ in range(max(1, args.warmup if captures is not None else 1)):  # kernels, allocator, tokenizer caches
+        before = captures() if captures is not None else 0
+        fn()
+        if captures is None or captures() == before:
+            break
+    captured0 = captures() if captures is not None else None
     stats0 = read() if stats is not None else None
     from cohort.agents.placement import GcClock
 
@@ -244,9 +262,10 @@ def measure(name, fn, args, device, *, stats=None, other_cpu=None, profile_path=
         now = read()
         steps = {key: (now[key] - stats0[key]) / k if key in now and key in stats0 else None for key in steps}
     mean = sum(times) / k
+    timed_captures = captures() - captured0 if captures is not None and captured0 is not None else None
     return (name, mean, min(times), min(cpu), steps["prefill_steps"], steps["decode_steps"], sampled / k,
             context / k, sampled / k / mean, turns / k / (args.prompts * args.n), steps["turn_end_seconds"],
-            sum(gc_s) / k, max(gc_s))
+            sum(gc_s) / k, max(gc_s), timed_captures)
 
 
 def colocated_modes(engine, tok, tools, parser, ids, convs, params):
@@ -350,7 +369,9 @@ def parse_args():
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--p-call", type=float, default=0.5, help="probability that a turn calls the tool")
-    ap.add_argument("--steps", type=int, default=3, help="timed calls of each mode (after one warm-up)")
+    ap.add_argument("--steps", type=int, default=3, help="timed calls of each mode (after the warm-up)")
+    ap.add_argument("--warmup", type=int, default=3, help="at most this many warm-up calls of an in-process row: "
+                    "they repeat until a call captures no new CUDA graph")
     ap.add_argument("--profile", help="write a cProfile of each row's timed calls to PROFILE.<row number>")
     ap.add_argument("--trace", help="append a device-busy report (bench/device_trace.py) of one extra call per row "
                     "to TRACE (diagnosis; the profiler slows the host)")
@@ -364,12 +385,14 @@ def parse_args():
 
 def print_table(rows) -> None:
     print("| mode | generate s/step (mean) | min | process CPU s (min) | prefill steps | decode steps | sampled tok | context tok "
-          "| sampled tok/s | turns/completion | turn-end callbacks s (mean) | gc s (mean / max) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| sampled tok/s | turns/completion | turn-end callbacks s (mean) | gc s (mean / max) "
+          "| graph captures in timed calls |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         steps = " | ".join("-" if v is None else f"{v:.0f}" for v in r[4:6])
         print(f"| {r[0]} | {r[1]:.3f} | {r[2]:.3f} | {r[3]:.3f} | {steps} | {r[6]:.0f} | {r[7]:.0f} "
-              f"| {r[8]:.0f} | {r[9]:.2f} | {'-' if r[10] is None else f'{r[10]:.3f}'} | {r[11]:.3f} / {r[12]:.3f} |")
+              f"| {r[8]:.0f} | {r[9]:.2f} | {'-' if r[10] is None else f'{r[10]:.3f}'} | {r[11]:.3f} / {r[12]:.3f} "
+              f"| {'-' if r[13] is None else r[13]} |")
 
 
 def main() -> None:
@@ -395,7 +418,7 @@ def main() -> None:
     keys = args.only.split(",") if args.only else None
     chosen = [m for m in colocated_modes(engine, tok, [calculator], parser, ids, convs, params)
               if keys is None or any(key in m[0] for key in keys)]
-    rows = [measure(name, fn, args, device, stats=engine.stats,
+    rows = [measure(name, fn, args, device, stats=engine.stats, captures=lambda: graph_captures(engine),
                     profile_path=f"{args.profile}.{i}" if args.profile else None, trace_path=args.trace)
             for i, (name, fn) in enumerate(chosen)]
     notes = []

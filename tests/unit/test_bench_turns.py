@@ -38,3 +38,40 @@ def test_bench_turns_runs_on_the_cpu():
     assert "sampled tokens per completion" in same[0] and same[6] == multi[0][6]
     assert float(same[7]) == 0 and float(same[9]) == 1.0
     assert float(multi[-1][10]) > 0 and float(single[10]) == 0  # host seconds in the turn-end callbacks
+    # graph captures in the timed calls: counted in process (none on the CPU), not for the served rows
+    assert multi[-1][12].strip() == single[12].strip() == "0" and served_sessions[12].strip() == "-"
+
+
+def _load_turns():
+    spec = importlib.util.spec_from_file_location("bench_turns", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_warm_up_repeats_until_a_call_captures_no_new_graph():
+    """A call that meets a new padded size captures a graph (and, in a machine's first process, compiles its
+    kernels): the warm-up goes on until a call captures nothing, at most --warmup calls, and the row counts the
+    captures left in its timed calls."""
+    import types
+
+    turns = _load_turns()
+    args = types.SimpleNamespace(steps=2, warmup=3, prompts=1, n=1)
+    one = [[types.SimpleNamespace(mask=None, token_ids=[1, 2], turns=1)]]
+
+    def run_with(new_sizes_per_call):
+        calls, count = [], [0]
+
+        def fn():
+            count[0] += new_sizes_per_call[len(calls)] if len(calls) < len(new_sizes_per_call) else 0
+            calls.append(1)
+            return one
+        row = turns.measure("row", fn, args, "cpu", captures=lambda: count[0])
+        return len(calls) - args.steps, row[13]  # (warm-up calls, captures in the timed calls)
+
+    assert run_with([2, 1, 0]) == (3, 0)  # captures in calls 1-2, none in call 3: three warm-ups
+    assert run_with([4]) == (2, 0)  # the second warm-up captured nothing
+    assert run_with([1, 1, 1, 1]) == (3, 1)  # still capturing after --warmup calls: reported, not hidden
+    assert run_with([]) == (1, 0)
+    no_counter = turns.measure("row", lambda: one, args, "cpu")
+    assert no_counter[13] is None  # the served rows: no in-process engine to count
