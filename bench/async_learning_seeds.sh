@@ -4,7 +4,7 @@
 # train.max_staleness=K (kK, K = STALENESS, default 1: groups streamed as they finish, partial rollouts across
 # updates), for every seed,
 # colocated, runs spread over the GPUs of one machine (run j on GPU j % N; the 135M model leaves room for several
-# runs per GPU). The held-out accuracy of every run, the mean over seeds, its standard error and the k1 - k0
+# runs per GPU). The held-out accuracy of every run, the mean over seeds, its standard error and the kK - k0
 # difference at every evaluation come from bench/serve_learning_table.py; OUTDIR/manifest.json lists the files.
 #
 #   export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false MODEL=<.gguf or converted folder>

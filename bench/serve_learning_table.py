@@ -75,6 +75,7 @@ def main(folders: list[str]) -> None:
             cells.append(f"{m:+.2f} ± {se:.2f}")
         print(f"| k = {k} minus k = 0, paired ({len(seeds)} seeds) | " + " | ".join(cells) + " | |")
 
+
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit(__doc__)

@@ -139,8 +139,8 @@ def _train_in(cfg: CohortConfig, comp: Components, run_dir: Path, echo, hooks: C
     try:
         hooks.notify("on_train_begin", start_step)
         _evaluate_before(cfg, comp, result, start_step, echo)
-        # background rollouts start only now: started first, the first steps' requests would share the engine's
-        # batches with the greedy evaluation, which changed its accuracy (bf16 numerics of other batch shapes)
+        # background rollouts start only now: started first, the first steps' requests shared the served engine's
+        # batches with the greedy evaluation and changed its step-0 accuracy (docs/benchmarks.md)
         pipeline = _pipeline(cfg, comp, sampler, start_step)  # max_staleness >= 1 (server) or async_rollouts
         stop = False
         while step < t.max_steps and not stop and not _budget_spent(cfg, progress.state):
