@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.helpers.bench_modules import load_bench
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "turns.py"
 
@@ -42,20 +43,13 @@ def test_bench_turns_runs_on_the_cpu():
     assert multi[-1][12].strip() == single[12].strip() == "0" and served_sessions[12].strip() == "-"
 
 
-def _load_turns():
-    spec = importlib.util.spec_from_file_location("bench_turns", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_warm_up_repeats_until_a_call_captures_no_new_graph():
     """A call that meets a new padded size captures a graph (and, in a machine's first process, compiles its
     kernels): the warm-up goes on until a call captures nothing, at most --warmup calls, and the row counts the
     captures left in its timed calls."""
     import types
 
-    turns = _load_turns()
+    turns = load_bench("turns.py", "bench_turns")
     args = types.SimpleNamespace(steps=2, warmup=3, prompts=1, n=1)
     one = [[types.SimpleNamespace(mask=None, token_ids=[1, 2], turns=1)]]
 
