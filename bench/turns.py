@@ -216,12 +216,13 @@ def measure(name, fn, args, device, *, stats=None, other_cpu=None, profile_path=
     that no capture (nor the kernel compilation a new size can bring, slowest in a machine's first process) falls
     in a timed call; the row reports the captures that still did."""
     read = stats if callable(stats) else lambda: dict(vars(stats))
-    for _ in range(max(1, args.warmup if captures is not None else 1)):  # kernels, allocator, tokenizer caches
-        before = captures() if captures is not None else 0
+    count = captures or (lambda: 0)  # no counter: one warm-up call
+    for _ in range(max(1, args.warmup)):  # kernels, allocator, tokenizer caches, graphs of new sizes
+        before = count()
         fn()
-        if captures is None or captures() == before:
+        if count() == before:
             break
-    captured0 = captures() if captures is not None else None
+    captured0 = count()
     stats0 = read() if stats is not None else None
     from cohort.agents.placement import GcClock
 
@@ -262,7 +263,7 @@ def measure(name, fn, args, device, *, stats=None, other_cpu=None, profile_path=
         now = read()
         steps = {key: (now[key] - stats0[key]) / k if key in now and key in stats0 else None for key in steps}
     mean = sum(times) / k
-    timed_captures = captures() - captured0 if captures is not None and captured0 is not None else None
+    timed_captures = count() - captured0 if captures is not None else None
     return (name, mean, min(times), min(cpu), steps["prefill_steps"], steps["decode_steps"], sampled / k,
             context / k, sampled / k / mean, turns / k / (args.prompts * args.n), steps["turn_end_seconds"],
             sum(gc_s) / k, max(gc_s), timed_captures)
